@@ -1,0 +1,66 @@
+"""LSB-first packing of b-bit codes into little-endian uint32 words, the MLX layout.
+
+Element i of a row occupies bits [i*b, (i+1)*b) of the row's bit stream, and bit t of
+the stream is bit (t % 32) of word t // 32. For b in {3, 5, 6} a code can straddle two
+words (MLX's CPU kernel writes the same stream byte by byte). For b = 4 this means
+byte j holds element 2j in its low nibble, element 2j+1 in the high one.
+"""
+
+from __future__ import annotations
+
+from math import gcd
+
+import numpy as np
+
+PACKABLE_BITS = (2, 3, 4, 5, 6, 8)
+
+
+def _chunk(bits: int) -> tuple[int, int]:
+    """Smallest run of codes that fills whole words: (codes per chunk, words per chunk)."""
+    if bits not in PACKABLE_BITS:
+        raise ValueError(f"cannot pack {bits}-bit codes; supported widths are {PACKABLE_BITS}")
+    codes = 32 // gcd(bits, 32)
+    return codes, codes * bits // 32
+
+
+def pack_bits(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Pack integer codes (..., K) with values < 2**bits into uint32 words (..., K*bits//32)."""
+    n_codes, n_words = _chunk(bits)
+    codes = np.asarray(codes)
+    k = codes.shape[-1]
+    if k % n_codes:
+        raise ValueError(f"last axis {k} must be a multiple of {n_codes} to pack {bits}-bit codes")
+    lead = codes.shape[:-1]
+    c = codes.reshape(-1, k // n_codes, n_codes).astype(np.uint64)
+    words = np.zeros(c.shape[:2] + (n_words,), dtype=np.uint64)
+    for i in range(n_codes):  # constant trip count: at most 32 vectorised steps
+        offset = i * bits
+        w, s = divmod(offset, 32)
+        words[..., w] |= (c[..., i] << np.uint64(s)) & np.uint64(0xFFFFFFFF)
+        if s + bits > 32:  # the code straddles into the next word
+            words[..., w + 1] |= c[..., i] >> np.uint64(32 - s)
+    return words.astype(np.uint32).reshape(lead + (k * bits // 32,))
+
+
+def unpack_bits(words: np.ndarray, bits: int) -> np.ndarray:
+    """Inverse of pack_bits: uint32 words (..., W) -> uint8 codes (..., W*32//bits)."""
+    n_codes, n_words = _chunk(bits)
+    words = np.asarray(words)
+    if words.dtype not in (np.uint32, np.int32):
+        raise ValueError(f"packed words must be uint32 (or int32 bits), got {words.dtype}")
+    words = words.view(np.uint32)
+    nw = words.shape[-1]
+    if nw % n_words:
+        raise ValueError(f"last axis {nw} must be a multiple of {n_words} words for {bits}-bit codes")
+    lead = words.shape[:-1]
+    w64 = words.reshape(-1, nw // n_words, n_words).astype(np.uint64)
+    mask = np.uint64((1 << bits) - 1)
+    codes = np.empty(w64.shape[:2] + (n_codes,), dtype=np.uint8)
+    for i in range(n_codes):
+        offset = i * bits
+        w, s = divmod(offset, 32)
+        v = w64[..., w] >> np.uint64(s)
+        if s + bits > 32:
+            v |= w64[..., w + 1] << np.uint64(32 - s)
+        codes[..., i] = (v & mask).astype(np.uint8)
+    return codes.reshape(lead + (nw * 32 // bits,))

@@ -187,12 +187,16 @@ class TuningDB:
         """Used by import_json: everything in one transaction, so a failure leaves the DB as it was."""
         with self._transaction("import tuned results", write=True) as conn:
             device_ids = {info.key: self._upsert_device(conn, info) for info in devices}
-            for r in results:
-                values = _result_values(
-                    kernel=r.kernel, source_hash=r.source_hash, bucket=r.bucket, config=r.config,
-                    time_s=r.time_s, default_time_s=r.default_time_s, peer_time_s=r.peer_time_s, trials=r.trials,
-                    versions={"triton": r.triton_version, "torch": r.torch_version, "kilnx": r.kilnx_version},
-                    created=r.created.astimezone(timezone.utc).replace(tzinfo=None))
+            for index, r in enumerate(results):
+                try:
+                    values = _result_values(
+                        kernel=r.kernel, source_hash=r.source_hash, bucket=r.bucket, config=r.config,
+                        time_s=r.time_s, default_time_s=r.default_time_s, peer_time_s=r.peer_time_s,
+                        trials=r.trials, created=r.created.astimezone(timezone.utc).replace(tzinfo=None),
+                        versions={"triton": r.triton_version, "torch": r.torch_version, "kilnx": r.kilnx_version})
+                except ValueError as e:
+                    # Raised inside the transaction, so the rows written before it are rolled back.
+                    raise DBError(f"result {index} of the import is invalid ({e}); nothing was imported.") from None
                 kernel_id = self._upsert_kernel(conn, r.kernel, r.source_hash, values["created"])
                 self._upsert_best(conn, device_ids[r.device_key], kernel_id, values)
 

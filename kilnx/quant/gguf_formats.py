@@ -15,10 +15,11 @@ evaluate the same float32 expression: q*d is exact and the one rounding is the a
   MXFP4 -> mxfp4 (same e8m0 scale byte; nibbles reordered)
   NVFP4 -> nvfp4 without global scale (same e4m3 scale byte; nibbles reordered)
 Requantized (sub-blocks of 16 with their own scales do not fit MLX's group sizes):
-  Q6_K, Q3_K, Q2_K -> gguf dequantize, then affine 8-bit group 32 (mlx_formats reference).
-  Error bound per element: |err| <= (max - min of its 32-group) / 510 * (1 + 2**-20),
-  i.e. half a quantization step; measured on random blocks the max-abs error relative
-  to each tensor's max |w| is <= 1/255 (~0.4%) for all three, see tests.
+  Q6_K, Q3_K, Q2_K -> gguf dequantize, then affine 8-bit group 32 with bias = group min,
+  scale = group range / 255 (minmax_affine_quantize).
+  Error bound per element: |err| <= (max - min of its 32-group) / 510 + 2 ulp(max|w|),
+  half a quantization step. Measured on random blocks (tests): max |err| / group range
+  = 1/510 to within float rounding, and max |err| / max|w| of the tensor < 0.4%.
 Dense F32, F16, BF16 pass through as torch tensors of that dtype.
 
 GGUF layouts differ from MLX's: Q4/Q5 blocks keep element j in the low nibble of byte j
@@ -33,7 +34,6 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from .bitpack import pack_bits
-from .mlx_formats import affine_quantize
 from .qweight import QuantFormat, QWeight
 
 REQUANT_BITS = 8  # for the 16-element-sub-block K-quants; 8 bits keeps error at half a 1/255 step
@@ -216,7 +216,24 @@ def from_gguf(raw: np.ndarray, ggml_type, shape) -> QWeight | torch.Tensor:
         scale_codes = np.ascontiguousarray(scale_codes).reshape(shape[:-1] + (shape[-1] // fmt.group_size,))
         packed = pack_bits(codes.reshape(shape), 4)
         return QWeight(packed, scale_codes, None, format=fmt, dtype=torch.float32)
-    # Requantize: gguf's own float32 dequantization, then MLX affine 8-bit groups of 32.
+    # Requantize: gguf's own float32 dequantization, then min/max affine 8-bit groups of 32.
     dense = gguf_quants.dequantize(blocks.reshape(-1), qtype).reshape(shape)
-    packed, scales, biases = affine_quantize(dense, group_size=32, bits=REQUANT_BITS, dtype="float32")
+    packed, scales, biases = minmax_affine_quantize(dense, bits=REQUANT_BITS, group_size=32)
     return QWeight(packed, scales, biases, format=QuantFormat("affine", REQUANT_BITS, 32))
+
+
+def minmax_affine_quantize(w: np.ndarray, bits: int, group_size: int):
+    """Affine quantization with bias = group min and scale = range / (2**bits - 1).
+
+    Same stored format as MLX affine, but not MLX's choice of scale: MLX makes the
+    larger-magnitude edge exact, which can push the other edge up to one full step out
+    of range (then clipped); here the error is at most half a step, range / (2*(2**bits-1)),
+    plus float32 rounding of q*scale + bias.
+    """
+    groups = np.asarray(w, np.float32).reshape(w.shape[:-1] + (w.shape[-1] // group_size, group_size))
+    lo, hi = groups.min(axis=-1), groups.max(axis=-1)
+    n_bins = np.float32((1 << bits) - 1)
+    scale = ((hi - lo) / n_bins).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1))  # constant group: every code 0, value = bias
+    q = np.clip(np.rint((groups - lo[..., None]) / safe[..., None]), 0, n_bins).astype(np.uint8)
+    return pack_bits(q.reshape(w.shape), bits), scale, lo.astype(np.float32)

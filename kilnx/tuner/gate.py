@@ -1,0 +1,100 @@
+"""Correctness gate: a config is only timed after its output matches the reference.
+
+Configs that are fast because they are wrong (a skipped tail tile, a race, an unwritten output) are
+the classic way an autotuner fools itself. So every candidate runs on fresh random inputs and each
+output is compared with `kernel.reference(...)` within tolerance. NaN never passes, even where the
+reference has one. To catch outputs the kernel never writes, the allocator is poisoned before each
+call (blocks of the output sizes are filled with NaN, then a huge value, and freed, so a fresh
+`empty` tends to get them back), and the candidate must pass under both poisons.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+
+class GateFailure(Exception):
+    """The candidate's output does not match the reference; the message says where and by how much."""
+
+
+# (rtol, atol) by output dtype: loose enough for fp32 accumulation order and tf32 dots, tight enough
+# that a missing tile or a wrong element (typically O(1) off) is caught.
+_DEFAULT_TOLERANCE = {
+    torch.float64: (1e-7, 1e-7),
+    torch.float32: (1e-3, 1e-3),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+
+
+def as_tuple(out: Any) -> tuple:
+    if isinstance(out, (tuple, list)):
+        return tuple(out)
+    return (out,)
+
+
+def tolerance_for(kernel: Any, args: Sequence[Any], out: torch.Tensor) -> tuple[float, float]:
+    tol = getattr(kernel, "tolerance", None)
+    if callable(tol):
+        got = tol(args)
+        if got is not None:
+            return float(got[0]), float(got[1])
+    return _DEFAULT_TOLERANCE.get(out.dtype, (0.0, 0.0))  # ints and bools: exact
+
+
+def compare(kernel: Any, args: Sequence[Any], outs: Sequence[Any], refs: Sequence[Any]) -> float:
+    """Max abs error over all outputs; raises GateFailure on any mismatch."""
+    if len(outs) != len(refs):
+        raise GateFailure(f"kernel returned {len(outs)} outputs, reference has {len(refs)}")
+    worst = 0.0
+    for i, (out, ref) in enumerate(zip(outs, refs)):
+        if not isinstance(out, torch.Tensor):
+            raise GateFailure(f"output {i} is {type(out).__name__}, not a tensor")
+        ref = torch.as_tensor(ref)
+        if tuple(out.shape) != tuple(ref.shape):
+            raise GateFailure(f"output {i} has shape {tuple(out.shape)}, reference {tuple(ref.shape)}")
+        rtol, atol = tolerance_for(kernel, args, out)
+        o = out.detach().to("cpu", torch.float64)
+        r = ref.detach().to("cpu", torch.float64)
+        nan = torch.isnan(o)
+        if nan.any():
+            raise GateFailure(f"output {i} has {int(nan.sum())} NaN element(s) (unwritten or invalid)")
+        bad_inf = torch.isinf(o) & (o != r)
+        err = (o - r).abs()
+        err = torch.where(torch.isinf(o) & (o == r), torch.zeros_like(err), err)
+        over = (err > atol + rtol * r.abs()) | bad_inf | torch.isnan(err)
+        if over.any():
+            idx = int(over.flatten().nonzero()[0])
+            raise GateFailure(
+                f"output {i}: {int(over.sum())}/{over.numel()} elements out of tolerance "
+                f"(rtol={rtol}, atol={atol}); first at flat index {idx}: got {o.flatten()[idx].item():.6g}, "
+                f"want {r.flatten()[idx].item():.6g}")
+        if err.numel():
+            worst = max(worst, float(err.max()))
+    return worst
+
+
+def _poison_allocator(refs: Sequence[Any], device: str, value: float) -> None:
+    """Fill and free blocks of the output sizes so that fresh outputs start out as `value`."""
+    blocks = []
+    for ref in refs:
+        if isinstance(ref, torch.Tensor):
+            for dtype in (torch.float32, torch.float16, torch.bfloat16):
+                blocks.append(torch.full(tuple(ref.shape), value, dtype=dtype, device=device))
+    del blocks  # freed blocks go back to the caching allocator (GPU) or malloc (CPU) holding `value`
+
+
+def check(kernel: Any, fn: Callable[..., Any], make_args: Callable[[], tuple], device: str) -> float:
+    """Run `fn` on fresh args under two poisons; max abs error if every output matches, else raise."""
+    worst = 0.0
+    for poison in (float("nan"), 3.0e4):
+        args = make_args()
+        refs = as_tuple(kernel.reference(*args))
+        _poison_allocator(refs, device, poison)
+        outs = as_tuple(fn(*args))
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+        worst = max(worst, compare(kernel, args, outs, refs))
+    return worst

@@ -16,6 +16,9 @@ How MLX computes (read from MLX 0.32 source, confirmed by the tests against mlx-
     computed with the unrounded float32 scale/bias.
   * the fp modes are evaluated as a graph of array ops *in the input dtype*: for bf16
     input every intermediate is rounded to bf16. We replay that graph op by op.
+  * the e8m0 exponent is ceil(log2(amax / max_value)) in mlx 0.32.4 (measured; the
+    0.32.2 source rounds log2 instead), and the e2m1 code is the first argmin of
+    |x - lut|, so ties go to the smaller magnitude.
   * dequantize is `q * scale` then `+ bias` (two roundings, no FMA) in the scales dtype.
 """
 
@@ -109,10 +112,6 @@ def affine_quantize(w: np.ndarray, group_size: int = 64, bits: int = 4, dtype: s
     return pack_bits(q, bits), round_to(scale, dtype), round_to(bias, dtype)
 
 
-def affine_unpack_codes(packed: np.ndarray, bits: int) -> np.ndarray:
-    return unpack_bits(packed, bits)
-
-
 def affine_dequantize(packed, scales, biases, group_size: int = 64, bits: int = 4, dtype: str = "float32"):
     """Dequantize as MLX does in `dtype` (the scales dtype): round(round(q*scale) + bias).
 
@@ -175,6 +174,8 @@ def fp_quantize(w: np.ndarray, mode: str, dtype: str | None = None, global_scale
         exponent = np.where(mantissa == 0.5, exponent - 1, exponent)
         exponent = np.where(scale == 0, 0, exponent).astype(np.float32)
         values = rd(g / rd(np.exp2(exponent)))
+        # Exponents outside [-127, 127] (subnormal or huge groups) wrap modulo 256, as MLX's
+        # float -> uint8 cast does on this platform (checked in the tests).
         scale_codes = (exponent + 127).astype(np.int32).astype(np.uint8)
     values = values.reshape(w.shape)
     if spec.bits == 4:

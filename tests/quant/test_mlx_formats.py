@@ -79,6 +79,17 @@ def test_fp_modes_bit_exact_with_mlx(mode, global_scale, dtype):
         np.testing.assert_array_equal(ours, theirs)
 
 
+@pytest.mark.parametrize("mode", ["mxfp4", "mxfp8"])
+def test_fp_extreme_magnitudes_match_mlx(mode):
+    """Groups whose e8m0 exponent leaves [-127, 127] (the code wraps) and huge groups."""
+    w = np.zeros((4, 32), np.float32)
+    w[0, 0], w[1, 0], w[2, 0], w[3, :] = 1e-41, 3e38, 1e-38, -1e-20
+    p, s = mx.quantize(mx.array(w), mode=mode)[:2]
+    packed, codes = mf.fp_quantize(w, mode, dtype="float32")
+    np.testing.assert_array_equal(packed, np.array(p))
+    np.testing.assert_array_equal(codes, np.array(s))
+
+
 def test_e2m1_ties_go_to_the_smaller_magnitude():
     # MLX takes the first minimum of |x - lut|: 0.75 -> 0.5 and 2.5 -> 2, not round-half-even.
     w = np.zeros((1, 32), np.float32)

@@ -219,8 +219,9 @@ class TuningDB:
     def all_results(self, device: DeviceInfo | None = None, source_hashes: dict[str, str] | None = None,
                     triton_version: str | None = None) -> list[tuple[TunedResult, str]]:
         """Every stored result with its status, "valid" or "stale: <why>", judged against `device`
-        (when given), the installed triton and the current source hash of each kernel (`source_hashes`,
-        else the most recently registered hash of that kernel name)."""
+        (when given), the installed triton and the current source hash of each kernel: `source_hashes`
+        when the caller knows the code, else the most recently registered hash of that kernel name (the
+        tuner registers what it tunes, so the newest tuned source counts as current)."""
         return [(r, status) for _, r, status in self._judged_results(device, source_hashes, triton_version)]
 
     def _judged_results(self, device, source_hashes, triton_version, conn: Connection | None = None):
@@ -240,7 +241,7 @@ class TuningDB:
             if current.get(r.kernel) != r.source_hash:
                 now = current.get(r.kernel)
                 why.append(f"kernel source changed ({r.source_hash[:12]} -> {now[:12]})" if now
-                           else "kernel source unknown")
+                           else "kernel not in the current sources")
             if r.triton_version != triton_version:
                 why.append(f"triton {r.triton_version}, installed {triton_version}")
             judged.append((row.id, r, "stale: " + "; ".join(why) if why else "valid"))

@@ -46,7 +46,11 @@ def default_url() -> str:
         return env
     import platformdirs
     cache_dir = Path(platformdirs.user_cache_dir("kilnx"))
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DBError(f"cannot create the tuning DB directory {cache_dir} ({e.strerror or e}); "
+                      "set KILNX_DB or pass --db to use another location.") from None
     return f"sqlite:///{cache_dir}/tuning.db"
 
 
@@ -265,7 +269,9 @@ class TuningDB:
             used = set(conn.execute(select(ResultRow.kernel_id).distinct()).scalars())
             for kid, name, source_hash in conn.execute(select(KernelRow.id, KernelRow.name, KernelRow.source_hash)).all():
                 if kid not in used and latest.get(name) != source_hash:
-                    conn.execute(delete(KernelRow).where(KernelRow.id == kid))
+                    # Re-checked in SQL: a tuner may have just written a result for this hash.
+                    in_use = select(ResultRow.id).where(ResultRow.kernel_id == kid).exists()
+                    conn.execute(delete(KernelRow).where(KernelRow.id == kid, ~in_use))
         return len(ids)
 
     def optuna_storage(self):

@@ -44,7 +44,7 @@ def _postgres_base_url() -> str:
         message = (f"{PG_ENV} is not set: run `bash .ci/postgres.sh` and export "
                    f"{PG_ENV}=postgresql+psycopg://kilnx:kilnx@127.0.0.1:5432/kilnx to run the PostgreSQL tests")
         if IN_CI:
-            pytest.fail(f"CI=true but {message}")
+            pytest.fail(f"CI=true but {message}", pytrace=False)
         pytest.skip(message)
     return url
 
@@ -62,7 +62,7 @@ def postgres_url() -> str:
     except Exception as e:  # noqa: BLE001 - any failure to reach the server is reported the same way
         admin.dispose()
         pytest.fail(f"PostgreSQL at {PG_ENV} is unreachable ({str(e).splitlines()[0]}); "
-                    "start it with `bash .ci/postgres.sh`")
+                    "start it with `bash .ci/postgres.sh`", pytrace=False)
     url = make_url(base).update_query_dict({"options": f"-csearch_path={schema}"})
     try:
         yield url.render_as_string(hide_password=False)

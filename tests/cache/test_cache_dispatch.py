@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import math
 import warnings
+from datetime import datetime, timezone
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kilnx.cache import TuningDB
+from kilnx.cache import TunedResult, TuningDB
 from kilnx.runtime import dispatch
 from kilnx.runtime.dispatch import TunedConfigs, bucket_distance, get_tuned, parse_bucket
+
+from kilnx.runtime.device import DeviceInfo
 
 DEFAULT = {"BLOCK": 16}
 
@@ -103,3 +108,32 @@ def test_unreachable_db_warns_once_and_falls_back_to_defaults(h200, a100, monkey
         get_tuned(a100)
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == 1 and "using default kernel configs" in messages[0]
+
+
+sizes = st.sampled_from([1, 2, 3, 8, 16, 64, 100, 4096])
+
+
+@settings(max_examples=60, deadline=None)
+@given(stored=st.lists(st.tuples(sizes, sizes, st.sampled_from(["bf16", "fp16"])), min_size=1, max_size=6,
+                       unique=True),
+       query=st.tuples(sizes, sizes, st.sampled_from(["bf16", "fp16"])))
+def test_nearest_bucket_is_a_closest_comparable_one(stored, query):
+    h200 = DeviceInfo(name="NVIDIA H200", arch="sm_90")
+
+    def name(m, n, dtype):
+        return f"M={m},N={n},dtype={dtype}"
+
+    results = [TunedResult(kernel="k", source_hash="h", device_key=h200.key, bucket=name(*b), config={"b": name(*b)},
+                           time_s=1.0, default_time_s=None, peer_time_s=None, trials=0, triton_version="t",
+                           torch_version="t", kilnx_version="t", created=datetime.now(timezone.utc))
+               for b in stored]
+    chosen = TunedConfigs(h200, results).config_for("k", "h", name(*query), {"b": None})["b"]
+    same_dtype = [b for b in stored if b[2] == query[2]]
+    if not same_dtype:
+        assert chosen is None
+        return
+    distance = lambda b: abs(math.log2(b[0] / query[0])) + abs(math.log2(b[1] / query[1]))  # noqa: E731
+    best = min(distance(b) for b in same_dtype)
+    assert chosen in {name(*b) for b in same_dtype if math.isclose(distance(b), best)}
+    if query in stored:
+        assert chosen == name(*query)

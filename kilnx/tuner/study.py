@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import socket
 import time
 import zlib
@@ -155,10 +156,11 @@ def _valid(space: Any, cfg: dict) -> dict | None:
         return None
 
 
-def count_valid_configs(space: Any) -> int | None:
+def valid_configs(space: Any) -> list[dict] | None:
+    """Every valid config of a small space (None for a large one)."""
     if space.size() > _SPACE_ENUMERATION_LIMIT:
         return None
-    return sum(1 for _ in space)
+    return list(space)
 
 
 def open_study(storage: Any, name: str, seed: int) -> optuna.Study:
@@ -203,36 +205,37 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _evaluated(t) -> bool:
-    return t.user_attrs.get("outcome") not in (None, "constraint", "duplicate")
+    """Did this trial cost a compile and a measurement? (Not: constraint-pruned, duplicate.)"""
+    return t.user_attrs.get("outcome") not in ("constraint", "duplicate")
 
 
 class _StudyProgress:
-    """What the stored trials say: evaluated count, distinct configs, best value per config."""
+    """What the stored trials (of every process on this study) say, re-read once per loop."""
 
-    def __init__(self, study: optuna.Study):
-        self.study = study
+    def __init__(self, study: optuna.Study, n_params: int):
+        self.study, self.n_params = study, n_params
         self.refresh()
 
     def refresh(self) -> None:
-        trials = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED,
-                                                               TrialState.FAIL))
         self.evaluated = 0
         self.failures: dict[str, int] = {}
-        self.finished_values: dict[str, float | None] = {}   # config -> best time (None: failed)
-        for t in trials:
-            if t.state == TrialState.FAIL:
-                self.evaluated += 1  # an orphan: it cost time somewhere
+        self.finished_values: dict[str, float | None] = {}   # config -> best time (None: rejected)
+        self.running: dict[int, str] = {}                     # trial number -> config, any process
+        for t in self.study.get_trials(deepcopy=False):
+            if t.state == TrialState.RUNNING:
+                if len(t.params) == self.n_params and "outcome" not in t.user_attrs:
+                    self.running[t.number] = config_key(t.params)
                 continue
-            if not _evaluated(t):
+            if t.state == TrialState.WAITING or not _evaluated(t):
                 continue
             self.evaluated += 1
             key = config_key(t.params)
             if t.state == TrialState.COMPLETE:
                 prev = self.finished_values.get(key)
                 self.finished_values[key] = t.value if prev is None else min(prev, t.value)
-            else:
+            else:  # PRUNED by the gate or a worker failure, or FAIL: an orphan of a killed tune
                 self.finished_values.setdefault(key, None)
-                kind = str(t.user_attrs.get("outcome"))
+                kind = str(t.user_attrs.get("outcome", "orphaned"))
                 self.failures[kind] = self.failures.get(kind, 0) + 1
 
     def best(self) -> float | None:
@@ -247,7 +250,11 @@ class _StudyProgress:
 def run_study(target: Target, storage: Any, device_key: str, pool: WorkerPool, settings: TuneSettings,
               warm_configs: list[dict] = (), on_progress: Callable[[int, float | None], None] | None = None
               ) -> tuple[optuna.Study, _StudyProgress]:
-    """Run trials of the target's study until its budget is spent or the space is exhausted."""
+    """Run trials of the target's study until its budget is spent or the space is exhausted.
+
+    Budgets and duplicate checks count every process's trials (finished and running), so several
+    processes or hosts on one study share its trial budget instead of each spending all of it.
+    """
     kernel, space = target.kernel, target.kernel.space
     name = study_name(kernel, device_key, target.bucket)
     study = open_study(storage, name, settings.seed)
@@ -257,19 +264,24 @@ def run_study(target: Target, storage: Any, device_key: str, pool: WorkerPool, s
         if full is not None:
             study.enqueue_trial(full, skip_if_exists=True)
 
-    progress = _StudyProgress(study)
-    n_valid = count_valid_configs(space)
+    progress = _StudyProgress(study, len(space.params))
+    every = valid_configs(space)
+    n_valid = None if every is None else len(every)
+    rng = random.Random(zlib.crc32(name.encode()) + settings.seed)
     started = time.monotonic()
-    in_flight: dict[int, Any] = {}       # job id -> optuna trial
-    in_flight_keys: set[str] = set()
+    in_flight: dict[int, tuple[Any, str]] = {}   # job id -> (optuna trial, config key)
     idle_asks = 0
+
+    def measuring() -> set[str]:
+        return set(progress.running.values()) | {key for _, key in in_flight.values()}
 
     def out_of_budget() -> bool:
         if settings.seconds is not None and time.monotonic() - started >= settings.seconds:
             return True
-        if settings.trials is not None and progress.evaluated + len(in_flight) >= settings.trials:
+        running = set(progress.running) | {t.number for t, _ in in_flight.values()}
+        if settings.trials is not None and progress.evaluated + len(running) >= settings.trials:
             return True
-        if n_valid is not None and len(progress.finished_values) + len(in_flight_keys) >= n_valid:
+        if n_valid is not None and len(set(progress.finished_values) | measuring()) >= n_valid:
             return True
         return idle_asks >= _MAX_IDLE_ASKS
 
@@ -284,29 +296,40 @@ def run_study(target: Target, storage: Any, device_key: str, pool: WorkerPool, s
                 study.tell(trial, state=TrialState.PRUNED)
                 idle_asks += 1
                 continue
-            if key in progress.finished_values or key in in_flight_keys:
-                # Already measured (or being measured): repeat what is known instead of spending a trial.
+            if key not in progress.finished_values and key not in measuring():
+                progress.refresh()  # another process may have just started (or finished) this config
+            earlier_elsewhere = any(k == key and n < trial.number for n, k in progress.running.items())
+            if key in progress.finished_values or earlier_elsewhere or key in {k for _, k in in_flight.values()}:
+                # Measured already, or being measured (by the earlier trial, so of two processes that
+                # drew it at once exactly one measures it): repeat what is known instead of spending a
+                # trial. A config still running elsewhere is told FAIL, which TPE ignores.
                 trial.set_user_attr("outcome", "duplicate")
                 known = progress.finished_values.get(key)
                 if known is not None:
                     study.tell(trial, known)
-                else:
+                elif key in progress.finished_values:
                     study.tell(trial, state=TrialState.PRUNED)
+                else:
+                    study.tell(trial, state=TrialState.FAIL)
                 idle_asks += 1
+                if every is not None:
+                    # TPE keeps drawing known configs once a small space is nearly covered: hand the
+                    # next ask an unmeasured one instead, so covering the space cannot stall.
+                    taken = set(progress.finished_values) | measuring()
+                    fresh = [c for c in every if config_key(c) not in taken]
+                    if fresh:
+                        study.enqueue_trial(rng.choice(fresh))
                 continue
             idle_asks = 0
             job = TrialJob(target.kernel_ref, target.problem, cfg, seed=settings.seed * 7919 + trial.number)
             job_id = pool.submit(pool.idle_workers()[0], job, settings.trial_timeout_s)
             in_flight[job_id] = (trial, key)
-            in_flight_keys.add(key)
         if not in_flight and out_of_budget():
             break
         for job_id, out in pool.wait(timeout_s=0.5):
-            if job_id not in in_flight:
-                continue
-            trial, key = in_flight.pop(job_id)
-            in_flight_keys.discard(key)
-            _tell(study, trial, out)
+            if job_id in in_flight:
+                trial, _ = in_flight.pop(job_id)
+                _tell(study, trial, out)
         progress.refresh()
         if on_progress:
             on_progress(progress.evaluated, progress.best())

@@ -168,7 +168,11 @@ def _short(e: BaseException, limit: int = 2000) -> str:
     return text[-limit:]
 
 
-def _worker_main(conn, device: str, visible_devices: str | None, threads: int) -> None:
+def _worker_main(conn, device: str, visible_devices: str | None, threads: int, environ: dict) -> None:
+    # The forkserver's environment is the parent's from when it started; take the parent's current one
+    # (TRITON_*, CUDA_*, anything set since) before anything reads it.
+    os.environ.clear()
+    os.environ.update(environ)
     if visible_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
     os.environ.setdefault("NUMBA_NUM_THREADS", str(threads))
@@ -221,7 +225,7 @@ class Worker:
     def start(self) -> None:
         ctx = _context()
         parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, self.device, self.visible, self.threads),
+        self.proc = ctx.Process(target=_worker_main, args=(child, self.device, self.visible, self.threads, dict(os.environ)),
                                 daemon=True, name=f"kilnx-tune-worker-{self.index}")
         self.proc.start()
         child.close()

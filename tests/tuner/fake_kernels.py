@@ -33,8 +33,11 @@ class ScaleAddKernel:
     name = "fake_scale_add"
     source_hash = "fakescaleadd0001"
 
-    def __init__(self, modes: tuple[str, ...] = ("ok",), source_hash: str | None = None):
-        params = {"BLOCK": pow2(1, 64, default=4), "unroll": boolean(False)}
+    def __init__(self, modes: tuple[str, ...] = ("ok",), source_hash: str | None = None, default_block: int = 4,
+                 default_unroll: bool = False, compile_s: float = 0.0):
+        params = {"BLOCK": pow2(1, 64, default=default_block), "unroll": boolean(default_unroll)}
+        self.modes = modes
+        self.compile_s = compile_s
         if len(modes) > 1:
             params["mode"] = choice(*modes, default="ok")
         # BLOCK=64 with unroll is declared invalid, to exercise pruning before compile.
@@ -56,6 +59,11 @@ class ScaleAddKernel:
         return (torch.rand(problem["M"], problem["N"], device=device) + 0.5,)
 
     def reference(self, x):
+        # The gate calls this twice per evaluated trial (and nothing else does): tests count evaluations.
+        log = os.environ.get("KILNX_FAKE_EVAL_LOG")
+        if log:
+            with open(log, "a") as f:
+                f.write(f"{os.getpid()}\n")
         return torch.from_numpy(x.cpu().numpy() * 2.0 + 1.0)
 
     def compile(self, config, *args):
@@ -63,6 +71,8 @@ class ScaleAddKernel:
         assert self.space.is_valid(cfg), "the tuner compiled a config that breaks a constraint"
         self.compiled.append(cfg)
         mode = cfg.get("mode", "ok")
+        if self.compile_s:
+            time.sleep(self.compile_s)
         if mode == "raise":
             raise RuntimeError("fake compile error: too many registers")
         if mode == "oom":
@@ -88,14 +98,25 @@ class ScaleAddKernel:
         return fn
 
     def seed_configs(self, problem):
-        return [{"BLOCK": 8, "unroll": True}]
+        # The faulty variant seeds one config per failure mode, so each is sure to be tried.
+        bad = [{"BLOCK": 16, "unroll": True, "mode": m} for m in self.modes if m != "ok"]
+        return bad or [{"BLOCK": 8, "unroll": True}]
 
     def peer(self, x):
         _spin(40 * _US)
         return x * 2.0 + 1.0
 
 
+def _named(kernel: ScaleAddKernel, name: str) -> ScaleAddKernel:
+    kernel.name = name
+    return kernel
+
+
 scale_add = ScaleAddKernel()
-# Every failure mode a candidate can have; "ok" is the default and must win.
-faulty = ScaleAddKernel(modes=("ok", "raise", "oom", "crash", "hang", "wrong", "nan"))
-faulty.name = "fake_faulty"
+# Every failure mode a candidate can have; only "ok" configs may be recorded.
+FAULTY_MODES = ("ok", "raise", "oom", "crash", "hang", "wrong", "nan", "partial")
+faulty = _named(ScaleAddKernel(modes=FAULTY_MODES), "fake_faulty")
+# The default (BLOCK=16, unroll) is the fastest config: the tuner must record the default.
+default_best = _named(ScaleAddKernel(default_block=16, default_unroll=True), "fake_default_best")
+# Each compile takes 0.3 s: slow enough to kill a tune mid-way.
+slow = _named(ScaleAddKernel(compile_s=0.3), "fake_slow")

@@ -1,0 +1,156 @@
+"""`kilnx tune`: tune kernels for this device into the tuning DB.
+
+The lead registers it with ``app.command("tune")(tune)``. A device this machine does not have, a bad
+budget or an unusable DB print one red line and exit non-zero; no traceback.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, List, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kilnx.tuner.budget import Budget, parse_duration
+from kilnx.tuner.study import Target, TargetResult, TuneSettings
+
+_out = Console()
+_err = Console(stderr=True)
+
+
+def _fail(message: str, code: int = 1) -> None:
+    _err.print(f"[red]error: {escape(message)}[/red]", soft_wrap=True, highlight=False)
+    raise typer.Exit(code)
+
+
+def fmt_time(s: float | None) -> str:
+    if s is None or not math.isfinite(s):
+        return "—"
+    if s < 1e-3:
+        return f"{s * 1e6:.1f} µs"
+    if s < 1:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s:.2f} s"
+
+
+def fmt_ratio(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}×"
+
+
+class RichReporter:
+    """One progress line per kernel×bucket: trials done and the best time so far."""
+
+    def __init__(self, progress: Progress, trials: int | None):
+        self.bar, self.trials, self.tasks = progress, trials, {}
+
+    def _task(self, target: Target):
+        key = id(target)
+        if key not in self.tasks:
+            label = escape(f"{target.kernel.name} {target.bucket}")
+            self.tasks[key] = self.bar.add_task(label, total=self.trials, best="—")
+        return self.tasks[key]
+
+    def target_started(self, target, index, count):
+        self._task(target)
+
+    def progress(self, target, evaluated, best_s):
+        self.bar.update(self._task(target), completed=evaluated, best=fmt_time(best_s))
+
+    def target_done(self, result: TargetResult):
+        task = self._task(result.target)
+        status = f"[red]{escape(result.error)}[/red]" if result.error else fmt_time(result.time_s)
+        self.bar.update(task, completed=result.trials, total=result.trials or 1, best=status)
+
+
+def results_table(results: list[TargetResult]) -> Table:
+    table = Table(title="kilnx tune")
+    for col, just in (("kernel", "left"), ("bucket", "left"), ("trials", "right"), ("rejected", "right"),
+                      ("tuned", "right"), ("default", "right"), ("speedup", "right"), ("vs peer", "right")):
+        table.add_column(col, justify=just, no_wrap=True)
+    for r in results:
+        table.add_row(escape(r.target.kernel.name), escape(r.target.bucket), str(r.trials),
+                      str(sum(r.failures.values())), fmt_time(r.time_s), fmt_time(r.default_time_s),
+                      fmt_ratio(r.speedup), fmt_ratio(r.vs_peer))
+    return table
+
+
+def result_notes(results: list[TargetResult]) -> list[str]:
+    """Lines below the table: errors, why configs were rejected, where the default was kept."""
+    notes = []
+    for r in results:
+        where = f"{r.target.kernel.name} {r.target.bucket}"
+        if r.error:
+            notes.append(f"{where}: {r.error}")
+            continue
+        if r.failures:
+            notes.append(f"{where}: rejected " + ", ".join(f"{k} {v}" for k, v in sorted(r.failures.items())))
+        if r.config is not None and r.speedup is not None and r.speedup <= 1.0:
+            notes.append(f"{where}: no config beat the default; the default was recorded")
+    return notes
+
+
+def tune(
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or sm_XX (must be this machine's).")] = "auto",
+    model: Annotated[List[str], typer.Option(help="Tune the kernel shapes this model uses (repeatable).")] = [],
+    kernel: Annotated[List[str], typer.Option(help="Kernel name or module:attr (repeatable); with --model, "
+                                                   "restricts the model's kernels.")] = [],
+    budget: Annotated[str, typer.Option(help="Wall time for the whole tune, e.g. 90s, 10m, 1h.")] = "10m",
+    trials: Annotated[Optional[int], typer.Option(help="Max evaluated trials per kernel×bucket.")] = None,
+    db: Annotated[Optional[str], typer.Option(metavar="URL", help="Tuning DB URL; default $KILNX_DB or the "
+                                                                  "user cache file.")] = None,
+    workers: Annotated[int, typer.Option(help="Worker processes on each study (one per GPU if several).")] = 1,
+    trial_timeout: Annotated[float, typer.Option(help="Seconds before a trial's worker is killed.")] = 60.0,
+    seed: Annotated[int, typer.Option(help="Sampler seed.")] = 0,
+) -> None:  # noqa: B006 - typer reads the [] defaults; they are never mutated
+    """Tune kernels for this device with Optuna and record the best configs in the tuning DB."""
+    from kilnx.runtime.device import DeviceError, detect
+    try:
+        dev = detect(device)
+    except DeviceError as e:
+        _fail(str(e), code=2)
+    try:
+        total_s = parse_duration(budget)
+    except ValueError as e:
+        _fail(f"--budget: {e}", code=2)
+    if trials is not None and trials < 1:
+        _fail("--trials must be at least 1", code=2)
+    if workers < 1:
+        _fail("--workers must be at least 1", code=2)
+
+    from kilnx.cache import DBError, TuningDB
+    from kilnx.tuner.refs import KernelNotFound
+    from kilnx.tuner.session import geomean_speedup, plan, tune_session
+    try:
+        specs = plan(models=list(model), kernels=list(kernel))
+    except KernelNotFound as e:
+        _fail(str(e))
+    except Exception as e:  # noqa: BLE001 - an unknown model name etc. from the registry: one line
+        _fail(f"cannot list what to tune: {type(e).__name__}: {e}")
+    if not specs:
+        _fail("nothing to tune: no kernels or shapes matched --model/--kernel")
+
+    settings = TuneSettings(trials=trials, trial_timeout_s=trial_timeout, seed=seed)
+    _out.print(f"tuning {len(specs)} problem(s) on {escape(dev.key)} with {workers} worker(s), "
+               f"budget {budget}" + (f", ≤{trials} trials each" if trials else ""), highlight=False)
+    try:
+        with TuningDB(db) as tdb:
+            columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed} trials"),
+                       TextColumn("best {task.fields[best]}"), TimeElapsedColumn())
+            with Progress(*columns, console=_out, transient=False) as progress:
+                results = tune_session(dev, specs, tdb, Budget(total_s, len(specs), trials), settings,
+                                       workers=workers, reporter=RichReporter(progress, trials))
+    except DBError as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        _fail("interrupted; finished trials are kept in the DB and the next tune resumes from them", code=130)
+    _out.print(results_table(results))
+    for line in result_notes(results):
+        _out.print(escape(line), highlight=False, soft_wrap=True)
+    g = geomean_speedup(results)
+    _out.print(f"geomean speedup vs default: {fmt_ratio(g)}" if g else "geomean speedup vs default: —")
+    if results and all(r.error for r in results):
+        raise typer.Exit(1)

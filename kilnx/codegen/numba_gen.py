@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kilnx.dsl import opdefs
 from kilnx.dsl.ir import NUMPY_OF, DSLError, KernelIR, Node
-from kilnx.codegen.source import INLINE, Namer, const_literal, live_nodes, param_names
+from kilnx.codegen.source import INLINE, Namer, const_literal, live_nodes, param_names, py_literal
 
 NP = {d: f"np.{t.__name__}" for d, t in NUMPY_OF.items()}
 
@@ -17,16 +17,19 @@ NP = {d: f"np.{t.__name__}" for d, t in NUMPY_OF.items()}
 def generate(ir: KernelIR, *, fn_name: str | None = None, header: str = "") -> str:
     g = _Gen(ir)
     fn = fn_name or ir.name
-    params = param_names(ir) + [f"grid{i}" for i in range(3)]
+    params = ", ".join(param_names(ir))
     loop = "range" if ir.uses_atomics else "prange"
     lines = ["import numpy as np", "from numba import njit, prange",
              "from kilnx.codegen import numba_rt as _rt", ""]
     if header:
         lines += [f"# {h}" for h in header.splitlines()]
-    lines += ["@njit(parallel=True, cache=True)", f"def {fn}({', '.join(params)}):",
+    # One program is a plain jitted function (numpy broadcasting works there); the launcher runs
+    # programs in parallel. Parallel array expressions inside prange do not support broadcasting.
+    lines += ["@njit(cache=True, nogil=True)", f"def {fn}_program(pid0, pid1, pid2, {params}):"]
+    lines += g.block(ir.body, 1) or ["    pass"]
+    lines += ["", "", "@njit(parallel=True, cache=True)", f"def {fn}({params}, grid0, grid1, grid2):",
               f"    for _p in {loop}(grid0 * grid1 * grid2):",
-              "        pid0 = _p % grid0", "        pid1 = (_p // grid0) % grid1", "        pid2 = _p // (grid0 * grid1)"]
-    lines += g.block(ir.body, 2)
+              f"        {fn}_program(_p % grid0, (_p // grid0) % grid1, _p // (grid0 * grid1), {params})"]
     return "\n".join(lines) + "\n"
 
 
@@ -81,8 +84,8 @@ class _Gen:
         if op == "arange":
             return [f"{name} = np.arange({n.arg[0]}, {n.arg[1]}).astype(np.int32)"]
         if op == "full":
-            return [f"{name} = np.full({tuple(n.shape)}, {n.arg!r}, {NP[n.dtype]})" if n.shape
-                    else f"{name} = {NP[n.dtype]}({n.arg!r})"]
+            return [f"{name} = np.full({tuple(n.shape)}, {py_literal(n.arg)}, {NP[n.dtype]})" if n.shape
+                    else f"{name} = {NP[n.dtype]}({py_literal(n.arg)})"]
         if op == "cast":
             if n.dtype in ("f16", "bf16"):
                 e = f"_rt.round_{n.dtype}({r[0]})"
@@ -156,12 +159,12 @@ class _Gen:
                 get = f"_rt.bf16_bits_to_f32(np.array([{tname}_ptr[{off}]]))[0]"
             else:
                 get = f"{tname}_ptr[{off}]"
-            return [f"{name} = {NP[n.dtype]}({get}) if ({mask}) else {NP[n.dtype]}({other!r})"]
+            return [f"{name} = {NP[n.dtype]}({get}) if ({mask}) else {NP[n.dtype]}({py_literal(other)})"]
         shape = tuple(n.shape)
         o = f"(({off}) + np.zeros({shape}, np.int64))"
         m = f"(({mask}) & np.ones({shape}, np.bool_))"
         fn = "_rt.gather_bf16" if p.dtype == "bf16" else "_rt.gather"
-        oth = f"np.uint16(0)" if False else f"{NP[p.dtype] if p.dtype != 'bf16' else 'np.float32'}({other!r})"
+        oth = f"np.uint16(0)" if False else f"{NP[p.dtype] if p.dtype != 'bf16' else 'np.float32'}({py_literal(other)})"
         e = f"{fn}({tname}_ptr, {o}, {m}, {oth})"
         if p.dtype == "f16":
             e = f"{e}.astype(np.float32)"

@@ -49,6 +49,13 @@ def param_names(ir: KernelIR):
     return out
 
 
+def py_literal(v) -> str:
+    """A Python literal that both Triton's and numba's front ends accept (no bare inf/nan)."""
+    if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf"))):
+        return "float('nan')" if v != v else ("float('inf')" if v > 0 else "-float('inf')")
+    return repr(v)
+
+
 def const_literal(n: Node) -> str:
     v = n.arg
     if n.dtype == "bool":

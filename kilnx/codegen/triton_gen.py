@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kilnx.dsl import opdefs
 from kilnx.dsl.ir import KernelIR, Node
-from kilnx.codegen.source import INLINE, Namer, const_literal, live_nodes, param_names
+from kilnx.codegen.source import INLINE, Namer, const_literal, live_nodes, param_names, py_literal
 
 TL = {"f16": "tl.float16", "bf16": "tl.bfloat16", "f32": "tl.float32", "f64": "tl.float64",
       "i8": "tl.int8", "u8": "tl.uint8", "i16": "tl.int16", "i32": "tl.int32", "u32": "tl.uint32",
@@ -71,7 +71,7 @@ class _Gen:
         if op == "arange":
             return f"{name} = tl.arange({n.arg[0]}, {n.arg[1]})"
         if op == "full":
-            return f"{name} = tl.full({list(n.shape)}, {n.arg!r}, {TL[n.dtype]})"
+            return f"{name} = tl.full({list(n.shape)}, {py_literal(n.arg)}, {TL[n.dtype]})"
         if op == "cast":
             src = n.srcs[0]
             if src.op == "const":
@@ -112,7 +112,7 @@ class _Gen:
             tname, _, _, other, hint = n.arg
             args = [ptr]
             if mask:
-                args += [f"mask={mask}", f"other={other!r}"]
+                args += [f"mask={mask}", f"other={py_literal(other)}"]
             if hint in HINTS:
                 args.append(f"eviction_policy='{HINTS[hint]}'")
             return f"{name} = tl.load({', '.join(args)})"

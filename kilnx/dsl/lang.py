@@ -393,6 +393,14 @@ def where(cond, a, b) -> Value:
 
 
 def reduce(kind: str, x: Value, axis: int = -1, keepdims: bool = False) -> Value:
+    x = lift(getattr(x, "value", lambda: x)() if not isinstance(x, Value) else x)
+    ctx = getattr(_state, "fusion", None)
+    if ctx is not None and axis in (-1, x.ndim - 1) and x.ndim == 2:
+        return ctx.reduce(kind, x, keepdims, mean=False)
+    return raw_reduce(kind, x, axis, keepdims)
+
+
+def raw_reduce(kind: str, x: Value, axis: int = -1, keepdims: bool = False) -> Value:
     x = lift(x)
     if x.ndim == 0:
         raise dsl_error(f"kd.{kind} of a scalar")
@@ -463,6 +471,11 @@ def argmax(x, axis=-1, keepdims=False):
 
 
 def mean(x, axis=-1, keepdims=False):
+    ctx = getattr(_state, "fusion", None)
+    if ctx is not None:
+        x = x if isinstance(x, Value) else x.value()
+        if axis in (-1, x.ndim - 1) and x.ndim == 2:
+            return ctx.reduce("sum", x, keepdims, mean=True)
     raise dsl_error("kd.mean is available in @kd.fusion (it knows the row width); in a tile kernel "
                     "divide kd.sum by the runtime size")
 

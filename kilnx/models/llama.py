@@ -1,0 +1,112 @@
+"""The llama-family decoder: llama 3.x, SmolLM2, mistral, qwen2 (qkv bias), qwen3 (q/k norms), gemma3.
+
+Every piece of arithmetic goes through the ops module the model was built with (kilnx.ops or the
+torch-eager peer), so the same forward runs on the tuned kernels and on the reference. What stays
+in torch here is data movement only: embedding gather, views, KV-cache writes, concatenation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kilnx.models.backend import resolve_ops
+from kilnx.models.config import ModelConfig
+from kilnx.models.weights import LayerWeights, ModelWeights
+
+
+class LlamaModel:
+    """forward(input_ids (B, T), positions (B, T), kv_cache) -> logits (B, T, V) (or (B, 1, V))."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, *, ops=None):
+        config.check_supported()
+        self.config = config
+        self.weights = weights
+        self.ops = resolve_ops(ops)
+        self.device = weights.embed.device
+        self.dtype = weights.embed.dtype
+        gemma = config.arch == "gemma3"
+        self._gemma = gemma
+        self._norm_offset = config.norm_weight_offset
+        # Rotary frequencies live on the device once; gemma3's sliding layers use their own base.
+        inv = config.inv_freq()
+        if weights.rope_freq_factors is not None:
+            inv = inv / weights.rope_freq_factors.float().cpu()
+        self._inv_freq = inv.to(self.device)
+        self._inv_freq_local = (config.inv_freq(local=True).to(self.device)
+                                if config.rope_local_theta is not None else self._inv_freq)
+
+    # ------------------------------------------------------------------ public
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache, *,
+                last_only: bool = False) -> torch.Tensor:
+        cfg, ops, w = self.config, self.ops, self.weights
+        B, T = input_ids.shape
+        eps, off = cfg.rms_norm_eps, self._norm_offset
+        h = w.embed[input_ids.reshape(-1)]                     # (B*T, H) gather
+        pos_flat = positions.reshape(-1)
+        residual = None
+        for i, layer in enumerate(w.layers):
+            if residual is None:
+                residual = h
+                x = ops.rms_norm(h, layer.attn_norm, eps, weight_offset=off)
+            else:
+                residual, x = ops.add_rms_norm(h, residual, layer.attn_norm, eps, weight_offset=off)
+            a = self._attention(i, layer, x, positions, pos_flat, kv_cache, B, T)
+            if self._gemma:
+                a = ops.rms_norm(a, layer.post_attn_norm, eps, weight_offset=off)
+            residual, x = ops.add_rms_norm(a, residual, layer.mlp_norm, eps, weight_offset=off)
+            h = self._mlp(layer, x)
+            if self._gemma:
+                h = ops.rms_norm(h, layer.post_mlp_norm, eps, weight_offset=off)
+        _, x = ops.add_rms_norm(h, residual, w.final_norm, eps, weight_offset=off)
+        x = x.view(B, T, -1)
+        if last_only:
+            x = x[:, -1:].contiguous()
+        logits = _linear(ops, x, w.lm_head)
+        if cfg.final_logit_softcap:
+            logits = ops.softcap(logits, cfg.final_logit_softcap)
+        return logits
+
+    __call__ = forward
+
+    # ------------------------------------------------------------------ blocks
+    def _attention(self, i: int, layer: LayerWeights, x, positions, pos_flat, cache, B: int, T: int):
+        cfg, ops = self.config, self.ops
+        Hq, Hk, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qs, ks = cfg.q_size, cfg.kv_size
+        qkv = _linear(ops, x, layer.qkv)                       # (B*T, q + 2kv)
+        if layer.qkv_bias is not None:
+            # qwen2's bias add: the ops contract has no bias epilogue, and this is one tiny elementwise op.
+            qkv = qkv + layer.qkv_bias
+        q = qkv[:, :qs].view(B * T, Hq, D)
+        k = qkv[:, qs:qs + ks].view(B * T, Hk, D)
+        v = qkv[:, qs + ks:].view(B * T, Hk, D)
+        if layer.q_norm is not None:
+            q = ops.rms_norm(q, layer.q_norm, cfg.rms_norm_eps, weight_offset=self._norm_offset)
+            k = ops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps, weight_offset=self._norm_offset)
+        else:
+            # rope_ rotates in place; give it dense tensors rather than strided views into qkv.
+            q, k = q.contiguous(), k.contiguous()
+        sliding = cfg.layer_is_sliding(i)
+        inv = self._inv_freq_local if sliding else self._inv_freq
+        ops.rope_(q, k, pos_flat, inv, interleaved=cfg.rope_interleaved)
+        k_cache, v_cache = cache.write(i, k.view(B, T, Hk, D), v.view(B, T, Hk, D), positions)
+        o = ops.attention(q.view(B, T, Hq, D), k_cache, v_cache, positions, cfg.attn_scale,
+                          softcap=cfg.attn_logit_softcap, window=cfg.sliding_window if sliding else None)
+        return _linear(ops, o.reshape(B * T, Hq * D), [layer.o])
+
+    def _mlp(self, layer: LayerWeights, x):
+        ops = self.ops
+        gate_up = _linear(ops, x, layer.gate_up)               # (B*T, 2F) laid out [gate | up]
+        act = ops.gelu_tanh_mul(gate_up) if self.config.hidden_act == "gelu_tanh" else ops.silu_mul(gate_up)
+        return _linear(ops, act, [layer.down])
+
+
+def _linear(ops, x: torch.Tensor, parts: list) -> torch.Tensor:
+    if len(parts) == 1:
+        return ops.qmatmul(x, parts[0])
+    # Parts kept apart because their storage formats differ (e.g. GGUF Q4_K q with Q6_K v).
+    return torch.cat([ops.qmatmul(x, p) for p in parts], dim=-1)

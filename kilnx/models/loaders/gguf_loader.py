@@ -1,0 +1,180 @@
+"""GGUF checkpoints (llama.cpp's format): metadata -> ModelConfig, tensors -> QWeight or dense.
+
+Quantized tensors go through kilnx.quant.from_gguf so they stay quantized; until that converter is
+available they are dequantized with gguf's numpy reference. Two llama.cpp conventions matter:
+
+* llama-arch q/k weights are stored permuted so llama.cpp can rotate adjacent pairs (2i, 2i+1)
+  instead of HF's halves (i, i + D/2). Rather than un-permuting quantized rows, we rotate in the
+  interleaved layout (config.rope_interleaved): q·k is unchanged because q and k are permuted alike.
+* gemma norms are stored as 1 + w, so the GGUF config uses norm_weight_offset = 0.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import numpy as np
+import torch
+
+from kilnx.models.config import ModelConfig, from_gguf_metadata
+from kilnx.models.errors import CheckpointError
+
+_FIX = "re-download or re-convert the file (llama.cpp's convert_hf_to_gguf.py)"
+
+# HF tensor name (suffix after model.layers.{i}.) -> GGUF name (suffix after blk.{i}.)
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "rope_freqs": "rope_freqs.weight",
+}
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def _scalar(field):
+    v = field.contents()
+    return v
+
+
+def read_gguf(path: str):
+    """Open `path` with gguf's reader, turning every way a damaged file fails into CheckpointError."""
+    import gguf
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: no such file; pass a .gguf path or a known model name.")
+    size = os.path.getsize(path)
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except Exception as e:  # noqa: BLE001 - the reader raises ValueError/IndexError/struct errors alike
+        raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); "
+                              f"the file is truncated or corrupt — {_FIX}.") from None
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size or t.data.nbytes != int(t.n_bytes):
+            raise CheckpointError(f"{path}: truncated — tensor {t.name!r} ends at byte {end} but the file has "
+                                  f"{size} bytes; {_FIX}.")
+    return reader
+
+
+def gguf_metadata(reader) -> dict:
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            meta[key] = _scalar(field)
+        except Exception:  # noqa: BLE001 - an odd metadata value should not block loading the weights
+            continue
+    return meta
+
+
+class GGUFSource:
+    """WeightSource over one GGUF file, answering by HF tensor name."""
+
+    def __init__(self, path: str, reader=None, config: ModelConfig | None = None):
+        self.path = path
+        self.reader = reader or read_gguf(path)
+        self.meta = gguf_metadata(self.reader)
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.config = config or from_gguf_metadata(self.meta, path)
+        if "output.weight" not in self.tensors:
+            self.config = self.config.with_(tie_embeddings=True)
+        self._dense_cache: dict[str, torch.Tensor] = {}
+
+    def gguf_name(self, hf_name: str) -> str:
+        if hf_name in _GLOBAL_NAMES:
+            return _GLOBAL_NAMES[hf_name]
+        m = _LAYER_RE.fullmatch(hf_name)
+        if not m:
+            return hf_name
+        i, rest = m.groups()
+        if rest == "post_attention_layernorm.weight":
+            # llama's post_attention_layernorm is its pre-MLP norm; gemma's is a real post-attention norm.
+            g = "post_attention_norm.weight" if self.config.arch == "gemma3" else "ffn_norm.weight"
+        else:
+            g = _LAYER_NAMES.get(rest, rest)
+        return f"blk.{i}.{g}"
+
+    def has(self, name: str) -> bool:
+        return self.gguf_name(name) in self.tensors
+
+    def _tensor(self, name: str):
+        g = self.gguf_name(name)
+        if g not in self.tensors:
+            raise CheckpointError(f"{self.path}: missing tensor {g!r} ({name}); {_FIX}.")
+        return self.tensors[g]
+
+    def dense(self, name: str) -> torch.Tensor:
+        """fp32 tensor in HF orientation ((N, K) for matrices)."""
+        if name not in self._dense_cache:
+            self._dense_cache[name] = _dequantize(self._tensor(name))
+        return self._dense_cache[name]
+
+    def linears(self, names: list[str]) -> list:
+        ts = [self._tensor(n) for n in names]
+        if len(ts) > 1 and len({int(t.tensor_type) for t in ts}) == 1:
+            # Same ggml type: rows are independent blocks, so concatenating raw rows fuses exactly.
+            raw = np.concatenate([np.asarray(t.data) for t in ts], axis=0)
+            k = int(ts[0].shape[0])
+            n = sum(int(t.shape[1]) if len(t.shape) > 1 else 1 for t in ts)
+            return [_convert(raw, ts[0].tensor_type, (n, k), self.path, "+".join(t.name for t in ts))]
+        if len(ts) == 1 and names[0] in self._dense_cache and not _is_quantized(ts[0]):
+            return [self._dense_cache[names[0]]]
+        return [_convert(np.asarray(t.data), t.tensor_type, _hf_shape(t), self.path, t.name) for t in ts]
+
+
+def _hf_shape(t) -> tuple[int, ...]:
+    # GGUF lists dims fastest-first (K, N); HF orientation is (N, K).
+    return tuple(int(x) for x in reversed(list(t.shape)))
+
+
+def _is_quantized(t) -> bool:
+    import gguf
+    return t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+                                 gguf.GGMLQuantizationType.BF16)
+
+
+def _dequantize(t) -> torch.Tensor:
+    import gguf
+    arr = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+    return torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(_hf_shape(t))
+
+
+def _convert(raw: np.ndarray, ggml_type, shape: tuple[int, ...], path: str, what: str):
+    """QWeight via kilnx.quant.from_gguf when available, else a dense fp32 tensor."""
+    try:
+        from kilnx.quant import from_gguf
+    except ImportError:
+        from_gguf = None
+    if from_gguf is not None:
+        try:
+            return from_gguf(raw, ggml_type, shape)
+        except NotImplementedError:
+            pass
+    import gguf
+    arr = gguf.quants.dequantize(raw, ggml_type)
+    return torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(shape)
+
+
+def load_gguf(path: str):
+    """(ModelConfig, GGUFSource) for a GGUF file."""
+    src = GGUFSource(path)
+    src.config.check_supported(path)
+    return src.config, src

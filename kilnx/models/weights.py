@@ -1,0 +1,191 @@
+"""Weight containers of a decoder, and how they are assembled from any checkpoint source.
+
+A source (GGUF file, MLX or HF safetensors directory, random init) answers for tensors by their
+HF name; `build_weights` asks for what the architecture needs and fuses q|k|v and gate|up into one
+GEMM each whenever the parts share a storage format, because one larger GEMM reads the activations
+once and launches once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Union
+
+import torch
+
+from kilnx.models.config import ModelConfig
+from kilnx.models.errors import CheckpointError
+
+Linear = Union[torch.Tensor, "QWeight"]  # noqa: F821 - kilnx.quant.QWeight, imported lazily
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor
+    qkv: list                      # [fused (q+2kv, H)] or [q, k, v] when formats differ
+    o: Linear
+    mlp_norm: torch.Tensor         # the norm before the MLP
+    gate_up: list                  # [fused (2F, H)] or [gate, up]
+    down: Linear
+    qkv_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None   # gemma3 sandwich norms
+    post_mlp_norm: torch.Tensor | None = None
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor            # dense (V, H) lookup table, pre-multiplied by config.embed_scale
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor
+    lm_head: list                  # [Linear (V, H)]
+    rope_freq_factors: torch.Tensor | None = None   # llama.cpp's rope_freqs tensor, divides inv_freq
+    extra: dict = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        """Bytes of weights a decode step reads (embedding lookup reads one row, so not counted)."""
+        total = 0
+        seen = set()
+        for w in _all_linears(self):
+            if id(w) in seen:
+                continue
+            seen.add(id(w))
+            total += linear_nbytes(w)
+        for t in _all_norms(self):
+            total += t.numel() * t.element_size()
+        return total
+
+
+class WeightSource(Protocol):
+    path: str
+
+    def has(self, name: str) -> bool: ...
+    def dense(self, name: str) -> torch.Tensor: ...
+    def linears(self, names: list[str]) -> list: ...
+
+
+def linear_nbytes(w) -> int:
+    if hasattr(w, "nbytes") and not isinstance(w, torch.Tensor):
+        return int(w.nbytes)
+    return w.numel() * w.element_size()
+
+
+def _all_linears(w: ModelWeights):
+    for layer in w.layers:
+        yield from layer.qkv
+        yield layer.o
+        yield from layer.gate_up
+        yield layer.down
+    yield from w.lm_head
+
+
+def _all_norms(w: ModelWeights):
+    for layer in w.layers:
+        for t in (layer.attn_norm, layer.mlp_norm, layer.qkv_bias, layer.q_norm, layer.k_norm,
+                  layer.post_attn_norm, layer.post_mlp_norm):
+            if t is not None:
+                yield t
+    yield w.final_norm
+
+
+def concat_linears(parts: list) -> list:
+    """Fuse row-blocks of one GEMM into a single weight when they share a format, else keep the list.
+
+    Dense tensors concatenate; QWeights concatenate their packed/scales/biases rows when mode, bits,
+    group size and scale dtype agree (rows are independent in every format, so this is exact).
+    """
+    if len(parts) == 1:
+        return parts
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        if len({p.dtype for p in parts}) == 1:
+            return [torch.cat(parts, 0)]
+        return parts
+    QWeight = qweight_class()
+    if QWeight is not None and all(isinstance(p, QWeight) for p in parts):
+        fmt = {(p.format, p.scales.dtype, p.global_scale is None, p.packed.dim()) for p in parts}
+        if len(fmt) == 1 and parts[0].global_scale is None and parts[0].packed.dim() == 2:
+            biases = None if parts[0].biases is None else torch.cat([p.biases for p in parts], 0)
+            return [QWeight(torch.cat([p.packed for p in parts], 0), torch.cat([p.scales for p in parts], 0),
+                            biases, format=parts[0].format,
+                            dtype=None if parts[0].format.has_bias else parts[0].dtype)]
+    return parts
+
+
+def qweight_class():
+    """kilnx.quant.QWeight, or None while the quant package is unavailable."""
+    try:
+        from kilnx.quant import QWeight
+    except ImportError:
+        try:
+            from kilnx.quant.qweight import QWeight
+        except ImportError:
+            return None
+    return QWeight
+
+
+def _hf(i: int, part: str) -> str:
+    return f"model.layers.{i}.{part}"
+
+
+def build_weights(cfg: ModelConfig, src: WeightSource, *, device="cpu", dtype=torch.float32) -> ModelWeights:
+    """Ask `src` for every tensor `cfg`'s architecture needs and place them on `device`.
+
+    Norms, biases and the embedding table become dense `dtype`; linears stay in whatever storage
+    the source gives (QWeight or dense) and are moved to `device`.
+    """
+    def need(name: str) -> str:
+        if not src.has(name):
+            raise CheckpointError(f"{src.path}: missing tensor {name!r} required by a {cfg.arch} model with "
+                                  f"{cfg.num_layers} layers; the file is incomplete or not this architecture.")
+        return name
+
+    def dense(name: str) -> torch.Tensor:
+        return src.dense(need(name)).to(device=device, dtype=dtype)
+
+    def lin(names: list[str]) -> list:
+        for n in names:
+            need(n)
+        return [_place(w, device, dtype) for w in concat_linears(src.linears(names))]
+
+    gemma = cfg.arch == "gemma3"
+    layers = []
+    for i in range(cfg.num_layers):
+        a = lambda p: _hf(i, p)  # noqa: E731
+        qkv_names = [a(f"self_attn.{x}_proj.weight") for x in "qkv"]
+        layer = LayerWeights(
+            attn_norm=dense(a("input_layernorm.weight")),
+            qkv=lin(qkv_names),
+            o=lin([a("self_attn.o_proj.weight")])[0],
+            mlp_norm=dense(a("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight")),
+            gate_up=lin([a("mlp.gate_proj.weight"), a("mlp.up_proj.weight")]),
+            down=lin([a("mlp.down_proj.weight")])[0],
+        )
+        if cfg.attention_bias:
+            layer.qkv_bias = torch.cat([dense(a(f"self_attn.{x}_proj.bias")) for x in "qkv"])
+        if cfg.qk_norm:
+            layer.q_norm = dense(a("self_attn.q_norm.weight"))
+            layer.k_norm = dense(a("self_attn.k_norm.weight"))
+        if gemma:
+            layer.post_attn_norm = dense(a("post_attention_layernorm.weight"))
+            layer.post_mlp_norm = dense(a("post_feedforward_layernorm.weight"))
+        layers.append(layer)
+
+    embed = src.dense(need("model.embed_tokens.weight"))
+    if cfg.embed_scale != 1.0:
+        # gemma scales embeddings by sqrt(hidden) in the model dtype; baking it into the lookup table
+        # costs nothing per token and leaves the tied lm_head unscaled.
+        embed = embed.to(dtype) * torch.tensor(cfg.embed_scale, dtype=dtype)
+    if cfg.tie_embeddings or not src.has("lm_head.weight"):
+        lm_head = lin(["model.embed_tokens.weight"])
+    else:
+        lm_head = lin(["lm_head.weight"])
+    freq = src.dense("rope_freqs") if src.has("rope_freqs") else None
+    return ModelWeights(embed=embed.to(device=device, dtype=dtype), layers=layers,
+                        final_norm=dense("model.norm.weight"), lm_head=lm_head, rope_freq_factors=freq)
+
+
+def _place(w, device, dtype):
+    if isinstance(w, torch.Tensor):
+        return w.to(device=device, dtype=dtype)
+    return w.to(device)

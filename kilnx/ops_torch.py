@@ -1,0 +1,154 @@
+"""Torch-eager peer of kilnx.ops: the same functions with the same semantics, in plain PyTorch.
+
+Why it exists: it is the reference the DSL kernels are checked against in tests, the baseline that
+benchmarks compare with, and a way to run every model before (or without) the tuned kernels.
+Math is done in fp32 and results are cast back to the input dtype, exactly as kilnx.ops documents.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+NAME = "torch"
+
+
+def _rms(x32: torch.Tensor, w: torch.Tensor, eps: float, weight_offset: float) -> torch.Tensor:
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return y * (w.float() + weight_offset)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, *, weight_offset: float = 0.0) -> torch.Tensor:
+    """y = x / sqrt(mean(x², -1) + eps) * (weight_offset + w), computed in fp32, returned in x.dtype."""
+    return _rms(x.float(), w, eps, weight_offset).to(x.dtype)
+
+
+def add_rms_norm(x, residual, w, eps: float, *, weight_offset: float = 0.0):
+    """h = x + residual; returns (h, rms_norm(h, w)) both in x.dtype."""
+    h32 = x.float() + residual.float()
+    h = h32.to(x.dtype)
+    # Normalise the rounded sum so the result equals rms_norm(h) whatever x.dtype is.
+    return h, _rms(h.float(), w, eps, weight_offset).to(x.dtype)
+
+
+def layer_norm(x, w, b, eps: float):
+    y = F.layer_norm(x.float(), (x.shape[-1],), w.float(), None if b is None else b.float(), eps)
+    return y.to(x.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(..., 2F) laid out [gate | up] -> silu(gate) * up, (..., F)."""
+    g, u = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(g) * u).to(gate_up.dtype)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(..., 2F) laid out [gate | up] -> gelu_tanh(gate) * up, (..., F)."""
+    g, u = gate_up.float().chunk(2, dim=-1)
+    return (F.gelu(g, approximate="tanh") * u).to(gate_up.dtype)
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap)."""
+    return (cap * torch.tanh(x.float() / cap)).to(x.dtype)
+
+
+def scaled_add(x: torch.Tensor, residual: torch.Tensor, scale: float) -> torch.Tensor:
+    """residual + scale * x (per-layer residual scaling)."""
+    return (residual.float() + scale * x.float()).to(x.dtype)
+
+
+def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *,
+          interleaved: bool = False) -> None:
+    """Rotate q (T, Hq, D) and k (T, Hk, D) in place at integer positions (T,).
+
+    inv_freq (R/2,) fp32; R = 2 * len(inv_freq) <= D rotary dims, the rest pass through. neox layout
+    pairs i with i + R/2; interleaved pairs 2i with 2i+1.
+    """
+    half = inv_freq.shape[0]
+    angles = positions.to(torch.float32)[:, None] * inv_freq.to(device=q.device, dtype=torch.float32)[None, :]
+    cos = angles.cos()[:, None, :]   # (T, 1, R/2) broadcasts over heads
+    sin = angles.sin()[:, None, :]
+    for t in (q, k):
+        r = t[..., : 2 * half]
+        if interleaved:
+            a, b = r[..., 0::2].float(), r[..., 1::2].float()
+        else:
+            a, b = r[..., :half].float(), r[..., half:].float()
+        ra = (a * cos - b * sin).to(t.dtype)
+        rb = (b * cos + a * sin).to(t.dtype)
+        if interleaved:
+            r[..., 0::2] = ra
+            r[..., 1::2] = rb
+        else:
+            r[..., :half] = ra
+            r[..., half:] = rb
+
+
+# QWeight -> its dequantized dense matrix, per compute dtype. QWeight.dequantize evaluates the format
+# on the CPU with numpy; doing that every step would make the eager peer measure numpy, not torch.
+# The weak keys let the cache go with the model.
+_DENSE_OF: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def dense_weight(w, dtype: torch.dtype) -> torch.Tensor:
+    """The dense (N, K) matrix a QWeight (or dense tensor) stands for, in `dtype`, cached per weight."""
+    if isinstance(w, torch.Tensor):
+        return w if w.dtype == dtype else w.to(dtype)
+    per_dtype = _DENSE_OF.setdefault(w, {})
+    if dtype not in per_dtype:
+        per_dtype[dtype] = w.dequantize().to(dtype)
+    return per_dtype[dtype]
+
+
+def qmatmul(x: torch.Tensor, w) -> torch.Tensor:
+    """x (..., K) @ w.T where w is a kilnx.quant.QWeight (N, K) or a dense (N, K) tensor -> (..., N)."""
+    if x.dtype != torch.float32 and x.device.type == "cpu":
+        return F.linear(x.float(), dense_weight(w, torch.float32)).to(x.dtype)
+    # fp32 inputs accumulate in fp32; CUDA bf16/fp16 GEMMs accumulate in fp32 internally.
+    return F.linear(x, dense_weight(w, x.dtype))
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+              scale: float, *, softcap: float | None = None, window: int | None = None) -> torch.Tensor:
+    """Causal attention of new queries over a KV cache.
+
+    q (B, T, Hq, D); k_cache, v_cache (B, Hk, S, D) holding the new keys at their positions;
+    positions (B, T): query t of row b sees keys j <= positions[b, t] (and j > positions - window with
+    a sliding window). Hq is a multiple of Hk. Returns (B, T, Hq, D).
+    """
+    B, T, Hq, D = q.shape
+    Hk, S = k_cache.shape[1], k_cache.shape[2]
+    if not _capturing(q):
+        # Keys past the furthest query position are masked anyway; skipping them saves the work of a
+        # mostly empty static cache. Not done under CUDA-graph capture, where .item() cannot sync.
+        S = min(S, int(positions.max().item()) + 1)
+    k = k_cache[:, :, :S].float()
+    v = v_cache[:, :, :S].float()
+    G = Hq // Hk
+    # Fold the query heads sharing a KV head into the row axis: one batched GEMM per KV head.
+    qf = q.float().view(B, T, Hk, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hk, G * T, D)
+    scores = torch.matmul(qf, k.transpose(-1, -2)).mul_(scale).view(B, Hk, G, T, S)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    j = torch.arange(S, device=q.device)
+    pos = positions.to(q.device)[:, None, None, :, None]                   # (B, 1, 1, T, 1)
+    visible = j <= pos
+    if window is not None:
+        visible = visible & (j > pos - window)
+    scores = scores.masked_fill(~visible, -math.inf)
+    probs = torch.softmax(scores, dim=-1).view(B, Hk, G * T, S)
+    out = torch.matmul(probs, v).view(B, Hk, G, T, D)
+    return out.permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D).to(q.dtype)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Index of the largest value along the last axis (first on ties), int64."""
+    return torch.argmax(logits, dim=-1)
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()

@@ -1,0 +1,67 @@
+"""Static KV cache: per layer, k and v tensors (B, Hk, S_max, D) allocated once.
+
+Static because a CUDA graph replays fixed addresses: the decode step writes into the same buffers
+every time, at positions given by a tensor. A key for position p lives at index p, so attention's
+causal mask (keys j <= position) is also what hides the unwritten tail.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kilnx.models.config import ModelConfig
+
+
+class KVCache:
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor]):
+        self.k = k
+        self.v = v
+
+    @classmethod
+    def allocate(cls, num_layers: int, batch: int, num_kv_heads: int, max_seq: int, head_dim: int, *,
+                 dtype=torch.float32, device="cpu") -> "KVCache":
+        shape = (batch, num_kv_heads, max_seq, head_dim)
+        k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        return cls(k, v)
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, batch: int, max_seq: int, *, dtype=torch.float32,
+                  device="cpu") -> "KVCache":
+        return cls.allocate(cfg.num_layers, batch, cfg.num_kv_heads, max_seq, cfg.head_dim,
+                            dtype=dtype, device=device)
+
+    @property
+    def batch(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def max_seq(self) -> int:
+        return self.k[0].shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def bytes_per_token(self) -> int:
+        """Bytes of K and V one position occupies for one sequence, across all layers."""
+        t = self.k[0]
+        return 2 * len(self.k) * t.shape[1] * t.shape[3] * t.element_size()
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        """Store k, v (B, T, Hk, D) at positions (B, T); returns the layer's (k_cache, v_cache)."""
+        kc, vc = self.k[layer], self.v[layer]
+        B = k.shape[0]
+        rows = torch.arange(B, device=kc.device).unsqueeze(1).expand_as(positions)
+        # Index (B, S) dims of a (B, S, Hk, D) view so one index_put_ writes every row and token.
+        kc.transpose(1, 2)[rows, positions] = k
+        vc.transpose(1, 2)[rows, positions] = v
+        return kc, vc
+
+    def rows(self, start: int, stop: int) -> "KVCache":
+        """A view of sequences [start, stop): prefill one sequence into a batched cache."""
+        return KVCache([t[start:stop] for t in self.k], [t[start:stop] for t in self.v])
+
+    def zero_(self) -> None:
+        for t in self.k + self.v:
+            t.zero_()

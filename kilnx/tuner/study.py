@@ -22,6 +22,7 @@ import os
 import random
 import socket
 import time
+import warnings
 import zlib
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -258,11 +259,15 @@ def run_study(target: Target, storage: Any, device_key: str, pool: WorkerPool, s
     kernel, space = target.kernel, target.kernel.space
     name = study_name(kernel, device_key, target.bucket)
     study = open_study(storage, name, settings.seed)
+    tpe = study.sampler
     fail_orphans(study, settings.trial_timeout_s)
+    # Configs to try before TPE, kept in this process: Optuna's shared WAITING queue (enqueue_trial)
+    # can hand one enqueued trial to two processes on SQLite, which has no row locks.
+    first: list[dict] = []
     for cfg in [target.default_config, *target.seed_configs, *warm_configs]:
         full = _valid(space, cfg)
-        if full is not None:
-            study.enqueue_trial(full, skip_if_exists=True)
+        if full is not None and full not in first:
+            first.append(full)
 
     progress = _StudyProgress(study, len(space.params))
     every = valid_configs(space)
@@ -285,15 +290,28 @@ def run_study(target: Target, storage: Any, device_key: str, pool: WorkerPool, s
             return True
         return idle_asks >= _MAX_IDLE_ASKS
 
+    def ask() -> tuple[Any, dict]:
+        taken = set(progress.finished_values) | measuring()
+        while first and config_key(first[0]) in taken:
+            first.pop(0)
+        if first:
+            with warnings.catch_warnings():  # stable in practice since Optuna 2.4; "experimental" by label
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                study.sampler = optuna.samplers.PartialFixedSampler(first.pop(0), tpe)
+        try:
+            trial = study.ask()
+            return trial, space.suggest(trial)
+        finally:
+            study.sampler = tpe
+
     while True:
         while not out_of_budget() and pool.idle_workers():
-            trial = study.ask()
-            trial.set_user_attr("owner", _OWNER)
-            cfg = space.suggest(trial)
+            trial, cfg = ask()
             key = config_key(cfg)
+            _set_attr(trial, "owner", _OWNER)
             if not space.is_valid(cfg):
-                trial.set_user_attr("outcome", "constraint")
-                study.tell(trial, state=TrialState.PRUNED)
+                _set_attr(trial, "outcome", "constraint")
+                _safe_tell(study, trial, state=TrialState.PRUNED)
                 idle_asks += 1
                 continue
             if key not in progress.finished_values and key not in measuring():
@@ -303,22 +321,22 @@ def run_study(target: Target, storage: Any, device_key: str, pool: WorkerPool, s
                 # Measured already, or being measured (by the earlier trial, so of two processes that
                 # drew it at once exactly one measures it): repeat what is known instead of spending a
                 # trial. A config still running elsewhere is told FAIL, which TPE ignores.
-                trial.set_user_attr("outcome", "duplicate")
+                _set_attr(trial, "outcome", "duplicate")
                 known = progress.finished_values.get(key)
                 if known is not None:
-                    study.tell(trial, known)
+                    _safe_tell(study, trial, known)
                 elif key in progress.finished_values:
-                    study.tell(trial, state=TrialState.PRUNED)
+                    _safe_tell(study, trial, state=TrialState.PRUNED)
                 else:
-                    study.tell(trial, state=TrialState.FAIL)
+                    _safe_tell(study, trial, state=TrialState.FAIL)
                 idle_asks += 1
-                if every is not None:
+                if every is not None and not first:
                     # TPE keeps drawing known configs once a small space is nearly covered: hand the
                     # next ask an unmeasured one instead, so covering the space cannot stall.
                     taken = set(progress.finished_values) | measuring()
                     fresh = [c for c in every if config_key(c) not in taken]
                     if fresh:
-                        study.enqueue_trial(rng.choice(fresh))
+                        first.append(rng.choice(fresh))
                 continue
             idle_asks = 0
             job = TrialJob(target.kernel_ref, target.problem, cfg, seed=settings.seed * 7919 + trial.number)
@@ -336,16 +354,34 @@ def run_study(target: Target, storage: Any, device_key: str, pool: WorkerPool, s
     return study, progress
 
 
+def _set_attr(trial: Any, key: str, value: Any) -> None:
+    try:
+        trial.set_user_attr(key, value)
+    except optuna.exceptions.UpdateFinishedTrialError:
+        pass  # finished by another process meanwhile (see _safe_tell)
+
+
+def _safe_tell(study: optuna.Study, trial: Any, *args, **kwargs) -> bool:
+    """Tell, unless another process already finished this trial (then its result stands)."""
+    try:
+        study.tell(trial, *args, **kwargs)
+        return True
+    except (optuna.exceptions.UpdateFinishedTrialError, ValueError) as e:
+        if "finished" in str(e).lower() or "cannot tell" in str(e).lower():
+            return False
+        raise
+
+
 def _tell(study: optuna.Study, trial: Any, out: Outcome) -> None:
     if out.ok and out.time_s is not None and math.isfinite(out.time_s) and out.time_s > 0:
-        trial.set_user_attr("outcome", "ok")
+        _set_attr(trial, "outcome", "ok")
         if out.max_err is not None:
-            trial.set_user_attr("max_err", out.max_err)
-        study.tell(trial, out.time_s)
+            _set_attr(trial, "max_err", out.max_err)
+        _safe_tell(study, trial, out.time_s)
         return
-    trial.set_user_attr("outcome", out.kind or "runtime")
-    trial.set_user_attr("error", (out.error or "")[:1000])
-    study.tell(trial, state=TrialState.PRUNED)
+    _set_attr(trial, "outcome", out.kind or "runtime")
+    _set_attr(trial, "error", (out.error or "")[:1000])
+    _safe_tell(study, trial, state=TrialState.PRUNED)
 
 
 def finalize(target: Target, progress: _StudyProgress, pool: WorkerPool, settings: TuneSettings,

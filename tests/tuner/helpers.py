@@ -25,3 +25,36 @@ def load_trials(url: str, study_name: str):
     from kilnx.cache import TuningDB
     with TuningDB(url) as db:
         return optuna.load_study(study_name=study_name, storage=db.optuna_storage()).get_trials(deepcopy=False)
+
+
+def tune_in_subprocess(url: str, kernel: str, *, trials: int | None = None, workers: int = 1,
+                       env: dict | None = None, problems: list[dict] | None = None):
+    """Start `run_tune` in a new Python process (its own session, so a test can kill the whole group)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = str(Path(__file__).resolve().parents[2])
+    code = (
+        "import json, sys\n"
+        "from kilnx.runtime.device import detect\n"
+        "from tests.tuner.helpers import run_tune\n"
+        "if __name__ == '__main__':\n"
+        f"    rs = run_tune({url!r}, detect('cpu'), [{kernel!r}], trials={trials!r}, workers={workers!r},\n"
+        f"                  problems={problems!r})\n"
+        "    print(json.dumps([{'config': r.config, 'time_s': r.time_s, 'error': r.error,\n"
+        "                       'study': r.study_name} for r in rs]))\n"
+    )
+    full_env = {**os.environ, **(env or {}), "PYTHONPATH": root}
+    return subprocess.Popen([sys.executable, "-c", code], cwd=root, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def evaluations(log_path) -> int:
+    """Trials evaluated by workers, from the fake kernels' log (the gate calls reference twice each)."""
+    from pathlib import Path
+    p = Path(log_path)
+    lines = p.read_text().split() if p.exists() else []
+    assert len(lines) % 2 == 0
+    return len(lines) // 2

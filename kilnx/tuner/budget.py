@@ -35,11 +35,10 @@ def parse_duration(text: str) -> float:
 
 @dataclass
 class Budget:
-    """One overall deadline split across `targets` in order; optional trial cap per target."""
+    """One overall deadline split across `targets` in order."""
 
     total_s: float
     targets: int
-    trials_per_target: int | None = None
     started: float = field(default_factory=time.monotonic)
     done: int = 0  # targets finished so far
 

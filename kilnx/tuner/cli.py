@@ -141,7 +141,7 @@ def tune(
             columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed} trials"),
                        TextColumn("best {task.fields[best]}"), TimeElapsedColumn())
             with Progress(*columns, console=_out, transient=False) as progress:
-                results = tune_session(dev, specs, tdb, Budget(total_s, len(specs), trials), settings,
+                results = tune_session(dev, specs, tdb, Budget(total_s, len(specs)), settings,
                                        workers=workers, reporter=RichReporter(progress, trials))
     except DBError as e:
         _fail(str(e))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -78,13 +79,19 @@ def worker_placement(device: Any, workers: int) -> tuple[str, list[str | None]]:
         return "cpu", [None] * workers
     from kilnx.runtime.device import cuda_info
     import torch
+    # torch's cuda:N counts only the GPUs this process may see; name them as the workers' parent does.
+    parent_visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+
+    def name(i: int) -> str:
+        return parent_visible[i] if i < len(parent_visible) else str(i)
     same = [i for i in range(torch.cuda.device_count()) if cuda_info(i).key == device.key]
     if workers > 1 and len(same) > 1:
-        return "cuda:0", [str(same[i % len(same)]) for i in range(workers)]
-    return "cuda:0", [str(device.index)] * workers
+        return "cuda:0", [name(same[i % len(same)]) for i in range(workers)]
+    return "cuda:0", [name(device.index)] * workers
 
 
-def describe(pool: WorkerPool, specs: list[TargetSpec], timeout_s: float) -> tuple[list[Target], list[TargetResult]]:
+def describe(pool: WorkerPool, specs: list[TargetSpec], timeout_s: float
+             ) -> tuple[list[Target], list[TargetResult]]:
     """Resolve buckets and defaults on the device; problems that land in one bucket are tuned once."""
     targets, failed, seen = [], [], set()
     for spec in specs:

@@ -60,6 +60,9 @@ class TuneSettings:
     trial_timeout_s: float = 60.0
     rerank_rounds: int = 5
     seed: int = 0
+    # A challenger must beat the default by this factor in the interleaved re-rank to replace it:
+    # closer than that is timing noise, and the default is the config everyone can reproduce.
+    min_gain: float = 1.02
 
 
 @dataclass
@@ -175,7 +178,7 @@ def open_study(storage: Any, name: str, seed: int) -> optuna.Study:
     return optuna.load_study(study_name=name, storage=storage, sampler=sampler)
 
 
-def fail_orphans(study: optuna.Study, trial_timeout_s: float) -> int:
+def fail_orphans(study: optuna.Study, storage: Any, trial_timeout_s: float) -> int:
     """Mark RUNNING trials whose process is gone as FAIL (left behind by a killed tune)."""
     host = socket.gethostname()
     too_old = datetime.now() - timedelta(seconds=2 * trial_timeout_s + 120)
@@ -187,8 +190,8 @@ def fail_orphans(study: optuna.Study, trial_timeout_s: float) -> int:
         if o_host == host and o_pid.isdigit() and int(o_pid) != os.getpid():
             dead = dead or not _pid_alive(int(o_pid))
         if dead:
-            try:
-                study._storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
+            try:  # FrozenTrial exposes its storage id only as _trial_id
+                storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
                 failed += 1
             except Exception:  # noqa: BLE001 - another process got there first
                 pass
@@ -260,7 +263,7 @@ def run_study(target: Target, storage: Any, device_key: str, pool: WorkerPool, s
     name = study_name(kernel, device_key, target.bucket)
     study = open_study(storage, name, settings.seed)
     tpe = study.sampler
-    fail_orphans(study, settings.trial_timeout_s)
+    fail_orphans(study, storage, settings.trial_timeout_s)
     # Configs to try before TPE, kept in this process: Optuna's shared WAITING queue (enqueue_trial)
     # can hand one enqueued trial to two processes on SQLite, which has no row locks.
     first: list[dict] = []
@@ -408,8 +411,8 @@ def finalize(target: Target, progress: _StudyProgress, pool: WorkerPool, setting
     best_i = min(range(len(finalists)), key=lambda i: times[i])
     if default_ok:
         result.default_time_s = times[0] if math.isfinite(times[0]) else progress.finished_values[dkey]
-        if times[best_i] >= times[0] or not math.isfinite(times[best_i]):
-            best_i = 0  # never record a config that did not beat the default
+        if not math.isfinite(times[best_i]) or times[best_i] * settings.min_gain > times[0]:
+            best_i = 0  # never record a config that did not clearly beat the default
     result.config = finalists[best_i]
     result.time_s = times[best_i] if math.isfinite(times[best_i]) else progress.finished_values[
         config_key(finalists[best_i])]

@@ -225,8 +225,8 @@ class Worker:
     def start(self) -> None:
         ctx = _context()
         parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, self.device, self.visible, self.threads, dict(os.environ)),
-                                daemon=True, name=f"kilnx-tune-worker-{self.index}")
+        self.proc = ctx.Process(target=_worker_main, daemon=True, name=f"kilnx-tune-worker-{self.index}",
+                                args=(child, self.device, self.visible, self.threads, dict(os.environ)))
         self.proc.start()
         child.close()
         self.conn, self.ready, self.job_id = parent, False, None

@@ -120,3 +120,29 @@ faulty = _named(ScaleAddKernel(modes=FAULTY_MODES), "fake_faulty")
 default_best = _named(ScaleAddKernel(default_block=16, default_unroll=True), "fake_default_best")
 # Each compile takes 0.3 s: slow enough to kill a tune mid-way.
 slow = _named(ScaleAddKernel(compile_s=0.3), "fake_slow")
+
+
+class GpuScaleAddKernel(ScaleAddKernel):
+    """The same y = 2x + 1 whose cost on CUDA is wasted matmul work (a host busy-wait would not be
+    captured in a CUDA graph): BLOCK=16 does the least."""
+
+    name = "fake_gpu_scale_add"
+
+    def compile(self, config, *args):
+        cfg = self.space.validate(config)
+        x = args[0]
+        if not x.is_cuda:
+            return super().compile(config, *args)
+        n = 512 * (1 + abs(cfg["BLOCK"].bit_length() - 5)) + (0 if cfg["unroll"] else 256)
+        scratch = torch.rand(n, n, device=x.device)
+
+        def fn(x):
+            torch.mm(scratch, scratch)  # the cost of this config
+            return x * 2.0 + 1.0
+        return fn
+
+    def sample_problems(self):
+        return [{"M": 64, "N": 4096}]
+
+
+gpu_scale_add = GpuScaleAddKernel()

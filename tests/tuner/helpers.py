@@ -15,7 +15,7 @@ def run_tune(url: str, device, kernels: list[str], *, trials: int | None = None,
     refs = [f"{FAKE}:{k}" for k in kernels]
     specs = [TargetSpec(r, p) for r in refs for p in problems] if problems else plan(kernels=refs)
     with TuningDB(url) as db:
-        return tune_session(device, specs, db, Budget(budget_s, len(specs), trials),
+        return tune_session(device, specs, db, Budget(budget_s, len(specs)),
                             TuneSettings(trials=trials, trial_timeout_s=trial_timeout_s, rerank_rounds=3),
                             workers=workers)
 

@@ -27,3 +27,4 @@ def test_budget_gives_unused_time_to_later_targets():
     assert b.next_target_seconds() == pytest.approx(30, abs=0.5)
     b.started -= 100
     assert b.next_target_seconds() == 0.0
+

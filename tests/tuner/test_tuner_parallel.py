@@ -37,17 +37,18 @@ def test_four_workers_on_one_study_record_each_trial_once(db_url, cpu, tmp_path,
         assert [(x.bucket, x.config) for x in db.valid_results(cpu)] == [("M=4,N=64", BEST)]
 
 
-def test_two_tune_processes_join_one_study(db_url, cpu, tmp_path):
-    # 2 processes x 2 workers = 4 worker processes on one study; as two hosts on one DB would.
+def test_two_tune_processes_join_one_study(db_url, cpu, tmp_path, monkeypatch):
+    # This test process and a second one, 2 workers each: 4 worker processes on one study, as two
+    # hosts on one DB would be.
     log = tmp_path / "evals.log"
-    procs = [tune_in_subprocess(db_url, "scale_add", workers=2, problems=ONE,
-                                env={"KILNX_FAKE_EVAL_LOG": str(log)}) for _ in range(2)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-2000:]
-    reports = [json.loads(out.strip().splitlines()[-1])[0] for out, _ in outs]
-    assert reports[0]["study"] == reports[1]["study"]
-    trials = load_trials(db_url, reports[0]["study"])
+    monkeypatch.setenv("KILNX_FAKE_EVAL_LOG", str(log))
+    other = tune_in_subprocess(db_url, "scale_add", workers=2, problems=ONE)
+    [mine] = run_tune(db_url, cpu, ["scale_add"], workers=2, problems=ONE)
+    out, err = other.communicate(timeout=120)
+    assert other.returncode == 0, err[-2000:]
+    theirs = json.loads(out.strip().splitlines()[-1])[0]
+    assert theirs["study"] == mine.study_name
+    trials = load_trials(db_url, mine.study_name)
     assert len({t.number for t in trials}) == len(trials)
     assert all(t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL) for t in trials)
     measured = _measured(trials)
@@ -55,7 +56,7 @@ def test_two_tune_processes_join_one_study(db_url, cpu, tmp_path):
     # each evaluation recorded once: workers' evaluations == measured trials in the shared study
     assert evaluations(log) == sum(measured.values())
     assert sum(measured.values()) <= 13 + 2  # at most a rare simultaneous draw is measured twice
-    assert reports[0]["config"] == reports[1]["config"] == BEST
+    assert mine.config == theirs["config"] == BEST
     with TuningDB(db_url) as db:
         assert [(x.bucket, x.config) for x in db.valid_results(cpu)] == [("M=4,N=64", BEST)]
 
@@ -93,3 +94,19 @@ def test_a_tune_killed_with_sigkill_resumes_from_its_trials(sqlite_url, cpu):
     assert not [t for t in after if t.state == TrialState.RUNNING]  # the killed run's trial was failed
     with TuningDB(sqlite_url) as db:
         assert [x.bucket for x in db.valid_results(cpu)] == ["M=4,N=64"]
+
+
+def test_workers_are_pinned_to_gpus_of_the_same_model(monkeypatch):
+    import torch
+
+    from kilnx.runtime import device as devmod
+    from kilnx.tuner.session import worker_placement
+    h200 = devmod.DeviceInfo(name="NVIDIA H200", arch="sm_90", index=0)
+    a100 = devmod.DeviceInfo(name="NVIDIA A100", arch="sm_80")
+    models = [h200, a100, h200, h200]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(models))
+    monkeypatch.setattr(devmod, "cuda_info", lambda i: models[i])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # this process sees physical GPUs 4-7
+    assert worker_placement(h200, 4) == ("cuda:0", ["4", "6", "7", "4"])
+    assert worker_placement(devmod.DeviceInfo(name="NVIDIA H200", arch="sm_90", index=2), 1) == ("cuda:0", ["6"])
+    assert worker_placement(devmod.cpu_info(), 3) == ("cpu", [None, None, None])

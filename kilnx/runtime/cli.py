@@ -1,0 +1,131 @@
+"""`kilnx generate` and `kilnx bench`: typer command functions (registered by kilnx/cli.py).
+
+User-facing failures (unknown model, damaged checkpoint, prompt too long, no GPU for --device cuda)
+print one line on stderr and exit 1; only bugs show a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional
+
+import typer
+from typing_extensions import Annotated
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Run models with kilnx kernels.")
+
+_OPS_HELP = "Op implementations: kilnx (DSL kernels), torch (eager peer), auto (kilnx, torch where a kernel is missing)."
+
+
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise typer.Exit(1)
+
+
+def _user_errors():
+    from kilnx.models.errors import ModelError
+    from kilnx.runtime.device import DeviceError
+    return (ModelError, DeviceError)
+
+
+def _parse_lens(text: str) -> list[int]:
+    try:
+        lens = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        _fail(f"--prompt-lens {text!r}: give comma-separated integers, e.g. 128,2048.")
+    if not lens or min(lens) < 1:
+        _fail(f"--prompt-lens {text!r}: lengths must be positive integers.")
+    return lens
+
+
+def generate(
+    model: Annotated[str, typer.Option(help="Model name (smollm2-135m, gemma-3-270m), .gguf file or safetensors dir.")],
+    prompt: Annotated[str, typer.Option(help="Prompt text.")],
+    max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 128,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
+    chat: Annotated[bool, typer.Option(help="Wrap the prompt in the model's chat template.")] = False,
+    top_k: Annotated[int, typer.Option(help="Sample from the k most likely tokens (0 = off).")] = 0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass (1 = off).")] = 1.0,
+    ops: Annotated[Optional[str], typer.Option(help=_OPS_HELP)] = None,
+    stats: Annotated[bool, typer.Option(help="Print timing after the text.")] = True,
+) -> None:
+    """Generate text from a prompt, streaming it as it is produced."""
+    from kilnx.models.loaders import load_model
+    from kilnx.runtime.device import detect
+    from kilnx.runtime.generate import GenerationStats, stream
+    from kilnx.runtime.sampling import SamplingParams
+    try:
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens)
+    except ValueError as e:
+        _fail(str(e))
+    try:
+        info = detect(device)
+        lm = load_model(model, device=info.torch_device, ops=ops or os.environ.get("KILNX_OPS", "auto"))
+        result = None
+        for item in stream(lm, prompt, params, chat=chat):
+            if isinstance(item, GenerationStats):
+                result = item
+            else:
+                sys.stdout.write(item)
+                sys.stdout.flush()
+        sys.stdout.write("\n")
+    except _user_errors() as e:
+        _fail(str(e))
+    if stats and result is not None:
+        print(f"[{result.prompt_tokens} prompt tokens, {result.generated_tokens} generated ({result.stop_reason}); "
+              f"TTFT {result.ttft_s * 1e3:.0f} ms, prefill {result.prefill_tok_s:.1f} tok/s, "
+              f"decode {result.decode_tok_s:.1f} tok/s on {info.name}]", file=sys.stderr)
+
+
+def bench(
+    model: Annotated[str, typer.Option(help="Model name, preset (with --random), .gguf file or safetensors dir.")],
+    random: Annotated[bool, typer.Option(help="Random weights at the preset's real size (any preset).")] = False,
+    prompt_lens: Annotated[str, typer.Option(help="Comma-separated prompt lengths.")] = "128,2048",
+    gen: Annotated[int, typer.Option(help="Tokens to decode per prompt.")] = 128,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
+    csv: Annotated[Optional[str], typer.Option(help="Append result rows to this CSV file.")] = None,
+    weights: Annotated[str, typer.Option(help="Random weight format: q4 (MLX 4-bit, groups of 64) or bf16.")] = "q4",
+    ops: Annotated[Optional[str], typer.Option(help=_OPS_HELP)] = None,
+) -> None:
+    """Measure TTFT, prefill and decode throughput, and % of the memory-bandwidth roofline."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from kilnx.models.backend import ops_name
+    from kilnx.models.loaders import load_model
+    from kilnx.runtime.bench import append_csv, run_bench, weights_label
+    from kilnx.runtime.device import detect
+    lens = _parse_lens(prompt_lens)
+    if gen < 1:
+        _fail("--gen must be at least 1.")
+    if weights not in ("q4", "bf16"):
+        _fail(f"--weights {weights!r}: use q4 or bf16.")
+    try:
+        info = detect(device)
+        lm = load_model(model, device=info.torch_device, ops=ops or os.environ.get("KILNX_OPS", "auto"),
+                        random=random, random_format=weights)
+        rows = run_bench(lm, prompt_lens=lens, gen=gen, model_name=model,
+                         weights=weights_label(lm, random, weights), ops_name=ops_name(lm.model.ops),
+                         bandwidth_gbps=info.copy_bandwidth_gbps)
+    except _user_errors() as e:
+        _fail(str(e))
+    table = Table(title=f"{model} on {info.name} ({rows[0].ops} ops, {rows[0].weights}, "
+                        f"{rows[0].weight_bytes / 1e6:.0f} MB weights, copy {rows[0].copy_bandwidth_gbps:.0f} GB/s)")
+    for col in ("prompt", "gen", "TTFT ms", "prefill tok/s", "decode tok/s", "roofline %"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r.prompt_len), str(r.gen), f"{r.ttft_ms:.1f}", f"{r.prefill_tok_s:.1f}",
+                      f"{r.decode_tok_s:.1f}", f"{r.roofline_pct:.1f}")
+    Console().print(table)
+    if csv:
+        append_csv(csv, rows)
+
+
+app.command()(generate)
+app.command()(bench)
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,128 @@
+"""Engine: chunked prefill and one-token decode steps over a static KV cache.
+
+On CUDA the decode step of each batch bucket (1, 2, 4, ...) is captured once as a CUDA graph with
+static input buffers (token ids, positions) and replayed every step: a decode step is hundreds of
+small launches, and replaying them from a graph removes the CPU launch cost that otherwise
+dominates small-batch decoding. On CPU the same steps run eagerly.
+
+Sequences occupy cache rows; prefill runs one sequence at a time into its row (prompts differ in
+length), decode runs all active rows together with per-row positions.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kilnx.models.errors import ContextLengthError
+from kilnx.runtime.kv_cache import KVCache
+
+
+@dataclass
+class _Graph:
+    graph: object
+    ids: torch.Tensor        # (b, 1) static input
+    positions: torch.Tensor  # (b, 1) static input
+    logits: torch.Tensor     # (b, 1, V) static output
+
+
+def _buckets(max_batch: int) -> list[int]:
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return out + [max_batch]
+
+
+class Engine:
+    def __init__(self, model, *, max_seq: int | None = None, max_batch: int = 1, prefill_chunk: int = 512,
+                 cuda_graphs: bool | None = None):
+        cfg = model.config
+        self.model = model
+        self.config = cfg
+        self.device = model.device
+        self.max_seq = min(max_seq or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self.cache = KVCache.for_model(cfg, max_batch, self.max_seq, dtype=model.dtype, device=self.device)
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda" and os.environ.get("KILNX_CUDA_GRAPHS", "1") != "0"
+        self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
+        self._graphs: dict[int, _Graph] = {}
+        if self.cuda_graphs:
+            self._capture_all()
+
+    # ------------------------------------------------------------------ limits
+    def check_fits(self, prompt_len: int) -> None:
+        if prompt_len < 1:
+            raise ContextLengthError("the prompt is empty; give at least one token.")
+        if prompt_len >= self.max_seq:
+            raise ContextLengthError(
+                f"prompt has {prompt_len} tokens but the context holds {self.max_seq} "
+                f"(model maximum {self.config.max_position_embeddings}); shorten the prompt.")
+
+    # ------------------------------------------------------------------ steps
+    @torch.no_grad()
+    def prefill(self, ids: list[int] | torch.Tensor, row: int = 0, start: int = 0) -> torch.Tensor:
+        """Run prompt `ids` into cache row `row` at positions start.. in chunks; logits (V,) of the last token."""
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+        n = ids.numel()
+        self.check_fits(start + n)
+        ids = ids.to(self.device)
+        cache = self.cache.rows(row, row + 1)
+        logits = None
+        for s in range(0, n, self.prefill_chunk):
+            e = min(n, s + self.prefill_chunk)
+            pos = torch.arange(start + s, start + e, device=self.device).unsqueeze(0)
+            logits = self.model.forward(ids[s:e].unsqueeze(0), pos, cache, last_only=True)
+        return logits[0, -1]
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One step for rows 0..B-1: tokens (B,) at positions (B,) -> logits (B, V)."""
+        B = tokens.shape[0]
+        if int(positions.max()) >= self.max_seq:
+            raise ContextLengthError(f"generation reached the context length ({self.max_seq} tokens).")
+        if self.cuda_graphs:
+            bucket = next(b for b in self._graphs if b >= B)
+            g = self._graphs[bucket]
+            g.ids[:B, 0].copy_(tokens)
+            g.positions[:B, 0].copy_(positions)
+            g.graph.replay()
+            return g.logits[:B, 0]
+        cache = self.cache.rows(0, B) if B != self.max_batch else self.cache
+        logits = self.model.forward(tokens.view(B, 1).to(self.device), positions.view(B, 1).to(self.device),
+                                    cache, last_only=True)
+        return logits[:, 0]
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def _capture_all(self) -> None:
+        # Captured before any real prefill: warm-up and capture write junk K/V at position 0 of each
+        # row, which the first prefill of that row overwrites.
+        pool = torch.cuda.graph_pool_handle()
+        for b in sorted(_buckets(self.max_batch), reverse=True):   # largest first: its pool fits the rest
+            self._graphs[b] = self._capture(b, pool)
+        self._graphs = dict(sorted(self._graphs.items()))
+        self.cache.zero_()
+
+    @torch.no_grad()
+    def _capture(self, b: int, pool) -> _Graph:
+        ids = torch.zeros(b, 1, dtype=torch.long, device=self.device)
+        pos = torch.zeros(b, 1, dtype=torch.long, device=self.device)
+        cache = self.cache.rows(0, b)
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):   # warm-up: lazy kernel compilation and allocator growth happen here
+                self.model.forward(ids, pos, cache, last_only=True)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = self.model.forward(ids, pos, cache, last_only=True)
+        return _Graph(graph, ids, pos, logits)
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,117 @@
+"""User errors give one clear message naming the file and the fix (and the CLI exits 1 without a traceback)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from kilnx.models.errors import CheckpointError, ContextLengthError, ModelError, UnsupportedArchitectureError
+
+
+@pytest.mark.parametrize("nbytes", [3, 200, 2_000_000, 60_000_000])
+def test_truncated_gguf(tmp_path, smollm2_path, nbytes):
+    from kilnx.models.loaders import load_model
+    bad = tmp_path / "cut.gguf"
+    with open(smollm2_path, "rb") as f:
+        bad.write_bytes(f.read(nbytes))
+    with pytest.raises(CheckpointError) as e:
+        load_model(str(bad))
+    msg = str(e.value)
+    assert str(bad) in msg and ("truncated" in msg or "corrupt" in msg) and "\n" not in msg
+
+
+def test_unknown_architecture_gguf(tmp_path):
+    import gguf
+    from kilnx.models.loaders import load_model
+    p = tmp_path / "odd.gguf"
+    w = gguf.GGUFWriter(str(p), "mamba9")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedArchitectureError, match="mamba9"):
+        load_model(str(p))
+
+
+def test_unknown_architecture_dir(tmp_path):
+    from kilnx.models.loaders import load_model
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "rwkv7", "hidden_size": 8}))
+    with pytest.raises(UnsupportedArchitectureError, match="rwkv7"):
+        load_model(str(tmp_path))
+
+
+def test_moe_preset_is_recorded_but_not_runnable():
+    from kilnx.models.loaders import load_model
+    with pytest.raises(UnsupportedArchitectureError, match="MoE"):
+        load_model("qwen3-30b-a3b", random=True)
+
+
+def test_missing_tensor_names_file_and_tensor(tmp_path):
+    from safetensors.torch import save_file
+
+    from kilnx.models.loaders import load_model
+    cfg = {"model_type": "llama", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+           "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 10}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    save_file({"model.embed_tokens.weight": torch.zeros(10, 8)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="missing tensor 'model.layers.0.input_layernorm.weight'"):
+        load_model(str(tmp_path))
+
+
+def test_unknown_model_name():
+    from kilnx.models.loaders import load_model
+    with pytest.raises(ModelError, match="--random"):
+        load_model("llama-3.1-8b")            # a preset without a bundled checkpoint
+
+
+def test_prompt_too_long():
+    from kilnx.models.llama import LlamaModel
+    from kilnx.models.loaders.random_init import RandomSource
+    from kilnx.models.presets import get_preset
+    from kilnx.models.weights import build_weights
+    from kilnx.runtime.generate import generate_text
+    cfg = get_preset("smollm2-135m").with_(num_layers=1, hidden_size=64, intermediate_size=64, num_heads=2,
+                                             num_kv_heads=1, head_dim=32, vocab_size=100,
+                                             max_position_embeddings=16)
+    model = LlamaModel(cfg, build_weights(cfg, RandomSource(cfg, fmt="bf16", dtype=torch.float32)), ops="torch")
+
+    class LM:
+        config, tokenizer, source = cfg, None, "tiny"
+    LM.model = model
+    with pytest.raises(ContextLengthError, match="prompt has 20 tokens but the context holds 16"):
+        generate_text(LM, list(range(20)))
+
+
+def _cli(args):
+    from typer.testing import CliRunner
+
+    from kilnx.runtime.cli import app
+    return CliRunner().invoke(app, args)
+
+
+def test_cli_errors_are_one_line(tmp_path, smollm2_path):
+    bad = tmp_path / "cut.gguf"
+    with open(smollm2_path, "rb") as f:
+        bad.write_bytes(f.read(1000))
+    r = _cli(["generate", "--model", str(bad), "--prompt", "hi", "--device", "cpu"])
+    assert r.exit_code == 1 and r.exception is None or isinstance(r.exception, SystemExit)
+    out = r.output.strip()
+    assert out.startswith("error:") and str(bad) in out and "Traceback" not in out and len(out.splitlines()) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_cli_cuda_without_gpu():
+    r = _cli(["generate", "--model", "smollm2-135m", "--prompt", "hi", "--device", "cuda"])
+    assert r.exit_code == 1
+    assert "no CUDA GPU" in r.output and "Traceback" not in r.output
+
+
+def test_cli_prompt_longer_than_context(smollm2_path):
+    r = _cli(["generate", "--model", smollm2_path, "--prompt", "word " * 9000, "--device", "cpu", "--ops", "torch"])
+    assert r.exit_code == 1
+    assert "context holds 8192" in r.output and "Traceback" not in r.output

@@ -1,0 +1,69 @@
+"""MLX-format checkpoints written by mlx-lm itself (random tiny llama / qwen3, dense and 4-bit with a
+per-layer override): kilnx's logits equal mlx-lm's on the same directory."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+import torch
+
+mx = pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+
+BASE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, vocab_size=320, rms_norm_eps=1e-5, max_position_embeddings=128,
+            bos_token_id=1, eos_token_id=2)
+CONFIGS = {
+    "llama": dict(BASE, model_type="llama", rope_theta=10000.0, tie_word_embeddings=False,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "qwen3": dict(BASE, model_type="qwen3", rope_theta=1e6, tie_word_embeddings=True, num_key_value_heads=1),
+}
+IDS = [3, 17, 99, 250, 5, 61, 7, 128, 300, 42, 11]
+
+
+def _write_mlx_checkpoint(path, config: dict, quant: str | None, seed: int = 0):
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.utils import quantize_model, save_config, save_model
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model = module.Model(module.ModelArgs.from_dict(config))
+    mx.random.seed(seed)
+    params = {}
+    for name, p in tree_flatten(model.parameters()):
+        if name.endswith("norm.weight"):
+            params[name] = 1.0 + 0.1 * mx.random.normal(p.shape)      # norms away from 1 catch mix-ups
+        else:
+            params[name] = mx.random.normal(p.shape) * (p.shape[-1] ** -0.5 if p.ndim == 2 else 0.02)
+    params["model.embed_tokens.weight"] = mx.random.normal((config["vocab_size"], config["hidden_size"]))
+    model.update(tree_unflatten(list(params.items())))
+    if quant == "q4":
+        # 4-bit groups of 64 everywhere, but 8-bit groups of 32 for down_proj: exercises per-layer overrides.
+        def predicate(path, module):
+            return {"group_size": 32, "bits": 8, "mode": "affine"} if "down_proj" in path else True
+        model, config = quantize_model(model, dict(config), group_size=64, bits=4, quant_predicate=predicate)
+    mx.eval(model.parameters())
+    save_model(path, model)
+    save_config(dict(config), path / "config.json")
+    logits = model(mx.array([IDS]))
+    return np.array(logits.astype(mx.float32))[0]
+
+
+@pytest.mark.parametrize("quant", [None, "q4"])
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_logits_match_mlx_lm(tmp_path, arch, quant, backend):
+    from kilnx.models.loaders import load_model
+    from kilnx.runtime.kv_cache import KVCache
+    want = _write_mlx_checkpoint(tmp_path, dict(CONFIGS[arch]), quant)
+    lm = load_model(str(tmp_path), device="cpu", ops=backend)
+    if quant:
+        from kilnx.quant import QWeight
+        assert isinstance(lm.model.weights.layers[0].qkv[0], QWeight)   # stayed quantized
+        assert lm.model.weights.layers[0].down.bits == 8
+    cache = KVCache.for_model(lm.config, 1, 32)
+    with torch.no_grad():
+        got = lm.model.forward(torch.tensor([IDS]), torch.arange(len(IDS))[None], cache)[0].numpy()
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+    assert (got.argmax(-1) == want.argmax(-1)).all()

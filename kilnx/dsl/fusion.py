@@ -141,6 +141,12 @@ class FusionKernel(KernelBase):
         p = self.keyword.get(k)
         return p is not None and p.annotation in (lang.constexpr, "kd.constexpr", "constexpr")
 
+    def _spec(self, config, args, kw, backend):
+        # The lowering (persistent or looped) is chosen at trace time from the row width, so it is part
+        # of what a compiled kernel is specialised on: without it a persistent kernel compiled for a
+        # narrow row was reused for a wider one with the same config (columns past BLOCK_D unwritten).
+        return super()._spec(config, args, kw, backend) + (config["BLOCK_D"] >= self._width(args, kw),)
+
     def _discover(self, args, kw) -> dict[int, int]:
         """Which inputs are split (a throwaway trace): the row width must be known before lowering."""
         if not hasattr(self, "_split_cache"):

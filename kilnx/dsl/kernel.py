@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from kilnx.dsl import lang
-from kilnx.dsl.ir import DSLError, KernelIR, dtype_of, fmt_ir
+from kilnx.dsl.ir import DSLError, KernelIR, dsl_error, dtype_of, fmt_ir
 from kilnx.dsl.tunables import Space, Tunable
 
 CODEGEN_VERSION = "1"  # bump when a lowering changes what a kernel computes or how fast it runs
@@ -120,7 +120,7 @@ class TileKernel(KernelBase):
         self.keyword = {p.name: p for p in self.sig.parameters.values() if p.kind == p.KEYWORD_ONLY}
         for t in space.params:
             if t not in self.keyword and t not in LAUNCH_KNOBS:
-                raise DSLError(f"@kd.kernel {self.name}: tunable {t!r} is not a keyword-only parameter of "
+                raise dsl_error(f"@kd.kernel {self.name}: tunable {t!r} is not a keyword-only parameter of "
                                f"the function (declare `*, {t}` in its signature)")
 
     def _is_constexpr(self, k) -> bool:

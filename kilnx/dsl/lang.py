@@ -171,6 +171,11 @@ class Value:
     __invert__ = lambda a: _unary("invert", a)  # noqa: E731
     __hash__ = object.__hash__
 
+    def __matmul__(self, other):
+        raise dsl_error("`@` is not defined on tiles; use kd.dot(a, b) (accumulates in fp32)")
+
+    __rmatmul__ = __matmul__
+
     def __pow__(self, p):
         if isinstance(p, int) and 1 <= p <= 4:
             out = self

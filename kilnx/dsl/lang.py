@@ -449,6 +449,7 @@ def _ufunc(op):
 
 exp, log, sqrt, rsqrt, sigmoid, erf = (_ufunc(o) for o in ("exp", "log", "sqrt", "rsqrt", "sigmoid", "erf"))
 abs = _ufunc("abs")  # noqa: A001
+cos, sin = _ufunc("cos"), _ufunc("sin")
 
 
 def maximum(a, b):

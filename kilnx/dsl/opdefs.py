@@ -65,6 +65,8 @@ register("rsqrt", 1, _float_of, lambda a: 1.0 / np.sqrt(a), lambda a: f"tl.rsqrt
 register("sigmoid", 1, _float_of, lambda a: 1.0 / (1.0 + np.exp(-a)), lambda a: f"tl.sigmoid({a})",
          lambda a: f"(1.0 / (1.0 + np.exp(-({a}))))")
 register("erf", 1, _float_of, lambda a: _np_erf(a), lambda a: f"tl.erf({a})", lambda a: f"_rt.erf({a})")
+register("cos", 1, _float_of, np.cos, lambda a: f"tl.cos({a})", lambda a: f"np.cos({a})")
+register("sin", 1, _float_of, np.sin, lambda a: f"tl.sin({a})", lambda a: f"np.sin({a})")
 register("abs", 1, _same, np.abs, lambda a: f"tl.abs({a})", lambda a: f"np.abs({a})")
 register("neg", 1, _same, np.negative, lambda a: f"(-{a})", lambda a: f"(-{a})")
 register("invert", 1, _same, np.invert, lambda a: f"(~{a})", lambda a: f"(~{a})")

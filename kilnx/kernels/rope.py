@@ -1,0 +1,137 @@
+"""Rotary position embedding, applied in place to q and k.
+
+One program per token: it computes cos/sin of position * inv_freq for a block of rotary pairs once
+and applies them to every head of q and then of k (blocks of BLOCK_H heads). Dims past the rotary
+width R = 2 * len(inv_freq) are never touched (partial rotary). Addresses go through strides, so q
+and k may be views (e.g. column slices of one fused qkv projection output) and are rotated where
+they live.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import kilnx.dsl as kd
+from kilnx.kernels._tuning import DTYPES
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _rope_key(q, k, positions, inv_freq, **_):
+    return {"T": q.shape[0], "Hq": q.shape[1], "Hk": k.shape[1], "D": q.shape[2], "R": 2 * inv_freq.shape[0]}
+
+
+def _rope_default(q, k, positions, inv_freq, **_):
+    # all pairs of a head in one block, and enough heads per block that a decode step (T=1) is not a
+    # long serial loop
+    return {"BLOCK_R": min(max(_next_pow2(inv_freq.shape[0]), 8), 256),
+            "BLOCK_H": min(_next_pow2(max(q.shape[1], k.shape[1])), 16)}
+
+
+def rotated(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """x (T, H, D) rotated at positions: the float64 formula, returned as a new tensor in x.dtype.
+    Angles are formed in fp32 (position * inv_freq) as every implementation does, then widened."""
+    half = inv_freq.shape[0]
+    angle = (positions.to(torch.float32)[:, None] * inv_freq.to(x.device, torch.float32)[None, :]).double()
+    cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]
+    out = x.double().clone()
+    if interleaved:
+        a, b = out[..., 0:2 * half:2].clone(), out[..., 1:2 * half:2].clone()
+        out[..., 0:2 * half:2], out[..., 1:2 * half:2] = a * cos - b * sin, b * cos + a * sin
+    else:
+        a, b = out[..., :half].clone(), out[..., half:2 * half].clone()
+        out[..., :half], out[..., half:2 * half] = a * cos - b * sin, b * cos + a * sin
+    return out.to(x.dtype)
+
+
+def _rope_spec(q, k, positions, inv_freq, *, INTERLEAVED=False, **_):
+    """The meaning of rope_kernel: (q, k) rotated (returned as new tensors; the kernel works in place)."""
+    return rotated(q, positions, inv_freq, INTERLEAVED), rotated(k, positions, inv_freq, INTERLEAVED)
+
+
+@kd.kernel(
+    tune={"BLOCK_H": kd.pow2(1, 64, default=8), "BLOCK_R": kd.pow2(8, 256, default=64),
+          "num_warps": kd.choice(1, 2, 4, 8, default=2)},
+    key=_rope_key, default=_rope_default, spec=_rope_spec)
+def rope_kernel(q, k, positions, inv_freq, *, INTERLEAVED: kd.constexpr = False, BLOCK_H, BLOCK_R):
+    T = q.shape[0]
+    half = inv_freq.shape[0]
+    t = kd.grid(T)
+    pos = kd.load(positions, t).f32()
+    for r0 in kd.range(0, half, BLOCK_R):
+        pair = r0 + kd.arange(0, BLOCK_R)
+        in_rotary = (pair < half)[None, :]   # lanes past R/2 would otherwise rotate pass-through dims
+        angle = pos * kd.load(inv_freq, pair).f32()
+        cos = kd.cos(angle)[None, :]
+        sin = kd.sin(angle)[None, :]
+        if INTERLEAVED:
+            dim_a, dim_b = (2 * pair)[None, :], (2 * pair + 1)[None, :]
+        else:
+            dim_a, dim_b = pair[None, :], (pair + half)[None, :]
+        for x in (q, k):
+            for h0 in kd.range(0, x.shape[1], BLOCK_H):
+                head = (h0 + kd.arange(0, BLOCK_H))[:, None]
+                # upcast right after loading: 16-bit arithmetic is not trusted (see design notes)
+                a = kd.load(x, t, head, dim_a, mask=in_rotary).f32()
+                b = kd.load(x, t, head, dim_b, mask=in_rotary).f32()
+                kd.store(x, t, head, dim_a, a * cos - b * sin, mask=in_rotary)
+                kd.store(x, t, head, dim_b, b * cos + a * sin, mask=in_rotary)
+
+
+def rope_(q, k, positions, inv_freq, *, interleaved=False) -> None:
+    """kilnx.ops.rope_: rotate q (T, Hq, D) and k (T, Hk, D) in place at positions (T,)."""
+    if 2 * inv_freq.shape[0] > q.shape[-1] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"rope_: rotary width {2 * inv_freq.shape[0]} must be <= head dim, and q, k must "
+                         f"share it (q {tuple(q.shape)}, k {tuple(k.shape)})")
+    rope_kernel(q, k, positions, inv_freq, INTERLEAVED=bool(interleaved))
+
+
+class InPlaceAsOutputs:
+    """A kernel that writes into some of its arguments, seen by the tuner as one that returns them.
+
+    The tuner's gate compares what a kernel returns with its reference; an in-place kernel returns
+    nothing, so this wrapper returns the mutated arguments after each call. Everything else (name,
+    source hash, key, tunables) is the wrapped kernel's, so tuned configs apply to it directly.
+    """
+
+    def __init__(self, kernel, mutated: tuple[int, ...]):
+        self.kernel, self.mutated = kernel, mutated
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+    def tuning(self, **kw):
+        self.kernel.tuning(**kw)
+        return self
+
+    def compile(self, config, *args, backend=None, **kw):
+        run = self.kernel.compile(config, *args, backend=backend, **kw)
+
+        def run_and_return(*a, **k):
+            run(*a, **k)
+            return tuple(a[i] for i in self.mutated)
+        return run_and_return
+
+    def __call__(self, *args, **kw):
+        self.kernel(*args, **kw)
+        return tuple(args[i] for i in self.mutated)
+
+
+def _rope_problem_args(problem: dict, device: str):
+    """{T, Hq, Hk, D, R, dtype} -> (q, k, positions, inv_freq); positions spread over a long context."""
+    dt = DTYPES[problem.get("dtype", "bf16")]
+    g = torch.Generator(device="cpu").manual_seed(hash(tuple(sorted(problem.items()))) & 0xFFFF)
+    T, D, R = problem["T"], problem["D"], problem.get("R", problem["D"])
+    q = torch.randn(T, problem["Hq"], D, generator=g).to(dt).to(device)
+    k = torch.randn(T, problem["Hk"], D, generator=g).to(dt).to(device)
+    positions = torch.randint(0, 8192, (T,), generator=g).to(device)
+    inv_freq = (500000.0 ** (-torch.arange(0, R, 2, dtype=torch.float32) / R)).to(device)
+    return q, k, positions, inv_freq
+
+
+rope_tunable = InPlaceAsOutputs(rope_kernel, mutated=(0, 1)).tuning(
+    make_args=_rope_problem_args,
+    problems=[{"T": T, "Hq": 32, "Hk": 8, "D": 128, "R": 128, "dtype": "bf16"} for T in (1, 16, 512, 4096)]
+    + [{"T": T, "Hq": 8, "Hk": 1, "D": 256, "R": 256, "dtype": "bf16"} for T in (1, 512)])

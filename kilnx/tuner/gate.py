@@ -5,7 +5,8 @@ the classic way an autotuner fools itself. So every candidate runs on fresh rand
 output is compared with `kernel.reference(...)` within tolerance. NaN never passes, even where the
 reference has one. To catch outputs the kernel never writes, the allocator is poisoned before each
 call (blocks of the output sizes are filled with NaN, then a huge value, and freed, so a fresh
-`empty` tends to get them back), and the candidate must pass under both poisons.
+`empty` tends to get them back), and the candidate must pass under both poisons, on two input draws
+that are not the inputs it is timed on.
 """
 
 from __future__ import annotations
@@ -86,13 +87,33 @@ def _poison_allocator(refs: Sequence[Any], device: str, value: float) -> None:
     del blocks  # freed blocks go back to the caching allocator (GPU) or malloc (CPU) holding `value`
 
 
-def check(kernel: Any, fn: Callable[..., Any], make_args: Callable[[], tuple], device: str) -> float:
-    """Run `fn` on fresh args under two poisons; max abs error if every output matches, else raise."""
+def _clone(args: Sequence[Any]) -> tuple:
+    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+class GateCases:
+    """Input draws and their reference outputs for one problem, computed once and reused by every
+    trial: the numpy reference of a large problem can cost more than the trial itself. Each use hands
+    out clones of the inputs, so a kernel that writes its inputs cannot spoil the next trial's check."""
+
+    def __init__(self, kernel: Any, make_args: Callable[[int], tuple], draws: int = 2):
+        self.cases = []
+        for draw in range(draws):
+            args = tuple(make_args(draw))
+            self.cases.append((args, as_tuple(kernel.reference(*_clone(args)))))
+
+    def __iter__(self):
+        for args, refs in self.cases:
+            yield _clone(args), refs
+
+
+def check(kernel: Any, fn: Callable[..., Any], cases, device: str) -> float:
+    """Run `fn` on each (args, reference outputs) case, under a different poison each time; the max
+    abs error if every output matches, else raise GateFailure."""
     worst = 0.0
-    for poison in (float("nan"), 3.0e4):
-        args = make_args()
-        refs = as_tuple(kernel.reference(*args))
-        _poison_allocator(refs, device, poison)
+    poisons = (float("nan"), 3.0e4)
+    for i, (args, refs) in enumerate(cases):
+        _poison_allocator(refs, device, poisons[i % len(poisons)])
         outs = as_tuple(fn(*args))
         if device.startswith("cuda"):
             torch.cuda.synchronize(device)

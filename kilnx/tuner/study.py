@@ -401,8 +401,8 @@ def finalize(target: Target, progress: _StudyProgress, pool: WorkerPool, setting
     dkey = config_key(default)
     default_ok = progress.finished_values.get(dkey) is not None
     finalists = ([default] if default_ok else []) + [c for c, _ in top if config_key(c) != dkey]
-    rerank = pool.run(RerankJob(target.kernel_ref, target.problem, finalists, rounds=settings.rerank_rounds,
-                                seed=settings.seed + 1), timeout_s=settings.trial_timeout_s * 2)
+    rerank = pool.run(RerankJob(target.kernel_ref, target.problem, finalists, rounds=settings.rerank_rounds),
+                      timeout_s=settings.trial_timeout_s * 2)
     if rerank.ok and rerank.times and any(math.isfinite(t) for t in rerank.times):
         times = rerank.times
         result.peer_time_s = rerank.peer_time_s

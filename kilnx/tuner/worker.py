@@ -13,8 +13,10 @@ with CUDA_VISIBLE_DEVICES before touching CUDA.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
+import signal
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -22,6 +24,11 @@ from multiprocessing.connection import wait as wait_for
 from typing import Any
 
 _STARTUP_TIMEOUT_S = 180.0
+# Input seeds by purpose, in disjoint ranges: trials use small ones (their trial number), the gate's
+# draws start at GATE_SEED, so a config is never checked on the inputs it is timed on.
+GATE_SEED = 1_000_003
+DESCRIBE_SEED = 2_000_000_001
+RERANK_SEED = 2_000_000_002
 
 
 @dataclass
@@ -39,7 +46,7 @@ class RerankJob:
     configs: list[dict]
     rounds: int = 5
     with_peer: bool = True
-    seed: int = 0
+    seed: int = RERANK_SEED
 
 
 @dataclass
@@ -80,12 +87,21 @@ class _WorkerState:
     def __init__(self, device: str):
         self.device = device
         self.kernels: dict[str, Any] = {}
+        self.cases: dict[tuple, Any] = {}
 
     def kernel(self, ref: str):
         if ref not in self.kernels:
             from kilnx.tuner.refs import resolve
             self.kernels[ref] = resolve(ref)
         return self.kernels[ref]
+
+    def gate_cases(self, kernel, job) -> "gate.GateCases":
+        from kilnx.tuner import gate
+        key = (job.kernel_ref, json.dumps(job.problem, sort_keys=True, default=str))
+        if key not in self.cases:
+            self.cases.clear()  # one problem at a time: large inputs must not pile up
+            self.cases[key] = gate.GateCases(kernel, lambda d: self.make_args(kernel, job.problem, GATE_SEED + d))
+        return self.cases[key]
 
     def make_args(self, kernel, problem: dict, seed: int) -> tuple:
         import numpy as np
@@ -103,13 +119,8 @@ def _run_trial(job: TrialJob, st: _WorkerState) -> Outcome:
         fn = kernel.compile(dict(job.config), *args)
     except Exception as e:  # noqa: BLE001 - any compile failure fails the trial, not the tune
         return Outcome(False, kind=_classify(e, "compile"), error=_short(e), recycle=_needs_recycle(e))
-    gate_seed = [job.seed]
-
-    def fresh_args() -> tuple:
-        gate_seed[0] += 1_000_003  # a new input draw per gate pass, never the timing inputs
-        return st.make_args(kernel, job.problem, gate_seed[0])
     try:
-        max_err = gate.check(kernel, fn, fresh_args, st.device)
+        max_err = gate.check(kernel, fn, st.gate_cases(kernel, job), st.device)
     except gate.GateFailure as e:
         return Outcome(False, kind="wrong", error=str(e))
     except Exception as e:  # noqa: BLE001
@@ -153,7 +164,7 @@ def _run_rerank(job: RerankJob, st: _WorkerState) -> Outcome:
 
 def _run_describe(job: DescribeJob, st: _WorkerState) -> Outcome:
     kernel = st.kernel(job.kernel_ref)
-    args = st.make_args(kernel, job.problem, 0)
+    args = st.make_args(kernel, job.problem, DESCRIBE_SEED)
     seeds = getattr(kernel, "seed_configs", None)
     info = {"bucket": str(kernel.key(*args)), "default_config": dict(kernel.default_config(*args)),
             "seed_configs": [dict(c) for c in seeds(job.problem)] if callable(seeds) else []}
@@ -173,6 +184,9 @@ def _worker_main(conn, device: str, visible_devices: str | None, threads: int, e
     # (TRITON_*, CUDA_*, anything set since) before anything reads it.
     os.environ.clear()
     os.environ.update(environ)
+    # Lead a process group of our own, so killing a hung worker also ends what it started (a ptxas
+    # still compiling a pathological config would otherwise outlive it).
+    os.setpgrp()
     if visible_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
     os.environ.setdefault("NUMBA_NUM_THREADS", str(threads))
@@ -233,6 +247,12 @@ class Worker:
         self.started_at = time.monotonic()
 
     def kill(self) -> None:
+        if self.proc is not None and self.proc.pid is not None:
+            try:  # the worker's own group (see _worker_main); only our worker leads it
+                if os.getpgid(self.proc.pid) == self.proc.pid:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         if self.proc is not None and self.proc.is_alive():
             self.proc.kill()
         if self.proc is not None:

@@ -13,7 +13,8 @@ PROBLEM = {"M": 4, "N": 64}
 
 def _check(kernel, config):
     fn = kernel.compile(config, *kernel.make_args(PROBLEM, "cpu"))
-    return gate.check(kernel, fn, lambda: kernel.make_args(PROBLEM, "cpu"), "cpu")
+    cases = gate.GateCases(kernel, lambda draw: kernel.make_args(PROBLEM, "cpu"))
+    return gate.check(kernel, fn, cases, "cpu")
 
 
 def test_gate_passes_a_correct_config():
@@ -27,6 +28,14 @@ def test_gate_rejects_wrong_nan_and_unwritten_outputs(mode, message):
     k = ScaleAddKernel(modes=FAULTY_MODES)
     with pytest.raises(gate.GateFailure, match=message):
         _check(k, {"mode": mode})
+
+
+def test_gate_cases_hand_out_clones_so_inplace_kernels_cannot_spoil_them():
+    k = ScaleAddKernel()
+    cases = gate.GateCases(k, lambda draw: k.make_args(PROBLEM, "cpu"))
+    for args, _ in cases:
+        args[0].zero_()  # an in-place kernel scribbling on its input
+    assert all(float(args[0].min()) >= 0.5 for args, _ in cases)
 
 
 def test_gate_rejects_shape_and_count_mismatch():

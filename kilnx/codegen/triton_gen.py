@@ -77,6 +77,9 @@ class _Gen:
             if src.op == "const":
                 lit = float(src.arg) if n.dtype.startswith("f") else int(src.arg)
                 return f"{name} = tl.full([], {lit!r}, {TL[n.dtype]})"
+            if src.op in ("dim", "param"):
+                # Triton specializes int arguments equal to 1 into constexprs, which have no .to()
+                return f"{name} = tl.cast({r[0]}, {TL[n.dtype]})"
             return f"{name} = {r[0]}.to({TL[n.dtype]})"
         if op == "var":
             return f"{name} = {r[0]}"

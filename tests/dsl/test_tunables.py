@@ -1,0 +1,164 @@
+"""Tunables and Space: what a kernel author declares and what the tuner searches.
+
+A config is a plain dict name -> value. A Space knows each tunable's candidates and default, fills
+partial configs with defaults, rejects what is not in it, and checks constraints over whole configs.
+Optuna sees each tunable as one categorical; constraints are checked after drawing (the tuner prunes).
+"""
+
+from __future__ import annotations
+
+import json
+
+import optuna
+import pytest
+
+import kilnx.dsl as kd
+from kilnx.dsl import Space, SpaceError
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+# ---- single tunables ----------------------------------------------------------------------------------
+def test_pow2_is_the_powers_of_two_between_its_bounds_with_the_middle_as_default():
+    t = kd.pow2(16, 256)
+    assert t.values == (16, 32, 64, 128, 256)
+    assert t.default == 64
+    assert kd.pow2(1, 1).values == (1,) and kd.pow2(1, 1).default == 1
+    assert kd.pow2(16, 256, default=16).default == 16
+
+
+@pytest.mark.parametrize("make", [lambda: kd.pow2(16, 64, default=48), lambda: kd.choice(1, 2, default=3),
+                                  lambda: kd.int_range(1, 4, default=7)])
+def test_a_default_outside_the_values_is_rejected(make):
+    with pytest.raises(SpaceError, match="is not one of"):
+        make()
+
+
+def test_int_range_is_inclusive_and_stepped():
+    assert kd.int_range(1, 4).values == (1, 2, 3, 4)
+    assert kd.int_range(2, 9, step=3).values == (2, 5, 8)
+    assert kd.int_range(2, 9, step=3).default == 2
+
+
+def test_choice_defaults_to_its_first_value_and_keeps_order():
+    assert kd.choice("a", "b").values == ("a", "b")
+    assert kd.choice("a", "b").default == "a"
+    assert kd.choice(8, 2, 4, default=4).values == (8, 2, 4)
+    assert kd.choice(0, 1).default == 0          # a falsy first value is still the default
+
+
+def test_boolean():
+    assert kd.boolean().values == (False, True) and kd.boolean().default is False
+    assert kd.boolean(default=True).default is True
+
+
+# ---- spaces -------------------------------------------------------------------------------------------
+def tile_space() -> Space:
+    return Space({"BLOCK_M": kd.pow2(16, 64), "BLOCK_K": kd.pow2(16, 64), "SPLIT": kd.choice(1, 2, 4),
+                  "num_warps": kd.choice(4, 8)},
+                 constraints=(lambda BLOCK_M, BLOCK_K: BLOCK_M * BLOCK_K <= 2048,
+                              lambda SPLIT, num_warps: SPLIT * num_warps <= 16))
+
+
+def test_default_is_every_tunables_default():
+    assert tile_space().default() == {"BLOCK_M": 32, "BLOCK_K": 32, "SPLIT": 1, "num_warps": 4}
+
+
+def test_validate_fills_missing_names_with_defaults():
+    s = tile_space()
+    assert s.validate({}) == s.default()
+    assert s.validate({"BLOCK_K": 16, "SPLIT": 4}) == {"BLOCK_M": 32, "BLOCK_K": 16, "SPLIT": 4, "num_warps": 4}
+
+
+def test_validate_rejects_unknown_names_values_outside_and_broken_constraints():
+    s = tile_space()
+    with pytest.raises(SpaceError, match=r"unknown tunables \['BLOCK_N'\]"):
+        s.validate({"BLOCK_N": 16})
+    with pytest.raises(SpaceError, match="BLOCK_M=48 is not one of"):
+        s.validate({"BLOCK_M": 48})
+    with pytest.raises(SpaceError, match="breaks a constraint"):
+        s.validate({"BLOCK_M": 64, "BLOCK_K": 64})
+    with pytest.raises(SpaceError, match="breaks a constraint"):
+        s.validate({"SPLIT": 4, "num_warps": 8})
+
+
+def test_is_valid_checks_only_constraints():
+    s = tile_space()
+    assert s.is_valid({"BLOCK_M": 64, "BLOCK_K": 32, "SPLIT": 2, "num_warps": 8})
+    assert not s.is_valid({"BLOCK_M": 64, "BLOCK_K": 64, "SPLIT": 1, "num_warps": 4})
+
+
+def test_a_constraint_naming_an_unknown_tunable_is_rejected_at_definition():
+    with pytest.raises(SpaceError, match=r"unknown tunables \['BLOCK_N'\]"):
+        Space({"BLOCK_M": kd.pow2(16, 64)}, constraints=(lambda BLOCK_M, BLOCK_N: True,))
+
+
+def test_a_default_that_breaks_a_constraint_is_rejected_at_definition():
+    with pytest.raises(SpaceError, match="default config"):
+        Space({"A": kd.choice(1, 2), "B": kd.choice(1, 2)}, constraints=(lambda A, B: A != B,))
+
+
+def test_iteration_yields_exactly_the_valid_configs_in_declaration_order():
+    s = tile_space()
+    configs = list(s)
+    assert s.size() == 3 * 3 * 3 * 2
+    brute = [{"BLOCK_M": m, "BLOCK_K": k, "SPLIT": sp, "num_warps": w}
+             for m in (16, 32, 64) for k in (16, 32, 64) for sp in (1, 2, 4) for w in (4, 8)]
+    assert configs == [c for c in brute if c["BLOCK_M"] * c["BLOCK_K"] <= 2048 and c["SPLIT"] * c["num_warps"] <= 16]
+    assert len(configs) == 8 * 5
+    for c in configs:
+        assert s.validate(c) == c
+        assert json.loads(json.dumps(c)) == c      # configs are plain JSON
+
+
+def test_an_empty_space_has_one_config():
+    s = Space()
+    assert s.default() == {} and list(s) == [{}] and s.validate({}) == {}
+
+
+# ---- Optuna -------------------------------------------------------------------------------------------
+def test_suggest_draws_each_tunable_as_a_categorical_over_its_values():
+    s = tile_space()
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    seen = []
+    for _ in range(40):
+        trial = study.ask()
+        cfg = s.suggest(trial)
+        assert set(cfg) == set(s.params)
+        for name, value in cfg.items():
+            assert value in s.params[name].values
+            dist = trial.distributions[name]
+            assert isinstance(dist, optuna.distributions.CategoricalDistribution)
+            assert tuple(dist.choices) == s.params[name].values
+        seen.append(cfg)
+        study.tell(trial, 1.0)
+    # constraints are not applied while drawing: the tuner checks is_valid and prunes
+    assert any(not s.is_valid(c) for c in seen)
+    assert any(s.is_valid(c) for c in seen)
+
+
+def test_suggest_replays_a_fixed_config():
+    """The tuner enqueues the default first; suggest must hand back exactly that config."""
+    s = tile_space()
+    study = optuna.create_study()
+    want = {"BLOCK_M": 16, "BLOCK_K": 64, "SPLIT": 2, "num_warps": 8}
+    study.enqueue_trial(want)
+    assert s.suggest(study.ask()) == want
+
+
+def test_kernel_spaces_validate_configs_passed_to_compile():
+    @kd.kernel(tune={"B": kd.pow2(16, 64)})
+    def copy(x, *, B):
+        n = x.shape[0]
+        pid = kd.grid(kd.cdiv(n, B))
+        r = pid * B + kd.arange(0, B)
+        out = kd.output((n,), x.dtype)
+        kd.store(out, r, kd.load(x, r))
+        return out
+
+    import torch
+    x = torch.arange(40, dtype=torch.float32)
+    assert copy.default_config(x) == {"B": 32}
+    assert torch.equal(copy(x, backend="reference", config={"B": 16}), x)
+    with pytest.raises(SpaceError, match="B=24 is not one of"):
+        copy(x, backend="reference", config={"B": 24})

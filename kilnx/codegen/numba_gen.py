@@ -111,7 +111,7 @@ class _Gen:
         if op == "trans":
             return [f"{name} = np.ascontiguousarray({r[0]}.T)"]
         if op == "dot":
-            return [f"{name} = np.dot(np.ascontiguousarray({r[0]}).astype(np.float32), "
+            return [f"{name} = _rt.matmul(np.ascontiguousarray({r[0]}).astype(np.float32), "
                     f"np.ascontiguousarray({r[1]}).astype(np.float32)).astype({NP[n.dtype]})"]
         if op == "load":
             return self.load(n, name, r)

@@ -104,6 +104,18 @@ def scatter_add_bf16(flat, off, mask, value):
             flat[o[i]] = f32_to_bf16_bits(cur)[0]
 
 
+@njit(**_NJ)
+def matmul(a, b):
+    """(M, K) @ (K, N) fp32 tiles by loops: numba's np.dot needs scipy's BLAS, not a kilnx dependency."""
+    out = np.zeros((a.shape[0], b.shape[1]), dtype=np.float32)
+    for i in range(a.shape[0]):
+        for k in range(a.shape[1]):
+            aik = a[i, k]
+            for j in range(b.shape[1]):
+                out[i, j] += aik * b[k, j]
+    return out
+
+
 # Reductions of 1-d and 2-d tiles. `kind`: 0 sum, 1 max, 2 min.
 @njit(**_NJ)
 def _combine(kind, a, b):

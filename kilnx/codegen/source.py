@@ -86,3 +86,4 @@ def live_nodes(ir: KernelIR) -> set[int]:
             # a live node inside a loop keeps the loop (and its bounds) alive
             stack += [lp for lp in loops if lp.arg is n.block]
     return live
+

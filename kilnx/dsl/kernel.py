@@ -34,8 +34,9 @@ class KernelBase:
     name: str
     space: Space
 
-    def __init__(self, name, space, key_fn, default_fn, spec_fn, source):
+    def __init__(self, name, space, key_fn, default_fn, spec_fn, source, specialize=None):
         self.name, self.space = name, space
+        self._specialize = specialize
         self._key_fn, self._default_fn, self._spec_fn = key_fn, default_fn, spec_fn
         self.source_hash = hashlib.sha256((CODEGEN_VERSION + source).encode()).hexdigest()
         self._compiled: dict = {}
@@ -43,19 +44,25 @@ class KernelBase:
         self._problems: list[dict] = []
         self.peer: Callable | None = None
 
+    def _with_specialization(self, args, kw) -> dict:
+        """Compile-time values derived from the arguments (e.g. bit width from packed shapes)."""
+        if self._specialize is None:
+            return kw
+        return {**self._specialize(*args), **kw}
+
     # --- protocol ---------------------------------------------------------------------------------
     def key(self, *args, **kw) -> str:
         if self._key_fn is None:
             shapes = {f"a{i}": "x".join(map(str, a.shape)) for i, a in enumerate(args)
                       if isinstance(a, torch.Tensor)}
             return format_key(shapes)
-        k = self._key_fn(*args, **kw)
+        k = self._key_fn(*args, **self._with_specialization(args, kw))
         return k if isinstance(k, str) else format_key(k)
 
     def default_config(self, *args, **kw) -> dict:
         cfg = self.space.default()
         if self._default_fn is not None:
-            cfg.update(self._default_fn(*args, **kw))
+            cfg.update(self._default_fn(*args, **self._with_specialization(args, kw)))
         return self.space.validate(cfg)
 
     def sample_problems(self) -> list[dict]:
@@ -68,13 +75,14 @@ class KernelBase:
 
     def compile(self, config: dict | None, *args, backend: str | None = None, **kw):
         from kilnx.codegen.launch import default_backend
+        kw = self._with_specialization(args, kw)
         config = self.space.validate(config or {}) if config is not None else self.default_config(*args, **kw)
         backend = backend or default_backend(args)
         spec = self._spec(config, args, kw, backend)
         if spec not in self._compiled:
             self._compiled[spec] = self._build(config, args, kw, backend)
         launch = self._compiled[spec]
-        return lambda *a, **k: self._run(launch, a, k)
+        return lambda *a, **k: self._run(launch, a, self._with_specialization(a, k))
 
     def __call__(self, *args, backend: str | None = None, config: dict | None = None, **kw):
         if config is None and backend != "reference":
@@ -84,7 +92,7 @@ class KernelBase:
     def reference(self, *args, **kw):
         """The numpy-defined result: the kernel's spec function, else the IR interpreted in numpy."""
         if self._spec_fn is not None:
-            return self._spec_fn(*args, **kw)
+            return self._spec_fn(*args, **self._with_specialization(args, kw))
         return self.compile(self.default_config(*args, **kw), *args, backend="reference", **kw)(*args, **kw)
 
     def _tuned_config(self, args, kw) -> dict:
@@ -111,8 +119,8 @@ class KernelBase:
 
 
 class TileKernel(KernelBase):
-    def __init__(self, fn, space: Space, key_fn, default_fn, spec_fn):
-        super().__init__(fn.__name__, space, key_fn, default_fn, spec_fn, inspect.getsource(fn))
+    def __init__(self, fn, space: Space, key_fn, default_fn, spec_fn, specialize=None):
+        super().__init__(fn.__name__, space, key_fn, default_fn, spec_fn, inspect.getsource(fn), specialize)
         self.fn = fn
         self.sig = inspect.signature(fn)
         self.positional = [p.name for p in self.sig.parameters.values()
@@ -128,6 +136,7 @@ class TileKernel(KernelBase):
         return p is not None and p.annotation in (lang.constexpr, "kd.constexpr", "constexpr")
 
     def trace(self, config: dict, args, kw) -> KernelIR:
+        kw = self._with_specialization(args, kw)
         if len(args) != len(self.positional):
             raise DSLError(f"{self.name} takes {len(self.positional)} tensors ({', '.join(self.positional)}), "
                            f"got {len(args)}")
@@ -230,11 +239,12 @@ def _name_nodes(local_names: dict):
 
 
 def kernel(fn=None, *, tune: dict[str, Tunable] | Space | None = None, key=None, default=None,
-           constraints=(), spec=None):
+           constraints=(), spec=None, specialize=None):
     """Define a tile-level kernel. `tune`: name -> kd.pow2/choice/... (or a Space); `key`: args ->
     dict of sizes naming the shape bucket; `default`: args -> partial config overriding defaults;
-    `spec`: args -> expected output (the kernel's meaning, used by tests and the tuner's gate)."""
+    `spec`: args -> expected output (the kernel's meaning, used by tests and the tuner's gate);
+    `specialize`: args -> compile-time keyword values derived from shapes (each value compiles apart)."""
     def wrap(f):
         space = tune if isinstance(tune, Space) else Space(dict(tune or {}), tuple(constraints))
-        return TileKernel(f, space, key, default, spec)
+        return TileKernel(f, space, key, default, spec, specialize)
     return wrap(fn) if fn is not None else wrap

@@ -122,7 +122,7 @@ class FusionKernel(KernelBase):
         rows = [a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2]
         width = self._width(args, kw)
         n_rows = rows[0].numel() // rows[0].shape[-1] if rows else 1
-        block = min(max(64, 1 << (width - 1).bit_length()), 8192)
+        block = min(max(64, 1 << (width - 1).bit_length()), 16384)
         r = 1
         while n_rows >= 4 * 132 * r * 2 and r * block < 4096 and r < 64:
             r *= 2

@@ -181,3 +181,39 @@ def qmatmul(x: torch.Tensor, w) -> torch.Tensor:
     else:
         y = qmm(*args)
     return y.reshape(*lead, w.shape[0])
+
+
+def make_qmatmul_args(problem: dict, device: str):
+    """Random packed words and small random scales/biases: a valid QWeight without quantizing on
+    the host (quantizing 8B weights with the numpy reference would take minutes)."""
+    m, n, k = problem["M"], problem["N"], problem["K"]
+    bits, gs = problem.get("bits", 4), problem.get("gs", 64)
+    g = torch.Generator(device="cpu").manual_seed(m * 7919 + n * 31 + k)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(device)
+    wq = torch.randint(-2**31, 2**31 - 1, (n, k * bits // 32), generator=g, dtype=torch.int64)
+    wq = wq.to(torch.int32).to(device)
+    scales = (torch.rand(n, k // gs, generator=g) * 0.02 + 0.001).to(torch.bfloat16).to(device)
+    biases = (-scales.float() * (2 ** (bits - 1))).to(torch.bfloat16)
+    return x, wq, scales, biases
+
+
+def _dense_peer(x, wq, scales, biases):
+    """cuBLAS (torch.matmul) on the dequantized bf16 weight: the peer a quantized kernel must beat."""
+    w = getattr(_dense_peer, "_cache", {}).get(id(wq))
+    if w is None:
+        w = _dense_spec_weight(x, wq, scales, biases)
+        _dense_peer._cache = {id(wq): w}
+    return x @ w.T
+
+
+def _dense_spec_weight(x, wq, scales, biases):
+    f = _format_of(x, wq, scales, biases)
+    from kilnx.quant import QWeight
+    q = QWeight.from_mlx(wq.cpu(), scales.cpu(), biases.cpu(), bits=f["BITS"], group_size=f["GROUP"])
+    return q.dequantize(torch.bfloat16).to(x.device)
+
+
+QMV_PROBLEMS = [{"M": m, "N": 4096, "K": 4096, "bits": 4, "gs": 64} for m in (1, 4)]
+QMM_PROBLEMS = [{"M": 512, "N": 4096, "K": 4096, "bits": 4, "gs": 64}]
+qmv.tuning(make_args=make_qmatmul_args, problems=QMV_PROBLEMS, peer=_dense_peer)
+qmm.tuning(make_args=make_qmatmul_args, problems=QMM_PROBLEMS, peer=_dense_peer)

@@ -1,0 +1,55 @@
+"""Every kernel in the library, by name, and the tuning problems a model needs.
+
+The tuner and `kilnx kernels list` find kernels here; a kernel object follows the protocol in
+kilnx/dsl/kernel.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+MODULES = ("norms", "activations", "rope", "attention", "qmatmul")
+
+
+def all() -> list:  # noqa: A001 - the registry's natural verb
+    found = {}
+    for mod in MODULES:
+        try:
+            m = importlib.import_module(f"kilnx.kernels.{mod}")
+        except ImportError:
+            continue
+        for obj in vars(m).values():
+            if hasattr(obj, "space") and hasattr(obj, "source_hash") and hasattr(obj, "compile"):
+                found[obj.name] = obj
+    return sorted(found.values(), key=lambda k: k.name)
+
+
+def get(name: str):
+    for k in all():
+        if k.name == name:
+            return k
+    names = ", ".join(k.name for k in all())
+    raise KeyError(f"no kernel named {name!r}; registered kernels: {names}")
+
+
+def source_hashes() -> dict[str, str]:
+    return {k.name: k.source_hash for k in all()}
+
+
+def problems_for_model(model: str) -> list[tuple[str, dict]]:
+    """(kernel name, problem) pairs for a zoo preset or a model path: decode and prefill shapes of
+    its norms, activations and quantized GEMMs (4-bit gs64, as the runtime's --random format)."""
+    from kilnx.models.presets import get_preset, problems
+    cfg = get_preset(model)
+    out: list[tuple[str, dict]] = []
+    for g in problems(cfg):
+        for m in (1, 4, 16):
+            out.append(("qmv", {"M": m, "N": g["N"], "K": g["K"], "bits": 4, "gs": 64}))
+        for m in (512, 2048):
+            out.append(("qmm", {"M": m, "N": g["N"], "K": g["K"], "bits": 4, "gs": 64}))
+    for rows in (1, 2048):
+        out.append(("add_rms_norm_kernel", {"rows": rows, "D": cfg.hidden_size, "dtype": "bf16"}))
+        out.append(("rms_norm_kernel", {"rows": rows, "D": cfg.hidden_size, "dtype": "bf16"}))
+        width = cfg.intermediate_size or cfg.moe_intermediate_size
+        out.append(("silu_mul_kernel", {"rows": rows, "D": width, "dtype": "bf16"}))
+    return out

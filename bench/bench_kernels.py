@@ -1,0 +1,292 @@
+"""Kernel benchmarks: kilnx against its peers measured in the same run, written as CSV.
+
+    python bench/bench_kernels.py --out DIR [--suite fusions,quant] [--smoke]
+
+Every timing is a CUDA graph replaying the kernel over enough distinct input copies that they do
+not fit in L2 (so the weights really stream from HBM), divided by the number of calls; peers
+(torch eager, torch.compile, cuBLAS bf16 on the dequantized weight, the HBM copy) are timed the
+same way in the same process. `--smoke` runs tiny shapes on the CPU/interpreter to check the script.
+Columns: suite,case,metric,value,peer,peer_value,device,torch,triton,commit,date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from kilnx.kernels import activations, norms, qmatmul  # noqa: E402
+
+L2_BYTES = 60 << 20
+COLUMNS = ["suite", "case", "metric", "value", "peer", "peer_value", "device", "torch", "triton", "commit", "date"]
+
+
+class Recorder:
+    def __init__(self, path: str):
+        self.path = path
+        import triton
+        self.meta = {
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "triton": triton.__version__,
+            "commit": _commit(), "date": datetime.date.today().isoformat()}
+        self.rows = []
+
+    def add(self, suite, case, metric, value, peer="", peer_value=""):
+        row = {"suite": suite, "case": case, "metric": metric, "value": _fmt(value), "peer": peer,
+               "peer_value": _fmt(peer_value), **self.meta}
+        self.rows.append(row)
+        print(f"{suite:8s} {case:40s} {metric:22s} {_fmt(value):>10s}  {peer} {_fmt(peer_value)}", flush=True)
+        with open(self.path, "w", newline="") as f:
+            w = csv.DictWriter(f, COLUMNS)
+            w.writeheader()
+            w.writerows(self.rows)
+
+
+def _fmt(v):
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except Exception:  # noqa: BLE001 - the device copy may have no git metadata
+        return os.environ.get("KILNX_COMMIT", "unknown")
+
+
+def time_calls(fn, arg_sets, reps: int = 20) -> float:
+    """Median seconds per call of fn over rotating arg sets, replayed in a CUDA graph."""
+    if not torch.cuda.is_available():
+        t = time.perf_counter()
+        for a in arg_sets:
+            fn(*a)
+        return (time.perf_counter() - t) / len(arg_sets)
+    for a in arg_sets:   # warm-up compiles outside the graph
+        fn(*a)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g):
+            for a in arg_sets:
+                fn(*a)
+    torch.cuda.current_stream().wait_stream(s)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) / 1e3 / len(arg_sets))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copies_for(nbytes: int, smoke: bool) -> int:
+    return 2 if smoke else max(2, min(64, (4 * L2_BYTES) // max(nbytes, 1) + 1))
+
+
+def copy_bandwidth(rec: Recorder, smoke: bool) -> float:
+    n = (1 << 20) if smoke else (1 << 31)   # 4 GiB of bf16 read + written... 2^31 elements = 4 GiB
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    a = torch.empty(n, dtype=torch.bfloat16, device=dev).normal_()
+    b = torch.empty_like(a)
+    t = time_calls(lambda: b.copy_(a), [()] * 3)
+    bw = 2 * a.numel() * a.element_size() / t / 1e9
+    rec.add("copy", "copy_4GiB_bf16", "GBps", bw)
+    del a, b
+    return bw
+
+
+def bench_fusions(rec: Recorder, copy_bw: float, smoke: bool):
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dt = torch.bfloat16
+    cases = [("add_rms_norm", 4096), ("rms_norm", 4096), ("silu_mul", 14336), ("gelu_tanh_mul", 14336)]
+    rows_list = [1, 16, 4096] if not smoke else [1, 3]
+    for name, width in cases:
+        if smoke:
+            width = 256
+        for rows in rows_list:
+            case = f"{name}_{rows}x{width}"
+            try:
+                _bench_one_fusion(rec, name, rows, width, dt, dev, copy_bw, smoke, case)
+            except Exception as e:  # noqa: BLE001 - one failing case must not lose the others
+                rec.add("fusions", case, "error", repr(e)[:200])
+                traceback.print_exc()
+
+
+def _fusion_setup(name, rows, width, dt, dev):
+    def mk(*shape):
+        return torch.randn(*shape, dtype=dt, device=dev)
+    if name == "add_rms_norm":
+        args = (mk(rows, width), mk(rows, width), mk(width))
+        kern = lambda x, r, w: norms.add_rms_norm(x, r, w, 1e-6)  # noqa: E731
+        eager = lambda x, r, w: _eager_add_rms(x, r, w)  # noqa: E731
+        nbytes = 4 * rows * width * 2 + width * 2
+    elif name == "rms_norm":
+        args = (mk(rows, width), mk(width))
+        kern = lambda x, w: norms.rms_norm(x, w, 1e-6)  # noqa: E731
+        eager = lambda x, w: _eager_rms(x, w)  # noqa: E731
+        nbytes = 2 * rows * width * 2 + width * 2
+    else:
+        args = (mk(rows, 2 * width),)
+        kern = activations.silu_mul if name == "silu_mul" else activations.gelu_tanh_mul
+        eager = _eager_silu_mul if name == "silu_mul" else _eager_gelu_mul
+        nbytes = 3 * rows * width * 2
+    return args, kern, eager, nbytes
+
+
+def _bench_one_fusion(rec, name, rows, width, dt, dev, copy_bw, smoke, case):
+    args, kern, eager, nbytes = _fusion_setup(name, rows, width, dt, dev)
+    n = copies_for(nbytes, smoke)
+    sets = [tuple(a.clone() for a in args) for _ in range(n)]
+    t_k = time_calls(kern, sets)
+    t_e = time_calls(eager, sets)
+    rec.add("fusions", case, "GBps", nbytes / t_k / 1e9, "torch_eager", nbytes / t_e / 1e9)
+    rec.add("fusions", case, "pct_of_copy", 100 * nbytes / t_k / 1e9 / copy_bw, "copy_GBps", copy_bw)
+    rec.add("fusions", case, "us", t_k * 1e6, "torch_eager_us", t_e * 1e6)
+    if torch.cuda.is_available() and rows == 4096 and name in ("add_rms_norm", "silu_mul") and not smoke:
+        comp = torch.compile(eager, dynamic=False)
+        t_c = time_calls(comp, sets)
+        rec.add("fusions", case, "GBps_vs_compile", nbytes / t_k / 1e9, "torch_compile", nbytes / t_c / 1e9)
+
+
+def _eager_rms(x, w):
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()).to(x.dtype)
+
+
+def _eager_add_rms(x, r, w):
+    h = x.float() + r.float()
+    return h.to(x.dtype), (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()).to(x.dtype)
+
+
+def _eager_silu_mul(gu):
+    g, u = gu.float().chunk(2, -1)
+    return (torch.nn.functional.silu(g) * u).to(gu.dtype)
+
+
+def _eager_gelu_mul(gu):
+    g, u = gu.float().chunk(2, -1)
+    return (torch.nn.functional.gelu(g, approximate="tanh") * u).to(gu.dtype)
+
+
+LLAMA8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+QMV_CONFIGS = [dict(BLOCK_N=bn, BLOCK_KW=kw, SPLIT_K=sk, num_warps=nw, num_stages=ns)
+               for bn, kw, sk, nw, ns in [
+                   (4, 64, 1, 4, 2), (4, 128, 1, 4, 2), (8, 64, 1, 4, 2), (2, 128, 1, 2, 3),
+                   (4, 128, 2, 2, 4), (4, 256, 1, 4, 3), (8, 128, 1, 8, 2), (16, 64, 1, 8, 2),
+                   (2, 256, 2, 2, 4), (1, 512, 1, 4, 2), (4, 64, 4, 2, 3), (8, 32, 1, 4, 3),
+                   (16, 32, 1, 4, 2), (32, 16, 1, 4, 2)]]
+QMM_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+               for bm, bn, bk, nw, ns in [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4),
+                                          (128, 128, 128, 8, 3), (64, 256, 64, 8, 4), (128, 64, 64, 4, 4)]]
+
+
+def bench_quant(rec: Recorder, copy_bw: float, smoke: bool):
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    shapes = LLAMA8B if not smoke else {"o": (64, 256)}
+    for label, (n, k) in shapes.items():
+        for m in ((1, 4, 8) if not smoke else (1, 3)):
+            _safe(rec, f"qmv_b4_M{m}_{label}", lambda: _bench_qmv(rec, label, n, k, m, dev, copy_bw, smoke))
+    for label in (("gate_up",) if not smoke else ("o",)):
+        n, k = shapes[label]
+        for m in ((512, 4096) if not smoke else (32,)):
+            _safe(rec, f"qmm_b4_M{m}_{label}", lambda: _bench_qmm(rec, label, n, k, m, dev, smoke))
+
+
+def _safe(rec, case, fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        rec.add("quant", case, "error", repr(e)[:200])
+        traceback.print_exc()
+
+
+def _qargs(m, n, k, dev, copies):
+    return [qmatmul.make_qmatmul_args({"M": m, "N": n, "K": k, "bits": 4, "gs": 64}, dev) for _ in range(copies)]
+
+
+def _bench_qmv(rec, label, n, k, m, dev, copy_bw, smoke):
+    wbytes = n * k // 2 + 2 * 2 * n * (k // 64)
+    sets = _qargs(m, n, k, dev, copies_for(wbytes, smoke))
+    case = f"qmv_b4_M{m}_{label}"
+    check = sets[0]
+    ref = qmatmul._dense_peer(*check).float()
+    results = []
+    for cfg in ([qmatmul.qmv.default_config(*check)] + QMV_CONFIGS[: (3 if smoke else None)]):
+        def run(x, wq, s, b, cfg=cfg):
+            y = qmatmul.qmv(x, wq, s, b, config=cfg)
+            return y if y.dtype == x.dtype else y.to(x.dtype)
+        try:
+            err = (run(*check).float() - ref).abs().max().item() / (ref.abs().max().item() + 1e-9)
+            if not err < 2e-2:
+                print(f"{case} {cfg}: wrong (rel err {err:.3g}), skipped")
+                continue
+            results.append((time_calls(run, sets), cfg))
+        except Exception as e:  # noqa: BLE001 - a config that fails to compile is skipped
+            print(f"{case} {cfg}: {e!r}"[:300])
+    dense = [(x, qmatmul._dense_spec_weight(x, wq, s, b)) for x, wq, s, b in sets[:max(2, copies_for(n * k * 2, smoke))]]
+    t_cublas = time_calls(lambda x, w: x @ w.T, dense)
+    t_default, best = results[0][0], min(results, key=lambda r: r[0])
+    rec.add("quant", case, "GBps", wbytes / best[0] / 1e9, "cublas_bf16_GBps", n * k * 2 / t_cublas / 1e9)
+    rec.add("quant", case, "GBps_default_config", wbytes / t_default / 1e9, "copy_GBps", copy_bw)
+    rec.add("quant", case, "pct_of_copy", 100 * wbytes / best[0] / 1e9 / copy_bw, "best_config", str(best[1]))
+    rec.add("quant", case, "us", best[0] * 1e6, "cublas_bf16_us", t_cublas * 1e6)
+
+
+def _bench_qmm(rec, label, n, k, m, dev, smoke):
+    wbytes = n * k // 2
+    sets = _qargs(m, n, k, dev, 2)
+    case = f"qmm_b4_M{m}_{label}"
+    check = sets[0]
+    ref = qmatmul._dense_peer(*check).float()
+    results = []
+    for cfg in [qmatmul.qmm.default_config(*check)] + QMM_CONFIGS[: (2 if smoke else None)]:
+        run = lambda x, wq, s, b, cfg=cfg: qmatmul.qmm(x, wq, s, b, config=cfg)  # noqa: E731
+        try:
+            err = (run(*check).float() - ref).abs().max().item() / (ref.abs().max().item() + 1e-9)
+            if not err < 3e-2:
+                print(f"{case} {cfg}: wrong (rel err {err:.3g}), skipped")
+                continue
+            results.append((time_calls(run, sets, reps=10), cfg))
+        except Exception as e:  # noqa: BLE001
+            print(f"{case} {cfg}: {e!r}"[:300])
+    dense = [(x, qmatmul._dense_spec_weight(x, wq, s, b)) for x, wq, s, b in sets]
+    t_cublas = time_calls(lambda x, w: x @ w.T, dense, reps=10)
+    best = min(results, key=lambda r: r[0])
+    flops = 2 * m * n * k
+    rec.add("quant", case, "ratio_vs_cublas_time", best[0] / t_cublas, "best_config", str(best[1]))
+    rec.add("quant", case, "ratio_vs_cublas_time_default", results[0][0] / t_cublas)
+    rec.add("quant", case, "TFLOPs", flops / best[0] / 1e12, "cublas_bf16_TFLOPs", flops / t_cublas / 1e12)
+    del wbytes
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=".")
+    p.add_argument("--suite", default="fusions,quant")
+    p.add_argument("--smoke", action="store_true")
+    a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    date = datetime.date.today().isoformat()
+    for suite in a.suite.split(","):
+        rec = Recorder(os.path.join(a.out, f"{date}_h200_{suite}.csv"))
+        bw = copy_bandwidth(rec, a.smoke)
+        {"fusions": bench_fusions, "quant": bench_quant}[suite](rec, bw, a.smoke)
+
+
+if __name__ == "__main__":
+    main()

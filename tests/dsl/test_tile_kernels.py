@@ -1,0 +1,369 @@
+"""Small `@kd.kernel` tile kernels exercising the language, each checked on every backend.
+
+For each kernel: the Triton source (run by the Triton interpreter), the numba lowering and the numpy
+reference interpreter agree with each other and with a torch formula written here. Kernels cover:
+kd.range loops with accumulators (`+=`, `.set`), nested loops, kd.static_range, kd.dot (tl.dot when
+every dim >= 16, broadcast-multiply-and-sum below), kd.where, reductions with keepdims, `x[:, None]`,
+kd.reshape, kd.trans, split-K kd.atomic_add into a zeroed kd.output, int32 bit ops, casts.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kilnx.dsl as kd
+from dsl_helpers import assert_close, randn
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="Triton kernels run on CPU only under TRITON_INTERPRET=1")
+
+FEW = settings(max_examples=4, deadline=None, derandomize=True)
+BACKENDS = ["reference", "triton", "numba"]
+
+
+def run_all(kernel, args, configs, *, numba=True, **kw):
+    """{(backend, config index): outputs} for Triton and the reference over `configs`, and numba over
+    the first config only: each numba specialisation (kernel x dtypes x config) is a slow compile."""
+    out = {}
+    for i, cfg in enumerate(configs):
+        for backend in ("reference", "triton"):
+            out[backend, i] = kernel(*args, backend=backend, config=cfg, **kw)
+    if numba:
+        out["numba", 0] = kernel(*args, backend="numba", config=configs[0], **kw)
+    return out
+
+
+def check_all(results, want, close=assert_close):
+    for (backend, i), got in results.items():
+        close(got, want, what=f"{backend} config #{i} vs torch")
+        close(got, results["reference", 0], what=f"{backend} config #{i} vs reference")
+
+
+# ---- kd.range with a `+=` accumulator; x[:, None]; masked loads -------------------------------------
+@kd.kernel(tune={"BLOCK_M": kd.pow2(2, 8), "BLOCK_K": kd.pow2(16, 64)})
+def row_sum(x, *, BLOCK_M, BLOCK_K):
+    M, K = x.shape
+    pid = kd.grid(kd.cdiv(M, BLOCK_M))
+    rows = pid * BLOCK_M + kd.arange(0, BLOCK_M)
+    acc = kd.zeros((BLOCK_M,), kd.f32)
+    for k0 in kd.range(0, K, BLOCK_K):
+        cols = k0 + kd.arange(0, BLOCK_K)
+        tile = kd.load(x, rows[:, None], cols[None, :])
+        acc += kd.sum(tile.f32(), axis=1)
+    out = kd.output((M,), kd.f32)
+    kd.store(out, rows, acc)
+    return out
+
+
+@FEW
+@given(m=st.sampled_from([1, 5, 8]), k=st.sampled_from([3, 40, 100]), seed=st.integers(0, 99))
+def test_row_sum_range_loop_accumulator(m, k, seed):
+    x = randn(m, k, seed=seed)
+    res = run_all(row_sum, (x,), [{"BLOCK_M": 4, "BLOCK_K": 16}, {"BLOCK_M": 8, "BLOCK_K": 64}])
+    check_all(res, x.sum(-1))
+
+
+# ---- nested kd.range loops; an accumulator created inside the outer loop; 3-d loads -------------------
+@kd.kernel(tune={"BLOCK_M": kd.choice(4, 8), "BLOCK_K": kd.choice(16)})
+def weighted_batch_sum(x, *, BLOCK_M, BLOCK_K):
+    """out[m] = sum_b (b + 1) * sum_k x[b, m, k]"""
+    B, M, K = x.shape
+    pid = kd.grid(kd.cdiv(M, BLOCK_M))
+    rows = pid * BLOCK_M + kd.arange(0, BLOCK_M)
+    total = kd.zeros((BLOCK_M,), kd.f32)
+    for b in kd.range(0, B):
+        part = kd.zeros((BLOCK_M, 1), kd.f32)
+        for k0 in kd.range(0, K, BLOCK_K):
+            cols = k0 + kd.arange(0, BLOCK_K)
+            part += kd.sum(kd.load(x, b, rows[:, None], cols[None, :]), axis=1, keepdims=True)
+        total += kd.reshape(part, (BLOCK_M,)) * (b + 1)
+    out = kd.output((M,), kd.f32)
+    kd.store(out, rows, total)
+    return out
+
+
+@FEW
+@given(b=st.sampled_from([1, 3]), m=st.sampled_from([2, 9]), k=st.sampled_from([5, 33]), seed=st.integers(0, 99))
+def test_nested_range_loops(b, m, k, seed):
+    x = randn(b, m, k, seed=seed)
+    weights = torch.arange(1, b + 1, dtype=torch.float32)[:, None]
+    want = (x.sum(-1) * weights).sum(0)
+    check_all(run_all(weighted_batch_sum, (x,), [{"BLOCK_M": 4}, {"BLOCK_M": 8}]), want)
+
+
+# ---- kd.dot in both lowerings; `.set` accumulator; 16-bit inputs --------------------------------------
+@kd.kernel(tune={"BLOCK_M": kd.choice(4, 16), "BLOCK_N": kd.choice(16, 32), "BLOCK_K": kd.choice(8, 16)})
+def matmul(a, b, *, BLOCK_M, BLOCK_N, BLOCK_K):
+    M, K = a.shape
+    N = b.shape[1]
+    pm, pn = kd.grid(kd.cdiv(M, BLOCK_M), kd.cdiv(N, BLOCK_N))
+    rm = pm * BLOCK_M + kd.arange(0, BLOCK_M)
+    rn = pn * BLOCK_N + kd.arange(0, BLOCK_N)
+    acc = kd.zeros((BLOCK_M, BLOCK_N), kd.f32)
+    for k0 in kd.range(0, K, BLOCK_K):
+        rk = k0 + kd.arange(0, BLOCK_K)
+        acc.set(acc + kd.dot(kd.load(a, rm[:, None], rk[None, :]), kd.load(b, rk[:, None], rn[None, :])))
+    c = kd.output((M, N), a.dtype)
+    kd.store(c, rm[:, None], rn[None, :], acc)
+    return c
+
+
+TENSOR_CORE = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
+BROADCAST_SUM = {"BLOCK_M": 4, "BLOCK_N": 16, "BLOCK_K": 8}
+
+
+def test_dot_lowering_depends_on_tile_dims():
+    a, b = randn(20, 24), randn(24, 18)
+    assert "tl.dot(" in matmul.triton_source(a, b, config=TENSOR_CORE)
+    small = matmul.triton_source(a, b, config=BROADCAST_SUM)
+    assert "tl.dot(" not in small and "tl.sum(" in small
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@FEW
+@given(m=st.sampled_from([1, 3, 20]), n=st.sampled_from([5, 18]), k=st.sampled_from([7, 24]),
+       seed=st.integers(0, 99))
+def test_matmul_both_dot_lowerings(dtype, m, n, k, seed):
+    a, b = randn(m, k, dtype=dtype, seed=seed), randn(k, n, dtype=dtype, seed=seed + 1)
+    want = (a.float() @ b.float()).to(dtype)
+    res = run_all(matmul, (a, b), [TENSOR_CORE, BROADCAST_SUM], numba=dtype == torch.bfloat16)
+    check_all(res, want, lambda g, w, what: assert_close(g, w, atol=1e-5, what=what))
+
+
+# ---- split-K GEMV: kd.atomic_add into kd.output(zero=True); a runtime loop start ----------------------
+@kd.kernel(tune={"BLOCK_N": kd.pow2(16, 64, default=16), "BLOCK_K": kd.pow2(16, 64, default=16),
+                 "SPLIT_K": kd.choice(1, 2, 4, default=2)})
+def gemv_split_k(w, x, *, BLOCK_N, BLOCK_K, SPLIT_K):
+    """y = w @ x; program (n, s) sums the K-blocks s, s + SPLIT_K, ... and adds its part atomically."""
+    N, K = w.shape
+    pid_n, pid_k = kd.grid(kd.cdiv(N, BLOCK_N), SPLIT_K)
+    rows = pid_n * BLOCK_N + kd.arange(0, BLOCK_N)
+    acc = kd.zeros((BLOCK_N,), kd.f32)
+    for k0 in kd.range(pid_k * BLOCK_K, K, SPLIT_K * BLOCK_K):
+        cols = k0 + kd.arange(0, BLOCK_K)
+        wt = kd.load(w, rows[:, None], cols[None, :]).f32()
+        xv = kd.load(x, cols).f32()
+        acc += kd.sum(wt * xv[None, :], axis=1)
+    y = kd.output((N,), kd.f32, name="y", zero=True)
+    kd.atomic_add(y, rows, acc)
+    return y
+
+
+@FEW
+@given(n=st.sampled_from([1, 17, 40]), k=st.sampled_from([16, 50, 130]), seed=st.integers(0, 99))
+def test_split_k_gemv_atomics(n, k, seed):
+    w, x = randn(n, k, dtype=torch.bfloat16, seed=seed), randn(k, dtype=torch.bfloat16, seed=seed + 1)
+    want = w.float() @ x.float()
+    configs = [{"SPLIT_K": 4}, {"SPLIT_K": 1, "BLOCK_K": 64}, {"SPLIT_K": 2, "BLOCK_N": 64, "BLOCK_K": 32}]
+    check_all(run_all(gemv_split_k, (w, x), configs), want,
+              lambda g, w_, what: assert_close(g, w_, atol=1e-4, what=what))
+
+
+# ---- kd.static_range unroll, int32 shifts and masks (4-bit codes), int->float casts -------------------
+@kd.kernel(tune={"BLOCK_N": kd.choice(4, 8), "BLOCK_W": kd.choice(4)})
+def dequant_int4(q, scale, *, BLOCK_N, BLOCK_W):
+    """q (N, W) int32 words holding 8 unsigned 4-bit codes LSB-first: out[n, 8w + j] =
+    (code_j(q[n, w]) - 8) * scale[n]."""
+    N, W = q.shape
+    pn, pw = kd.grid(kd.cdiv(N, BLOCK_N), kd.cdiv(W, BLOCK_W))
+    rn = pn * BLOCK_N + kd.arange(0, BLOCK_N)
+    rw = pw * BLOCK_W + kd.arange(0, BLOCK_W)
+    words = kd.load(q, rn[:, None], rw[None, :])
+    s = kd.load(scale, rn)[:, None]
+    out = kd.output((N, W * 8), kd.f32)
+    for j in kd.static_range(8):
+        code = (words >> (4 * j)) & 0xF
+        kd.store(out, rn[:, None], rw[None, :] * 8 + j, (code - 8).to(kd.f32) * s)
+    return out
+
+
+def unpack_int4(q: torch.Tensor) -> torch.Tensor:
+    u = q.numpy().view(np.uint32)
+    codes = (u[..., None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF
+    return torch.from_numpy(codes.reshape(q.shape[0], -1).astype(np.int64))
+
+
+@FEW
+@given(n=st.sampled_from([1, 6]), w=st.sampled_from([3, 5]), seed=st.integers(0, 99))
+def test_static_range_unpacks_int4_codes(n, w, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-2**31, 2**31 - 1, (n, w), dtype=torch.int32, generator=g)
+    q[0, 0] = -1          # every code 15: arithmetic right shifts must be masked off
+    scale = randn(n, seed=seed, shift=1.0)
+    want = (unpack_int4(q) - 8).float() * scale[:, None]
+    assert "for " not in dequant_int4.triton_source(q, scale, config={"BLOCK_N": 4})   # unrolled
+    check_all(run_all(dequant_int4, (q, scale), [{"BLOCK_N": 4}, {"BLOCK_N": 8}]), want)
+
+
+# ---- reductions with keepdims and kd.where: a masked row softmax ---------------------------------------
+@kd.kernel(tune={"BLOCK_M": kd.choice(2, 4), "BLOCK_D": kd.choice(128)})
+def softmax(x, *, BLOCK_M, BLOCK_D):
+    M, D = x.shape
+    pid = kd.grid(kd.cdiv(M, BLOCK_M))
+    rows = pid * BLOCK_M + kd.arange(0, BLOCK_M)
+    cols = kd.arange(0, BLOCK_D)
+    inside = cols[None, :] < D
+    v = kd.load(x, rows[:, None], cols[None, :], mask=inside, other=float("-inf")).f32()
+    m = kd.max(v, axis=1, keepdims=True)
+    e = kd.where(inside, kd.exp(v - m), 0.0)
+    p = e / kd.sum(e, axis=1, keepdims=True)
+    out = kd.output((M, D), x.dtype)
+    kd.store(out, rows[:, None], cols[None, :], p, mask=inside)
+    return out
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")   # rows past M are all -inf (never stored)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@FEW
+@given(m=st.sampled_from([1, 4, 5]), d=st.sampled_from([1, 50, 128]), seed=st.integers(0, 99))
+def test_softmax_keepdims_reductions_and_where(dtype, m, d, seed):
+    x = randn(m, d, dtype=dtype, seed=seed, scale=3.0)
+    want = torch.softmax(x.float(), -1).to(dtype)
+    # numba has no float16 on CPU: it runs the fp32 case
+    check_all(run_all(softmax, (x,), [{"BLOCK_M": 2}, {"BLOCK_M": 4}], numba=dtype == torch.float32), want)
+
+
+# ---- kd.reshape and kd.trans ------------------------------------------------------------------------
+@kd.kernel(tune={"BLOCK": kd.choice(8, 16)})
+def pair_sum_transposed(x, *, BLOCK):
+    """x (M, 2N) -> out (N, M) with out[j, i] = x[i, 2j] + x[i, 2j + 1]."""
+    M, K = x.shape
+    pm, pk = kd.grid(kd.cdiv(M, BLOCK), kd.cdiv(K, 2 * BLOCK))
+    rm = pm * BLOCK + kd.arange(0, BLOCK)
+    rk = pk * (2 * BLOCK) + kd.arange(0, 2 * BLOCK)
+    tile = kd.load(x, rm[:, None], rk[None, :])                      # (BLOCK, 2 BLOCK)
+    pairs = kd.reshape(tile, (BLOCK * BLOCK, 2)).sum(axis=1)         # neighbours along a row
+    s = kd.reshape(pairs, (BLOCK, BLOCK))                            # s[i, j]
+    rj = pk * BLOCK + kd.arange(0, BLOCK)
+    out = kd.output((K // 2, M), x.dtype)
+    kd.store(out, rj[:, None], rm[None, :], kd.trans(s))
+    return out
+
+
+@FEW
+@given(m=st.sampled_from([3, 16, 20]), n=st.sampled_from([1, 7, 9]), seed=st.integers(0, 99))
+def test_reshape_and_trans(m, n, seed):
+    x = randn(m, 2 * n, seed=seed)
+    want = (x[:, 0::2] + x[:, 1::2]).T.contiguous()
+    check_all(run_all(pair_sum_transposed, (x,), [{"BLOCK": 8}, {"BLOCK": 16}]), want)
+
+
+# ---- casts -------------------------------------------------------------------------------------------
+@kd.kernel(tune={"BLOCK": kd.choice(64)})
+def casts(x, *, BLOCK):
+    n = x.shape[0]
+    pid = kd.grid(kd.cdiv(n, BLOCK))
+    r = pid * BLOCK + kd.arange(0, BLOCK)
+    v = kd.load(x, r)
+    as_i32 = kd.output((n,), kd.i32, name="as_i32")
+    as_bf16 = kd.output((n,), kd.bf16, name="as_bf16")
+    sign = kd.output((n,), kd.i8, name="sign")
+    back = kd.output((n,), kd.f32, name="back")
+    kd.store(as_i32, r, v.to(kd.i32))                           # truncates toward zero
+    kd.store(as_bf16, r, v.to(kd.bf16))                         # rounds to nearest even
+    kd.store(sign, r, (v > 0).to(kd.i8) - (v < 0).to(kd.i8))    # bool -> int
+    kd.store(back, r, v.to(kd.i32).to(kd.f32) + 0.5)            # int -> float
+    return as_i32, as_bf16, sign, back
+
+
+@kd.kernel(tune={"BLOCK": kd.choice(64)})
+def to_f16(x, *, BLOCK):
+    n = x.shape[0]
+    pid = kd.grid(kd.cdiv(n, BLOCK))
+    r = pid * BLOCK + kd.arange(0, BLOCK)
+    out = kd.output((n,), kd.f16)
+    kd.store(out, r, kd.load(x, r).to(kd.f16))
+    return out
+
+
+CAST_INPUT = torch.cat([randn(90, seed=3, scale=100.0),
+                        torch.tensor([0.0, -0.5, 0.5, -2.75, 2.75, 1.0 + 2**-9, 1.0 + 3 * 2**-9])])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_casts(backend):
+    x = CAST_INPUT
+    want = (x.to(torch.int32), x.to(torch.bfloat16), torch.sign(x).to(torch.int8),
+            x.to(torch.int32).float() + 0.5)
+    got = casts(x, backend=backend, config={})
+    for g, w, what in zip(got, want, ("i32", "bf16", "sign", "back")):
+        if what in ("i32", "sign"):
+            assert g.dtype == w.dtype and torch.equal(g, w), f"{backend} {what}: {g} != {w}"
+        elif backend == "triton" and what == "bf16":
+            assert_close(g, w, ulps=1, atol=0, what=f"{backend} {what}")   # the interpreter truncates
+        else:
+            assert_close(g, w, ulps=0, atol=0, what=f"{backend} {what}")    # exact
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])   # numba has no float16 on CPU
+def test_cast_to_f16_rounds_to_nearest_even(backend):
+    x = CAST_INPUT
+    assert_close(to_f16(x, backend=backend, config={}), x.to(torch.float16), ulps=0, atol=0, what=backend)
+
+
+# ---- the GPU source (not the interpreter's variant) of each kernel compiles for sm_90 ----------------
+GPU_CASES = [  # (kernel name, args maker, config)
+    ("row_sum", lambda: (randn(5, 40),), {"BLOCK_M": 4, "BLOCK_K": 16}),
+    ("weighted_batch_sum", lambda: (randn(2, 3, 4),), {"BLOCK_M": 4}),
+    ("matmul", lambda: (randn(4, 4).bfloat16(), randn(4, 4).bfloat16()), TENSOR_CORE),
+    ("matmul", lambda: (randn(4, 4).bfloat16(), randn(4, 4).bfloat16()), BROADCAST_SUM),
+    ("gemv_split_k", lambda: (randn(4, 4).bfloat16(), randn(4).bfloat16()), {"SPLIT_K": 4}),
+    ("dequant_int4", lambda: (torch.zeros(2, 2, dtype=torch.int32), randn(2)), {"BLOCK_N": 4}),
+    ("softmax", lambda: (randn(2, 3),), {"BLOCK_M": 2}),
+    ("pair_sum_transposed", lambda: (randn(2, 4),), {"BLOCK": 8}),
+    ("casts", lambda: (randn(4),), {}),
+    ("to_f16", lambda: (randn(4),), {}),
+]
+TL_PTR = {"f32": "fp32", "bf16": "bf16", "f16": "fp16", "i32": "i32", "i8": "i8"}
+
+
+def _compile_for_gpu(name, make, cfg, unit_ints: bool):
+    """Compile the generated GPU source for an sm_90 target (no GPU needed). With `unit_ints`, every
+    int argument is 1, which Triton specializes into a constexpr."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from kilnx.codegen import launch as L
+    from kilnx.codegen.triton_gen import generate
+    kernel = globals()[name]
+    cfg = kernel.space.validate(cfg)
+    ir = kernel.trace(cfg, make(), {})
+    fn = getattr(L.load_module(generate(ir, header=f"{cfg}"), f"{name}_gpu_check"), name)
+    dtypes = {p.name: p.dtype for p in ir.params + [o[0] for o in ir.outputs]}
+    sig, constexprs = {}, {}
+    for i, n in enumerate(inspect.signature(fn.fn).parameters):
+        if n.endswith("_ptr"):
+            sig[n] = "*" + TL_PTR[dtypes[n[:-4]]]
+        elif unit_ints:
+            sig[n], constexprs[(i,)] = "constexpr", 1
+        else:
+            sig[n] = "i32"
+    src = triton.compiler.ASTSource(fn, signature=sig, constexprs=constexprs)
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def test_gpu_sources_compile_for_sm90():
+    """The interpreter accepts more than the compiler (dot shapes, scalar/tile mixes, constexpr ints):
+    compile every kernel above for the GPU, in a process without TRITON_INTERPRET."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import test_tile_kernels as t
+for i, (name, make, cfg) in enumerate(t.GPU_CASES):
+    t._compile_for_gpu(name, make, cfg, unit_ints=i % 2 == 1)
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]

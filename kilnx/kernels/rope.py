@@ -47,10 +47,47 @@ def rotated(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, in
 
 
 def _rope_spec(q, k, positions, inv_freq, *, INTERLEAVED=False, **_):
-    """The meaning of rope_kernel: (q, k) rotated (returned as new tensors; the kernel works in place)."""
+    """The meaning of rope_kernel: (q, k) rotated, as new tensors (the kernel rotates in place and
+    returns the same tensors it was given)."""
     return rotated(q, positions, inv_freq, INTERLEAVED), rotated(k, positions, inv_freq, INTERLEAVED)
 
 
+class InPlaceAsOutputs:
+    """A kernel that writes into some of its arguments, seen by the tuner as one that returns them.
+
+    The tuner's gate compares what a kernel returns with its reference; an in-place kernel returns
+    nothing, so this wrapper returns the mutated arguments after each call. Everything else (name,
+    source hash, key, tunables) is the wrapped kernel's, so tuned configs apply to it directly.
+    """
+
+    def __init__(self, kernel, mutated: tuple[int, ...]):
+        self.kernel, self.mutated = kernel, mutated
+
+    @classmethod
+    def of(cls, mutated: tuple[int, ...]):
+        return lambda kernel: cls(kernel, mutated)
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+    def tuning(self, **kw):
+        self.kernel.tuning(**kw)
+        return self
+
+    def compile(self, config, *args, backend=None, **kw):
+        run = self.kernel.compile(config, *args, backend=backend, **kw)
+
+        def run_and_return(*a, **k):
+            run(*a, **k)
+            return tuple(a[i] for i in self.mutated)
+        return run_and_return
+
+    def __call__(self, *args, backend=None, config=None, **kw):
+        self.kernel(*args, backend=backend, config=config, **kw)
+        return tuple(args[i] for i in self.mutated)
+
+
+@InPlaceAsOutputs.of(mutated=(0, 1))
 @kd.kernel(
     tune={"BLOCK_H": kd.pow2(1, 64, default=8), "BLOCK_R": kd.pow2(8, 256, default=64),
           "num_warps": kd.choice(1, 2, 4, 8, default=2)},
@@ -80,58 +117,27 @@ def rope_kernel(q, k, positions, inv_freq, *, INTERLEAVED: kd.constexpr = False,
                 kd.store(x, t, head, dim_b, b * cos + a * sin, mask=in_rotary)
 
 
+def _rope_problem_args(problem: dict, device: str):
+    """{T, Hq, Hk, D, R, dtype} -> (q, k, positions, inv_freq); positions spread over a long context."""
+    dt = DTYPES[problem.get("dtype", "bf16")]
+    # the global generator: the tuner seeds it per draw, so gate inputs differ from timing inputs
+    T, D, R = problem["T"], problem["D"], problem.get("R", problem["D"])
+    q = torch.randn(T, problem["Hq"], D).to(dt).to(device)
+    k = torch.randn(T, problem["Hk"], D).to(dt).to(device)
+    positions = torch.randint(0, 8192, (T,)).to(device)
+    inv_freq = (500000.0 ** (-torch.arange(0, R, 2, dtype=torch.float32) / R)).to(device)
+    return q, k, positions, inv_freq
+
+
+rope_kernel.tuning(
+    make_args=_rope_problem_args,
+    problems=[{"T": T, "Hq": 32, "Hk": 8, "D": 128, "R": 128, "dtype": "bf16"} for T in (1, 16, 512, 4096)]
+    + [{"T": T, "Hq": 8, "Hk": 1, "D": 256, "R": 256, "dtype": "bf16"} for T in (1, 512)])
+
+
 def rope_(q, k, positions, inv_freq, *, interleaved=False) -> None:
     """kilnx.ops.rope_: rotate q (T, Hq, D) and k (T, Hk, D) in place at positions (T,)."""
     if 2 * inv_freq.shape[0] > q.shape[-1] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"rope_: rotary width {2 * inv_freq.shape[0]} must be <= head dim, and q, k must "
                          f"share it (q {tuple(q.shape)}, k {tuple(k.shape)})")
     rope_kernel(q, k, positions, inv_freq, INTERLEAVED=bool(interleaved))
-
-
-class InPlaceAsOutputs:
-    """A kernel that writes into some of its arguments, seen by the tuner as one that returns them.
-
-    The tuner's gate compares what a kernel returns with its reference; an in-place kernel returns
-    nothing, so this wrapper returns the mutated arguments after each call. Everything else (name,
-    source hash, key, tunables) is the wrapped kernel's, so tuned configs apply to it directly.
-    """
-
-    def __init__(self, kernel, mutated: tuple[int, ...]):
-        self.kernel, self.mutated = kernel, mutated
-
-    def __getattr__(self, name):
-        return getattr(self.kernel, name)
-
-    def tuning(self, **kw):
-        self.kernel.tuning(**kw)
-        return self
-
-    def compile(self, config, *args, backend=None, **kw):
-        run = self.kernel.compile(config, *args, backend=backend, **kw)
-
-        def run_and_return(*a, **k):
-            run(*a, **k)
-            return tuple(a[i] for i in self.mutated)
-        return run_and_return
-
-    def __call__(self, *args, **kw):
-        self.kernel(*args, **kw)
-        return tuple(args[i] for i in self.mutated)
-
-
-def _rope_problem_args(problem: dict, device: str):
-    """{T, Hq, Hk, D, R, dtype} -> (q, k, positions, inv_freq); positions spread over a long context."""
-    dt = DTYPES[problem.get("dtype", "bf16")]
-    g = torch.Generator(device="cpu").manual_seed(hash(tuple(sorted(problem.items()))) & 0xFFFF)
-    T, D, R = problem["T"], problem["D"], problem.get("R", problem["D"])
-    q = torch.randn(T, problem["Hq"], D, generator=g).to(dt).to(device)
-    k = torch.randn(T, problem["Hk"], D, generator=g).to(dt).to(device)
-    positions = torch.randint(0, 8192, (T,), generator=g).to(device)
-    inv_freq = (500000.0 ** (-torch.arange(0, R, 2, dtype=torch.float32) / R)).to(device)
-    return q, k, positions, inv_freq
-
-
-rope_tunable = InPlaceAsOutputs(rope_kernel, mutated=(0, 1)).tuning(
-    make_args=_rope_problem_args,
-    problems=[{"T": T, "Hq": 32, "Hk": 8, "D": 128, "R": 128, "dtype": "bf16"} for T in (1, 16, 512, 4096)]
-    + [{"T": T, "Hq": 8, "Hk": 1, "D": 256, "R": 256, "dtype": "bf16"} for T in (1, 512)])

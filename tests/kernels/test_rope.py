@@ -109,9 +109,9 @@ def test_ops_entry_point_rotates_in_place_and_tuner_view_returns_outputs():
     check_rotated(q, want_q, "f32", 16)
     check_rotated(k, want_k, "f32", 16)
     # the tuner sees rope as a kernel returning what it rotated, compared with the spec's copies
-    args = rope.rope_tunable.make_args({"T": 2, "Hq": 4, "Hk": 2, "D": 16, "R": 8, "dtype": "f32"}, "cpu")
-    refs = rope.rope_tunable.reference(*args)
-    outs = rope.rope_tunable.compile({"BLOCK_H": 4, "BLOCK_R": 8}, *args, backend="triton")(*args)
+    args = rope.rope_kernel.make_args({"T": 2, "Hq": 4, "Hk": 2, "D": 16, "R": 8, "dtype": "f32"}, "cpu")
+    refs = rope.rope_kernel.reference(*args)
+    outs = rope.rope_kernel.compile({"BLOCK_H": 4, "BLOCK_R": 8}, *args, backend="triton")(*args)
     assert outs[0] is args[0] and outs[1] is args[1]
     for o, r in zip(outs, refs):
         torch.testing.assert_close(o, r, rtol=2e-5, atol=2e-5)

@@ -1,0 +1,169 @@
+"""Causal attention of new queries over a KV cache: one flash-attention style DSL tile kernel.
+
+Layout of the work. The group = Hq / Hk query heads that share a KV head are packed together with
+their tokens into the rows of one query tile, so each program streams the K/V tiles of its KV head
+once for the whole group. That is what makes decode (T = 1) efficient: with llama-3's group of 4, a
+16-row tile holds the 4 heads of one token (the other rows are masked) and both products still run
+on tensor cores, where a per-head program would do a 1-row GEMV per head and read each K/V tile 4
+times.
+
+Per program (pid_m, b * Hk + kv_head): row r is pair = pid_m * BLOCK_M + r of the (token, head in
+group) pairs, head fastest: token = pair // group, head = kv_head * group + pair % group. Dense, so
+odd group sizes (7, 3) waste no rows. Keys are visited in blocks of BLOCK_N from the window start of
+the earliest query in the tile to the largest position in it + 1; both bounds are read from
+`positions` inside the kernel, so the same compiled kernel serves every step of a CUDA-graph replay.
+Online softmax in fp32: a running row max, a running sum and an fp32 accumulator, rescaled by
+exp(old max - new max) whenever the max grows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import kilnx.dsl as kd
+from kilnx.kernels._tuning import DTYPES
+
+NO_WINDOW = 1 << 40   # a window wider than any cache: every key up to the query's position is seen
+MASKED_MAX = -1e30     # running max before any key: finite, so exp(m_old - m_new) is never nan
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _attn_key(q, k_cache, v_cache, positions, **_):
+    B, T, Hq, D = q.shape
+    return {"B": B, "T": T, "Hq": Hq, "Hk": k_cache.shape[1], "D": D}
+
+
+def _attn_default(q, k_cache, v_cache, positions, **_):
+    # picked from a sweep on an H200 (llama-3.1-8b heads, bf16, 2k context); the tuner refines them
+    B, T, Hq, D = q.shape
+    Hk = k_cache.shape[1]
+    if T * (Hq // Hk) <= 16:   # decode: the query heads of a token (or a few tokens) fill 16 rows
+        if B * Hk < 132:       # fewer programs than SMs: long K/V tiles and deep pipelining per program
+            return {"BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
+        return {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+
+
+def attention_formula(q, k_cache, v_cache, positions, scale, softcap=None, window=None):
+    """The meaning of the kernel in float64 eager torch: (B, T, Hq, D) in q.dtype."""
+    B, T, Hq, D = q.shape
+    Hk, S = k_cache.shape[1], k_cache.shape[2]
+    group = Hq // Hk
+    k = k_cache.double().repeat_interleave(group, dim=1)                # (B, Hq, S, D)
+    v = v_cache.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("bthd,bhsd->bhts", q.double(), k) * scale      # (B, Hq, T, S)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    j = torch.arange(S, device=q.device)
+    pos = positions.to(q.device)[:, None, :, None]                       # (B, 1, T, 1)
+    visible = j <= pos
+    if window is not None:
+        visible = visible & (j > pos - window)
+    probs = torch.softmax(scores.masked_fill(~visible, -math.inf), dim=-1)
+    return torch.einsum("bhts,bhsd->bthd", probs, v).to(q.dtype)
+
+
+def _attn_spec(q, k_cache, v_cache, positions, *, scale, cap=0.0, window=NO_WINDOW, SOFTCAP=False, **_):
+    return attention_formula(q, k_cache, v_cache, positions, scale, softcap=cap if SOFTCAP else None,
+                             window=None if window >= NO_WINDOW else window)
+
+
+def _shape_derived_kwargs(q, k_cache, v_cache, positions) -> dict:
+    """Compile-time head-dim tile (a power of two >= D) and the usual scale, so that the tuner can
+    compile and check the kernel from its tensors alone; a caller's own keywords win."""
+    return {"BLOCK_D": max(_next_pow2(q.shape[3]), 16), "scale": q.shape[3] ** -0.5}
+
+
+@kd.kernel(
+    tune={"BLOCK_M": kd.pow2(16, 128, default=16), "BLOCK_N": kd.pow2(16, 128, default=64),
+          "num_warps": kd.choice(2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=2)},
+    key=_attn_key, default=_attn_default, spec=_attn_spec, specialize=_shape_derived_kwargs)
+def attention_kernel(q, k_cache, v_cache, positions, *, scale: float, cap: float = 0.0, window: int = NO_WINDOW,
+                     BLOCK_D: kd.constexpr = 64, SOFTCAP: kd.constexpr = False, BLOCK_M, BLOCK_N):
+    B, T, Hq, D = q.shape
+    Hk, S = k_cache.shape[1], k_cache.shape[2]
+    group = Hq // Hk
+    pid_m, pid_bh = kd.grid(kd.cdiv(T * group, BLOCK_M), B * Hk)
+    b = pid_bh // Hk
+    kv_head = pid_bh % Hk
+
+    # rows walk (token, head-in-group) pairs, head fastest, densely: no padding for odd group sizes
+    pair = pid_m * BLOCK_M + kd.arange(0, BLOCK_M)
+    token = pair // group
+    head = kv_head * group + pair % group
+    row_valid = token < T
+    d = kd.arange(0, BLOCK_D)
+    q_tile = kd.load(q, b, token[:, None], head[:, None], d[None, :])
+    pos = kd.load(positions, b, token, other=-1)
+
+    # keys any row of the tile can see: [earliest window start, latest position]
+    key_stop = kd.minimum(kd.max(pos) + 1, S)
+    earliest = kd.min(kd.where(row_valid, pos, S))
+    key_start = kd.maximum(earliest - window + 1, 0) // BLOCK_N * BLOCK_N   # aligned K/V tile loads
+
+    row_max = kd.var(kd.full((BLOCK_M,), MASKED_MAX, kd.f32))
+    row_sum = kd.zeros((BLOCK_M,), kd.f32)
+    acc = kd.zeros((BLOCK_M, BLOCK_D), kd.f32)
+    for n0 in kd.range(key_start, key_stop, BLOCK_N):
+        key = n0 + kd.arange(0, BLOCK_N)
+        k_tile_t = kd.load(k_cache, b, kv_head, key[None, :], d[:, None])   # (BLOCK_D, BLOCK_N) = K^T
+        scores = kd.dot(q_tile, k_tile_t) * scale
+        if SOFTCAP:
+            scores = cap * kd.tanh(scores / cap)
+        visible = ((key[None, :] <= pos[:, None]) & (key[None, :] > pos[:, None] - window)
+                   & (key[None, :] < S))
+        scores = kd.where(visible, scores, float("-inf"))
+        new_max = kd.maximum(row_max, kd.max(scores, axis=1))
+        rescale = kd.exp(row_max - new_max)
+        p = kd.exp(scores - new_max[:, None])
+        row_sum.set(row_sum * rescale + kd.sum(p, axis=1))
+        v_tile = kd.load(v_cache, b, kv_head, key[:, None], d[None, :])
+        # p in the cache dtype so the second product runs on tensor cores like the first
+        acc.set(acc * rescale[:, None] + kd.dot(p.to(v_cache.dtype), v_tile))
+        row_max.set(new_max)
+
+    out = kd.output((B, T, Hq, D), q.dtype)
+    seen_any = kd.where(row_sum > 0, row_sum, 1.0)   # padding rows saw no key: 0, not 0/0
+    kd.store(out, b, token[:, None], head[:, None], d[None, :], acc / seen_any[:, None])
+    return out
+
+
+def _kernel_kwargs(q, k_cache, scale, softcap, window) -> dict:
+    if q.shape[2] % k_cache.shape[1]:
+        raise ValueError(f"attention: {q.shape[2]} query heads is not a multiple of {k_cache.shape[1]} KV heads")
+    if window is not None and window < 1:
+        raise ValueError(f"attention: window must be >= 1, got {window}")
+    return dict(scale=float(scale), cap=float(softcap or 0.0),
+                window=int(window) if window is not None else NO_WINDOW, SOFTCAP=softcap is not None)
+
+
+def attention(q, k_cache, v_cache, positions, scale, *, softcap=None, window=None):
+    """kilnx.ops.attention: q (B, T, Hq, D) over caches (B, Hk, S, D) -> (B, T, Hq, D) in q.dtype."""
+    return attention_kernel(q, k_cache, v_cache, positions, **_kernel_kwargs(q, k_cache, scale, softcap, window))
+
+
+def _attn_problem_args(problem: dict, device: str):
+    """{B, T, Hq, Hk, D, S, dtype} -> (q, k_cache, v_cache, positions); the T new tokens sit at the end
+    of a context of `ctx` tokens (default: filling the cache)."""
+    dt = DTYPES[problem.get("dtype", "bf16")]
+    # the global generator: the tuner seeds it per draw, so gate inputs differ from timing inputs
+    B, T, Hq, Hk, D, S = (problem[n] for n in ("B", "T", "Hq", "Hk", "D", "S"))
+    ctx = problem.get("ctx", S)
+    q = torch.randn(B, T, Hq, D).to(dt).to(device)
+    k_cache = torch.randn(B, Hk, S, D).to(dt).to(device)
+    v_cache = torch.randn(B, Hk, S, D).to(dt).to(device)
+    positions = (ctx - T + torch.arange(T))[None, :].expand(B, T).contiguous().to(device)
+    return q, k_cache, v_cache, positions
+
+
+attention_kernel.tuning(
+    make_args=_attn_problem_args,
+    problems=[{"B": B, "T": 1, "Hq": 32, "Hk": 8, "D": 128, "S": 2048, "ctx": 2000, "dtype": "bf16"}
+              for B in (1, 8, 32)]
+    + [{"B": 1, "T": T, "Hq": 32, "Hk": 8, "D": 128, "S": 2048, "ctx": T, "dtype": "bf16"} for T in (512, 2048)]
+    + [{"B": 1, "T": 1, "Hq": 8, "Hk": 1, "D": 256, "S": 4096, "ctx": 4000, "dtype": "bf16"}])

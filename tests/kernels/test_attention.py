@@ -1,0 +1,145 @@
+"""kilnx/kernels/attention.py: causal GQA attention over a KV cache against float64 formulas.
+
+Over random shapes (B in {1, 2}, T in {1, 3, 17}, query/KV heads 1..4 with group sizes 1, 2, 3, 4,
+head dims 16/64, sliding windows, logit softcap, fp32/bf16, rows of a batch at different positions):
+the Triton kernel under the interpreter = the numpy reference interpreter = the float64 einsum
+formula, and that formula = torch's scaled_dot_product_attention with an explicit mask. numba runs
+on a few fixed specializations (each costs a numba compile on a cold cache).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kilnx import ops_torch
+from kilnx.kernels import attention as A
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="Triton kernels run on CPU only under TRITON_INTERPRET=1")
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+# bf16: probabilities are rounded to bf16 for the P @ V product (as on tensor cores) and the Triton
+# interpreter truncates casts; outputs are averages of unit-scale values, so |error| stays < 2e-2
+TOL = {"f32": (2e-5, 2e-5), "bf16": (2e-2, 2e-2)}
+SMALL_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}   # several key blocks and query tiles in small tests
+
+
+def inputs(B, T, Hq, Hk, D, dtype, seed, spare=5):
+    """q, caches and positions: row b holds a context of ctx_b earlier tokens followed by the T new
+    ones (so rows of one batch sit at different positions), the cache `spare` slots longer."""
+    g = torch.Generator().manual_seed(seed)
+    ctx = torch.randint(0, 40, (B,), generator=g)
+    positions = ctx[:, None] + torch.arange(T)[None, :]
+    S = int(positions.max()) + 1 + spare
+    dt = DTYPES[dtype]
+    q = torch.randn(B, T, Hq, D, generator=g).to(dt)
+    k_cache = torch.randn(B, Hk, S, D, generator=g).to(dt)
+    v_cache = torch.randn(B, Hk, S, D, generator=g).to(dt)
+    return q, k_cache, v_cache, positions
+
+
+def run(q, k_cache, v_cache, positions, softcap, window, backend, config=SMALL_BLOCKS):
+    kw = A._kernel_kwargs(q, k_cache, q.shape[-1] ** -0.5, softcap, window)
+    return A.attention_kernel(q, k_cache, v_cache, positions, backend=backend, config=config, **kw)
+
+
+def check(got, want, dtype):
+    rtol, atol = TOL[dtype]
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got.double(), want.double(), rtol=rtol, atol=atol)
+
+
+heads = st.sampled_from([(1, 1), (2, 1), (4, 2), (4, 1), (3, 1), (2, 2)])
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(B=st.sampled_from([1, 2]), T=st.sampled_from([1, 3, 17]), heads=heads, D=st.sampled_from([16, 64]),
+       softcap=st.sampled_from([None, 2.0]), window=st.sampled_from([None, 1, 4, 9]),
+       dtype=st.sampled_from(["f32", "bf16"]), seed=st.integers(0, 2**16))
+def test_attention_triton_and_reference_match_formula(B, T, heads, D, softcap, window, dtype, seed):
+    Hq, Hk = heads
+    q, k_cache, v_cache, positions = inputs(B, T, Hq, Hk, D, dtype, seed)
+    want = A.attention_formula(q, k_cache, v_cache, positions, D ** -0.5, softcap, window)
+    for backend in ("triton", "reference"):
+        check(run(q, k_cache, v_cache, positions, softcap, window, backend), want, dtype)
+
+
+@pytest.mark.parametrize("dtype,softcap", [("bf16", None), ("f32", 2.0)])
+def test_attention_numba_matches_formula(dtype, softcap):
+    D = 64 if dtype == "bf16" else 16   # one head dim (tile width) per parametrization: one compile
+    for B, T, Hq, Hk, window in [(2, 3, 4, 2, None), (1, 17, 3, 1, 5), (1, 1, 4, 1, None)]:
+        q, k_cache, v_cache, positions = inputs(B, T, Hq, Hk, D, dtype, seed=T)
+        want = A.attention_formula(q, k_cache, v_cache, positions, D ** -0.5, softcap, window)
+        check(run(q, k_cache, v_cache, positions, softcap, window, "numba"), want, dtype)
+
+
+@pytest.mark.parametrize("softcap,window", [(None, None), (3.0, None), (None, 6), (5.0, 3)])
+def test_formula_matches_sdpa_and_eager_peer(softcap, window):
+    """attention_formula (the kernel's spec) = torch's SDPA with an explicit boolean mask (softcap
+    applied to the logits by hand, so SDPA sees pre-capped scores) = kilnx.ops_torch.attention."""
+    B, T, Hq, Hk, D = 2, 5, 4, 2, 16
+    q, k_cache, v_cache, positions = inputs(B, T, Hq, Hk, D, "f32", seed=11)
+    scale = D ** -0.5
+    want = A.attention_formula(q, k_cache, v_cache, positions, scale, softcap, window)
+
+    S = k_cache.shape[2]
+    j = torch.arange(S)
+    visible = j <= positions[:, None, :, None]
+    if window is not None:
+        visible &= j > positions[:, None, :, None] - window
+    qh = q.double().transpose(1, 2)                                       # (B, Hq, T, D)
+    k = k_cache.double().repeat_interleave(Hq // Hk, dim=1)
+    v = v_cache.double().repeat_interleave(Hq // Hk, dim=1)
+    if softcap is None:
+        sdpa = F.scaled_dot_product_attention(qh, k, v, attn_mask=visible, scale=scale)
+    else:
+        # SDPA has no softcap: feed it logits whose scaled product is the capped score
+        logits = softcap * torch.tanh(qh @ k.transpose(-1, -2) * scale / softcap)
+        probs = torch.softmax(logits.masked_fill(~visible, -math.inf), dim=-1)
+        sdpa = probs @ v
+    torch.testing.assert_close(want.double(), sdpa.transpose(1, 2).float().double(), rtol=1e-5, atol=1e-5)
+    peer = ops_torch.attention(q, k_cache, v_cache, positions, scale, softcap=softcap, window=window)
+    torch.testing.assert_close(want, peer, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_group_packing_and_positions_read_in_kernel():
+    """Decode (T = 1) with llama-3's group of 4: one compiled kernel, run again after the positions
+    (and nothing else) change, as under CUDA-graph replay, follows the new positions."""
+    B, T, Hq, Hk, D = 2, 1, 8, 2, 64
+    q, k_cache, v_cache, positions = inputs(B, T, Hq, Hk, D, "f32", seed=7, spare=30)
+    kw = A._kernel_kwargs(q, k_cache, D ** -0.5, None, None)
+    fn = A.attention_kernel.compile(A.attention_kernel.default_config(q, k_cache, v_cache, positions),
+                                    q, k_cache, v_cache, positions, backend="triton", **kw)
+    for step in range(3):
+        pos = positions + 10 * step
+        want = A.attention_formula(q, k_cache, v_cache, pos, D ** -0.5)
+        check(fn(q, k_cache, v_cache, pos, **kw), want, "f32")
+
+
+def test_ops_entry_point_and_tuner_view():
+    from kilnx import ops
+    q, k_cache, v_cache, positions = inputs(1, 3, 4, 2, 16, "bf16", seed=3)
+    want = A.attention_formula(q, k_cache, v_cache, positions, 0.3, 4.0, 5)
+    check(ops.attention(q, k_cache, v_cache, positions, 0.3, softcap=4.0, window=5), want, "bf16")
+    # the tuner compiles and checks from make_args alone: the head-dim tile and scale are derived
+    problem = {"B": 1, "T": 2, "Hq": 4, "Hk": 1, "D": 16, "S": 24, "ctx": 20, "dtype": "f32"}
+    args = A.attention_kernel.make_args(problem, "cpu")
+    assert A.attention_kernel.key(*args) == "B=1,T=2,Hq=4,Hk=1,D=16"
+    got = A.attention_kernel.compile(SMALL_BLOCKS, *args, backend="triton")(*args)
+    check(got, A.attention_kernel.reference(*args), "f32")
+
+
+def test_attention_rejects_bad_head_counts_and_window():
+    q, k_cache, v_cache, positions = inputs(1, 1, 3, 2, 16, "f32", seed=0)
+    with pytest.raises(ValueError, match="multiple"):
+        A.attention(q, k_cache, v_cache, positions, 0.25)
+    q, k_cache, v_cache, positions = inputs(1, 1, 2, 1, 16, "f32", seed=0)
+    with pytest.raises(ValueError, match="window"):
+        A.attention(q, k_cache, v_cache, positions, 0.25, window=0)

@@ -57,13 +57,15 @@ def test_logits_match_mlx_lm(tmp_path, arch, quant, backend):
     from kilnx.models.loaders import load_model
     from kilnx.runtime.kv_cache import KVCache
     want = _write_mlx_checkpoint(tmp_path, dict(CONFIGS[arch]), quant)
-    lm = load_model(str(tmp_path), device="cpu", ops=backend)
+    lm = load_model(str(tmp_path), device=backend.device, dtype=torch.float32, ops=backend.ops)
     if quant:
         from kilnx.quant import QWeight
         assert isinstance(lm.model.weights.layers[0].qkv[0], QWeight)   # stayed quantized
         assert lm.model.weights.layers[0].down.bits == 8
-    cache = KVCache.for_model(lm.config, 1, 32)
+    dev = backend.device
+    cache = KVCache.for_model(lm.config, 1, 32, device=dev)
     with torch.no_grad():
-        got = lm.model.forward(torch.tensor([IDS]), torch.arange(len(IDS))[None], cache)[0].numpy()
+        got = lm.model.forward(torch.tensor([IDS], device=dev), torch.arange(len(IDS), device=dev)[None],
+                               cache)[0].cpu().numpy()
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
     assert (got.argmax(-1) == want.argmax(-1)).all()

@@ -39,22 +39,23 @@ _models = {}
 def _kilnx(backend, path):
     if backend not in _models:
         from kilnx.models.loaders import load_model
-        _models[backend] = load_model(path, device="cpu", ops=backend)
+        _models[backend] = load_model(path, device=backend.device, dtype=torch.float32, ops=backend.ops)
     return _models[backend]
 
 
 def greedy(lm, ids: list[int], n: int) -> list[int]:
     from kilnx.runtime.kv_cache import KVCache
-    cache = KVCache.for_model(lm.config, 1, len(ids) + n)
-    x = torch.tensor([ids])
-    pos = torch.arange(len(ids))[None]
+    dev = lm.model.device
+    cache = KVCache.for_model(lm.config, 1, len(ids) + n, device=dev)
+    x = torch.tensor([ids], device=dev)
+    pos = torch.arange(len(ids), device=dev)[None]
     out = []
     with torch.no_grad():
         for _ in range(n):
             logits = lm.model.forward(x, pos, cache, last_only=True)
             nxt = int(lm.model.ops.argmax(logits[0, -1]))
             out.append(nxt)
-            x = torch.tensor([[nxt]])
+            x = torch.tensor([[nxt]], device=dev)
             pos = pos[:, -1:] + 1
     return out
 

@@ -1,8 +1,14 @@
-"""Shared fixtures: the ops backends every model test runs over, and the bundled SmolLM2 checkpoint."""
+"""Shared fixtures: the (ops backend, device) pairs model tests run over, and the bundled SmolLM2 checkpoint.
+
+Backends: "torch" (kilnx.ops_torch) always runs on the CPU. "kilnx" (the DSL kernels) runs on CUDA when
+a GPU is present; on a CPU-only machine only with KILNX_TEST_KILNX_CPU=1, because the DSL's CPU lowering
+compiles every kernel for every new shape (minutes for these suites) and they must stay fast.
+"""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import pytest
 
@@ -15,31 +21,46 @@ import torch  # noqa: E402
 # and a decode step gets ~5x slower, so these suites run single-threaded.
 torch.set_num_threads(int(os.environ.get("KILNX_TEST_THREADS", "1")))
 
-BACKENDS = ["torch", "kilnx"]
+
+@dataclass(frozen=True)
+class Backend:
+    ops: str
+    device: str
+
+    def __str__(self) -> str:
+        return f"{self.ops}-{self.device}"
 
 
 _MISSING: dict = {}
 
 
-def skip_unless_backend_ready(name: str, device: str = "cpu") -> None:
-    """kilnx.ops runs once the lead's kernels have landed; until then its tests skip, saying which ops lack one.
+def _kilnx_device() -> str | None:
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu" if os.environ.get("KILNX_TEST_KILNX_CPU") == "1" else None
 
-    The probe compiles each kernel once (seconds on CPU), so its answer is kept for the session.
-    """
+
+def skip_unless_backend_ready(name: str, device: str) -> None:
+    """Skip while kilnx.ops lacks a kernel (naming the ops); the probe compiles each kernel once, so its
+    answer is kept for the session."""
     if name == "torch":
         return
     from kilnx.models.backend import missing_ops, resolve_ops
     if (name, device) not in _MISSING:
         _MISSING[(name, device)] = missing_ops(resolve_ops(name), device)
-    missing = _MISSING[(name, device)]
-    if missing:
-        pytest.skip(f"kilnx.ops kernels not available yet on {device}: {', '.join(missing)}")
+    if _MISSING[(name, device)]:
+        pytest.skip(f"kilnx.ops kernels not available yet on {device}: {', '.join(_MISSING[(name, device)])}")
 
 
-@pytest.fixture(params=BACKENDS)
-def backend(request) -> str:
-    skip_unless_backend_ready(request.param)
-    return request.param
+@pytest.fixture(params=["torch", "kilnx"])
+def backend(request) -> Backend:
+    if request.param == "torch":
+        return Backend("torch", "cpu")
+    device = _kilnx_device()
+    if device is None:
+        pytest.skip("kilnx.ops on CPU is opt-in (KILNX_TEST_KILNX_CPU=1): per-shape kernel compiles take minutes")
+    skip_unless_backend_ready("kilnx", device)
+    return Backend("kilnx", device)
 
 
 @pytest.fixture(scope="session")

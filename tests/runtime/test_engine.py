@@ -16,32 +16,33 @@ ARCHS = list(TINY)
 
 
 def _full_logits(model, ids):
-    cache = KVCache.for_model(model.config, 1, 64)
-    return model.forward(torch.tensor([ids]), torch.arange(len(ids))[None], cache)[0]
+    dev = model.device
+    cache = KVCache.for_model(model.config, 1, 64, device=dev)
+    return model.forward(torch.tensor([ids], device=dev), torch.arange(len(ids), device=dev)[None], cache)[0]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_incremental_matches_full_forward(arch, backend):
-    model = tiny_model(arch, ops=backend)
+    model = tiny_model(arch, ops=backend.ops, device=backend.device)
     ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(1)).tolist()
     full = _full_logits(model, ids)
     eng = Engine(model, max_seq=32, prefill_chunk=5)
     got = [eng.prefill(ids[:7])]
     for t in range(7, 12):
-        got.append(eng.decode(torch.tensor([ids[t]]), torch.tensor([t]))[0])
+        got.append(eng.decode(torch.tensor([ids[t]]), torch.tensor([t]))[0].clone())  # graphs reuse the buffer
     torch.testing.assert_close(torch.stack(got), full[6:], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_batched_decode_matches_single(arch, backend):
-    model = tiny_model(arch, ops=backend)
+    model = tiny_model(arch, ops=backend.ops, device=backend.device)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 9, 3)]
     single = []
     for p in prompts:
         e = Engine(model, max_seq=32)
         e.prefill(p)
-        single.append(e.decode(torch.tensor([7]), torch.tensor([len(p)]))[0])
+        single.append(e.decode(torch.tensor([7]), torch.tensor([len(p)]))[0].clone())
     eng = Engine(model, max_seq=32, max_batch=3)
     for row, p in enumerate(prompts):
         eng.prefill(p, row=row)

@@ -26,10 +26,10 @@ TINY = {
 }
 
 
-def tiny_model(arch: str, ops="torch", seed: int = 0, fmt: str = "bf16"):
+def tiny_model(arch: str, ops="torch", seed: int = 0, fmt: str = "bf16", device: str = "cpu"):
     from kilnx.models.llama import LlamaModel
     from kilnx.models.loaders.random_init import RandomSource
     from kilnx.models.weights import build_weights
     cfg = TINY[arch]
     src = RandomSource(cfg, fmt=fmt, dtype=torch.float32, seed=seed)
-    return LlamaModel(cfg, build_weights(cfg, src, dtype=torch.float32), ops=ops)
+    return LlamaModel(cfg, build_weights(cfg, src, dtype=torch.float32, device=device), ops=ops)

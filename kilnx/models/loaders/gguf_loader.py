@@ -11,7 +11,6 @@ available they are dequantized with gguf's numpy reference. Two llama.cpp conven
 
 from __future__ import annotations
 
-import os
 import re
 
 import numpy as np
@@ -19,6 +18,7 @@ import torch
 
 from kilnx.models.config import ModelConfig, from_gguf_metadata
 from kilnx.models.errors import CheckpointError
+from kilnx.models.loaders.gguf_file import GGUFFile
 
 _FIX = "re-download or re-convert the file (llama.cpp's convert_hf_to_gguf.py)"
 
@@ -49,50 +49,14 @@ _GLOBAL_NAMES = {
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
-def _scalar(field):
-    v = field.contents()
-    return v
-
-
-def read_gguf(path: str):
-    """Open `path` with gguf's reader, turning every way a damaged file fails into CheckpointError."""
-    import gguf
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: no such file; pass a .gguf path or a known model name.")
-    size = os.path.getsize(path)
-    try:
-        reader = gguf.GGUFReader(path, "r")
-    except Exception as e:  # noqa: BLE001 - the reader raises ValueError/IndexError/struct errors alike
-        raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); "
-                              f"the file is truncated or corrupt — {_FIX}.") from None
-    for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
-        if end > size or t.data.nbytes != int(t.n_bytes):
-            raise CheckpointError(f"{path}: truncated — tensor {t.name!r} ends at byte {end} but the file has "
-                                  f"{size} bytes; {_FIX}.")
-    return reader
-
-
-def gguf_metadata(reader) -> dict:
-    meta = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            meta[key] = _scalar(field)
-        except Exception:  # noqa: BLE001 - an odd metadata value should not block loading the weights
-            continue
-    return meta
-
-
 class GGUFSource:
     """WeightSource over one GGUF file, answering by HF tensor name."""
 
-    def __init__(self, path: str, reader=None, config: ModelConfig | None = None):
+    def __init__(self, path: str, config: ModelConfig | None = None):
         self.path = path
-        self.reader = reader or read_gguf(path)
-        self.meta = gguf_metadata(self.reader)
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.file = GGUFFile(path)
+        self.meta = self.file.meta
+        self.tensors = self.file.tensors
         self.config = config or from_gguf_metadata(self.meta, path)
         if "output.weight" not in self.tensors:
             self.config = self.config.with_(tie_embeddings=True)
@@ -134,15 +98,10 @@ class GGUFSource:
             raw = np.concatenate([np.asarray(t.data) for t in ts], axis=0)
             k = int(ts[0].shape[0])
             n = sum(int(t.shape[1]) if len(t.shape) > 1 else 1 for t in ts)
-            return [_convert(raw, ts[0].tensor_type, (n, k), self.path, "+".join(t.name for t in ts))]
+            return [_convert(raw, ts[0].tensor_type, (n, k))]
         if len(ts) == 1 and names[0] in self._dense_cache and not _is_quantized(ts[0]):
             return [self._dense_cache[names[0]]]
-        return [_convert(np.asarray(t.data), t.tensor_type, _hf_shape(t), self.path, t.name) for t in ts]
-
-
-def _hf_shape(t) -> tuple[int, ...]:
-    # GGUF lists dims fastest-first (K, N); HF orientation is (N, K).
-    return tuple(int(x) for x in reversed(list(t.shape)))
+        return [_convert(np.asarray(t.data), t.tensor_type, t.torch_shape) for t in ts]
 
 
 def _is_quantized(t) -> bool:
@@ -154,10 +113,10 @@ def _is_quantized(t) -> bool:
 def _dequantize(t) -> torch.Tensor:
     import gguf
     arr = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
-    return torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(_hf_shape(t))
+    return torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(t.torch_shape)
 
 
-def _convert(raw: np.ndarray, ggml_type, shape: tuple[int, ...], path: str, what: str):
+def _convert(raw: np.ndarray, ggml_type, shape: tuple[int, ...]):
     """QWeight via kilnx.quant.from_gguf when available, else a dense fp32 tensor."""
     try:
         from kilnx.quant import from_gguf

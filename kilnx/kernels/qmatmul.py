@@ -44,9 +44,9 @@ def _dense_spec(x, wq, scales, biases, bits, group):
 
 
 @kd.kernel(
-    tune={"BLOCK_N": kd.pow2(1, 64, default=4), "BLOCK_KW": kd.pow2(8, 512, default=64),
+    tune={"BLOCK_N": kd.pow2(1, 64, default=4), "BLOCK_KW": kd.pow2(8, 512, default=256),
           "SPLIT_K": kd.choice(1, 2, 4, 8, default=1), "num_warps": kd.choice(1, 2, 4, 8, default=4),
-          "num_stages": kd.choice(1, 2, 3, 4, default=2)},
+          "num_stages": kd.choice(1, 2, 3, 4, default=3)},
     key=_qmv_key, spec=_qmv_spec,
     specialize=lambda x, wq, s, b: {**_format_of(x, wq, s, b), "BLOCK_M": _pow2_at_least(x.shape[0])})
 def qmv(x, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr, BLOCK_M: kd.constexpr,
@@ -94,8 +94,8 @@ def qmv(x, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr, BLOCK
 
 
 @kd.kernel(
-    tune={"BLOCK_M": kd.pow2(16, 128, default=64), "BLOCK_N": kd.pow2(16, 256, default=64),
-          "BLOCK_K": kd.pow2(16, 256, default=64), "num_warps": kd.choice(2, 4, 8, default=4),
+    tune={"BLOCK_M": kd.pow2(16, 128, default=128), "BLOCK_N": kd.pow2(16, 256, default=128),
+          "BLOCK_K": kd.pow2(16, 256, default=64), "num_warps": kd.choice(2, 4, 8, default=8),
           "num_stages": kd.choice(1, 2, 3, 4, default=3)},
     key=_qmv_key, spec=_qmv_spec, specialize=_format_of)
 def qmm(x, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr, BLOCK_M, BLOCK_N, BLOCK_K):

@@ -395,7 +395,8 @@ def finalize(target: Target, progress: _StudyProgress, pool: WorkerPool, setting
     result.failures = dict(progress.failures)
     top = progress.top_configs(_FINALISTS)
     if not top:
-        result.error = "no config passed the correctness gate"
+        result.error = ("no config passed the correctness gate" if progress.evaluated or result.failures
+                        else "the budget ran out before any trial finished")
         return result
     default = _valid(target.kernel.space, target.default_config) or target.default_config
     dkey = config_key(default)

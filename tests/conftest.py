@@ -1,4 +1,4 @@
-"""Shared fixtures: the (ops backend, device) pairs model tests run over, and the bundled SmolLM2 checkpoint.
+"""Shared fixtures for the model and runtime suites: the (ops backend, device) pairs they run over, and the bundled SmolLM2 checkpoint.
 
 Backends: "torch" (kilnx.ops_torch) always runs on the CPU. "kilnx" (the DSL kernels) runs on CUDA when
 a GPU is present; on a CPU-only machine only with KILNX_TEST_KILNX_CPU=1, because the DSL's CPU lowering

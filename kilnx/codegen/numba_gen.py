@@ -27,7 +27,7 @@ def generate(ir: KernelIR, *, fn_name: str | None = None, header: str = "") -> s
     # programs in parallel. Parallel array expressions inside prange do not support broadcasting.
     lines += ["@njit(cache=True, nogil=True)", f"def {fn}_program(pid0, pid1, pid2, {params}):"]
     lines += g.block(ir.body, 1) or ["    pass"]
-    lines += ["", "", "@njit(parallel=True, cache=True)", f"def {fn}({params}, grid0, grid1, grid2):",
+    lines += ["", "", "@njit(parallel=True)  # a parallel launcher cannot be cached (numba holds it in a dynamic global)", f"def {fn}({params}, grid0, grid1, grid2):",
               f"    for _p in {loop}(grid0 * grid1 * grid2):",
               f"        {fn}_program(_p % grid0, (_p // grid0) % grid1, _p // (grid0 * grid1), {params})"]
     return "\n".join(lines) + "\n"

@@ -1,0 +1,91 @@
+"""qmatmul = MLX's quantized_matmul, on every affine bit width and group size, through each backend.
+
+MLX (`mlx[cpu]`) is the independent reference: weights are quantized by `mx.quantize`, wrapped with
+`QWeight.from_mlx`, and kilnx's qmv / qmm must give `mx.quantized_matmul`'s result.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kilnx.kernels import qmatmul as Q
+from kilnx.quant import QWeight
+
+mx = pytest.importorskip("mlx.core")
+
+
+def mlx_case(m, n, k, bits, gs, seed):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    wq, s, b = mx.quantize(mx.array(w), group_size=gs, bits=bits)
+    want = mx.quantized_matmul(mx.array(x), wq, s, b, transpose=True, group_size=gs, bits=bits)
+    qw = QWeight.from_mlx(np.array(wq), np.array(s), np.array(b), bits=bits, group_size=gs)
+    return torch.from_numpy(x), qw, torch.from_numpy(np.array(want))
+
+
+def check(got, want, k):
+    # fp32 accumulation in a different order than MLX's: a few ulps of the K-long sum
+    tol = 1e-4 * (k ** 0.5) * float(want.abs().max()) + 1e-5
+    assert got.shape == want.shape
+    assert torch.isfinite(got).all()
+    assert (got.double() - want.double()).abs().max().item() <= tol
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(bits=st.sampled_from([2, 3, 4, 5, 6, 8]), gs=st.sampled_from([32, 64, 128]),
+       m=st.sampled_from([1, 2, 3, 8, 16, 17, 64]), n=st.sampled_from([1, 7, 40]),
+       groups=st.sampled_from([1, 3]))
+def test_qmatmul_matches_mlx_on_the_interpreter(bits, gs, m, n, groups):
+    k = gs * groups
+    x, qw, want = mlx_case(m, n, k, bits, gs, seed=bits * 1000 + m * 10 + n)
+    kern = Q.qmv if (m <= 16 and 32 % bits == 0) else Q.qmm
+    args = (x, qw.packed, qw.scales, qw.biases)
+    check(kern(*args, backend="triton"), want, k)
+
+
+@pytest.mark.parametrize("bits,gs,m", [(4, 64, 1), (8, 32, 3), (3, 128, 5), (6, 64, 17)])
+def test_reference_interpreter_matches_mlx(bits, gs, m):
+    x, qw, want = mlx_case(m, 24, 2 * gs, bits, gs, seed=7)
+    for kern in (Q.qmv, Q.qmm) if 32 % bits == 0 and m <= 16 else (Q.qmm,):
+        check(kern(x, qw.packed, qw.scales, qw.biases, backend="reference"), want, 2 * gs)
+
+
+@pytest.mark.parametrize("kern,bits,m", [("qmv", 4, 1), ("qmm", 3, 5)])
+def test_numba_matches_mlx(kern, bits, m):
+    x, qw, want = mlx_case(m, 40, 128, bits, 64, seed=3)
+    k = getattr(Q, kern)
+    check(k(x, qw.packed, qw.scales, qw.biases, backend="numba"), want, 128)
+
+
+@pytest.mark.parametrize("split_k", [2, 4])
+def test_split_k_adds_partial_sums(split_k):
+    x, qw, want = mlx_case(2, 16, 512, 4, 64, seed=11)
+    y = Q.qmv(x, qw.packed, qw.scales, qw.biases, backend="triton",
+              config={"SPLIT_K": split_k, "BLOCK_KW": 8})
+    check(y.float(), want, 512)
+
+
+def test_public_op_dispatches_and_keeps_leading_dims():
+    x, qw, want = mlx_case(6, 40, 128, 4, 64, seed=5)
+    y = Q.qmatmul(x.reshape(2, 3, 128), qw)
+    check(y.reshape(6, 40), want, 128)
+
+
+def test_wrong_shapes_are_refused_with_a_clear_message():
+    x, qw, _ = mlx_case(1, 8, 64, 4, 64, seed=1)
+    with pytest.raises(ValueError, match="does not match"):
+        Q.qmatmul(torch.randn(1, 32), qw)
+    with pytest.raises(NotImplementedError, match="affine only"):
+        Q.qmatmul(torch.randn(1, 64), QWeight.quantize(torch.randn(8, 64), mode="mxfp4"))
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 33, 70), (20, 17, 48)])
+def test_dense_mm_for_unquantized_weights(m, n, k):
+    x, w = torch.randn(m, k), torch.randn(n, k)
+    y = Q.qmatmul(x, w)
+    assert (y.double() - x.double() @ w.double().T).abs().max().item() < 1e-3 * k ** 0.5

@@ -5,8 +5,9 @@
   unrolled; scale and bias are applied once per group to partial sums:
   sum_k w_k x_k = sum_g s_g * sum_{k in g} q_k x_k + b_g * sum_{k in g} x_k.
   SPLIT_K > 1 splits K across programs that add into an fp32 output with atomics.
-- `qmm`: any M, any bit width (codes may straddle words: read as a 64-bit window), a tiled GEMM
-  that dequantizes a (BLOCK_K, BLOCK_N) weight tile in registers and multiplies with kd.dot.
+- `qmm`: any M, any bit width, a tiled GEMM that dequantizes a weight tile in registers and
+  multiplies with kd.dot. 2/4/8-bit codes are read as whole words along K and expanded with a
+  broadcast shift; 3/5/6-bit codes (which may straddle words) are read per element.
 - `mm`: the dense tiled GEMM, for weights kept unquantized.
 """
 
@@ -95,7 +96,7 @@ def qmv(x, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr, BLOCK
 
 @kd.kernel(
     tune={"BLOCK_M": kd.pow2(16, 128, default=128), "BLOCK_N": kd.pow2(16, 256, default=128),
-          "BLOCK_K": kd.pow2(16, 256, default=64), "num_warps": kd.choice(2, 4, 8, default=8),
+          "BLOCK_K": kd.pow2(32, 256, default=64), "num_warps": kd.choice(2, 4, 8, default=8),
           "num_stages": kd.choice(1, 2, 3, 4, default=3)},
     key=_qmv_key, spec=_qmv_spec, specialize=_format_of)
 def qmm(x, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr, BLOCK_M, BLOCK_N, BLOCK_K):
@@ -109,21 +110,31 @@ def qmm(x, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr, BLOCK
     for k0 in kd.range(0, K, BLOCK_K):
         rk = k0 + kd.arange(0, BLOCK_K)
         a = kd.load(x, rm[:, None], rk[None, :])
-        bit = rk * BITS
-        wi = (bit >> 5)[:, None]
-        sh = (bit & 31)[:, None]
-        lo = kd.load(wq, rn[None, :], wi).to(kd.u32) >> sh.to(kd.u32)
         if 32 % BITS == 0:
-            q = lo & MASK
+            # whole words along K (contiguous, coalesced), codes expanded by a broadcast shift:
+            # code j of word w is element k = w * PER + j
+            PER = 32 // BITS
+            kw = k0 // PER + kd.arange(0, BLOCK_K // PER)
+            words = kd.load(wq, rn[:, None], kw[None, :])
+            shifts = kd.arange(0, PER) * BITS
+            q = kd.reshape((words[:, :, None] >> shifts[None, None, :]) & MASK, (BLOCK_N, BLOCK_K))
+            grp = (rk // GROUP)[None, :]
+            s = kd.load(scales, rn[:, None], grp).f32()
+            b = kd.load(biases, rn[:, None], grp).f32()
+            w = kd.trans(q.f32() * s + b)
         else:
-            # a code that straddles two words takes its high bits from the next word
+            # codes may straddle two words: read the bit window per element
+            bit = rk * BITS
+            wi = (bit >> 5)[:, None]
+            sh = (bit & 31)[:, None]
+            lo = kd.load(wq, rn[None, :], wi).to(kd.u32) >> sh.to(kd.u32)
             spill = sh > 32 - BITS
             hi = kd.load(wq, rn[None, :], wi + 1, mask=spill).to(kd.u32) << ((32 - sh) & 31).to(kd.u32)
             q = (lo | kd.where(spill, hi, 0)) & MASK
-        grp = (rk // GROUP)[:, None]
-        s = kd.load(scales, rn[None, :], grp).f32()
-        b = kd.load(biases, rn[None, :], grp).f32()
-        w = q.f32() * s + b
+            grp = (rk // GROUP)[:, None]
+            s = kd.load(scales, rn[None, :], grp).f32()
+            b = kd.load(biases, rn[None, :], grp).f32()
+            w = q.f32() * s + b
         acc += kd.dot(a.to(x.dtype), w.to(x.dtype))
     out = kd.output((M, N), x.dtype)
     kd.store(out, rm[:, None], rn[None, :], acc)

@@ -31,25 +31,10 @@ class Backend:
         return f"{self.ops}-{self.device}"
 
 
-_MISSING: dict = {}
-
-
 def _kilnx_device() -> str | None:
     if torch.cuda.is_available():
         return "cuda"
     return "cpu" if os.environ.get("KILNX_TEST_KILNX_CPU") == "1" else None
-
-
-def skip_unless_backend_ready(name: str, device: str) -> None:
-    """Skip while kilnx.ops lacks a kernel (naming the ops); the probe compiles each kernel once, so its
-    answer is kept for the session."""
-    if name == "torch":
-        return
-    from kilnx.models.backend import missing_ops, resolve_ops
-    if (name, device) not in _MISSING:
-        _MISSING[(name, device)] = missing_ops(resolve_ops(name), device)
-    if _MISSING[(name, device)]:
-        pytest.skip(f"kilnx.ops kernels not available yet on {device}: {', '.join(_MISSING[(name, device)])}")
 
 
 @pytest.fixture(params=["torch", "kilnx"])
@@ -59,7 +44,6 @@ def backend(request) -> Backend:
     device = _kilnx_device()
     if device is None:
         pytest.skip("kilnx.ops on CPU is opt-in (KILNX_TEST_KILNX_CPU=1): per-shape kernel compiles take minutes")
-    skip_unless_backend_ready("kilnx", device)
     return Backend("kilnx", device)
 
 

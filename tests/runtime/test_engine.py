@@ -73,3 +73,14 @@ def test_context_limits():
     # Fits, but generation is cut at the end of the context with an honest stop reason.
     stats = list(generate_ids(eng, list(range(10)), SamplingParams(max_tokens=50, ignore_eos=True)))[-1]
     assert stats.generated_tokens == 6 and stats.stop_reason == "context"
+
+
+@pytest.mark.parametrize("cpu_backend", ["numba", "triton-interpreter"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_dsl_kernels_on_cpu_give_the_torch_peers_logits(arch, cpu_backend, monkeypatch):
+    """The whole forward on kilnx's own kernels (numba, or Triton's interpreter) equals the torch peer."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if cpu_backend == "triton-interpreter" else "0")
+    ids = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(2)).tolist()
+    want = _full_logits(tiny_model(arch, ops="torch", device="cpu"), ids)
+    got = _full_logits(tiny_model(arch, ops="kilnx", device="cpu"), ids)
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)

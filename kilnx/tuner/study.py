@@ -100,35 +100,13 @@ def config_key(cfg: dict) -> str:
 
 # ---------------------------------------------------------------- bucket neighbours (warm start)
 
-def _bucket_dims(bucket: str) -> dict[str, float] | None:
-    dims = {}
-    for part in bucket.split(","):
-        name, eq, value = part.partition("=")
-        if not eq:
-            return None
-        try:
-            dims[name.strip()] = float(value)
-        except ValueError:
-            dims[name.strip()] = value.strip()  # non-numeric parts must match exactly
-    return dims
-
-
 def bucket_distance(a: str, b: str) -> float:
-    """Sum of |log2| ratios over numeric dims; inf when the buckets are not comparable."""
-    da, db_ = _bucket_dims(a), _bucket_dims(b)
-    if da is None or db_ is None or set(da) != set(db_):
-        return math.inf
-    d = 0.0
-    for k, va in da.items():
-        vb = db_[k]
-        if isinstance(va, str) or isinstance(vb, str):
-            if va != vb:
-                return math.inf
-        elif va > 0 and vb > 0:
-            d += abs(math.log2(va) - math.log2(vb))
-        elif va != vb:
-            d += 1.0
-    return d
+    """The runtime's nearest-bucket distance, so warm starts pick the buckets dispatch would."""
+    from kilnx.runtime.dispatch import bucket_distance as fields_distance, parse_bucket
+    fa, fb = parse_bucket(a), parse_bucket(b)
+    if fa is None or fb is None:
+        return 0.0 if a == b else math.inf
+    return fields_distance(fa, fb)
 
 
 def neighbour_configs(db: Any, device: Any, kernel: Any, bucket: str, k: int = _NEIGHBOURS) -> list[dict]:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from kilnx.dsl import opdefs
 from kilnx.dsl.ir import NUMPY_OF, DSLError, KernelIR, Node
-from kilnx.codegen.source import INLINE, Namer, const_literal, live_nodes, param_names, py_literal
+from kilnx.codegen.source import (Namer, StatementEmitter, const_literal, live_nodes, param_names,
+                                  py_literal)
 
 NP = {d: f"np.{t.__name__}" for d, t in NUMPY_OF.items()}
 
@@ -33,7 +34,7 @@ def generate(ir: KernelIR, *, fn_name: str | None = None, header: str = "") -> s
     return "\n".join(lines) + "\n"
 
 
-class _Gen:
+class _Gen(StatementEmitter):
     def __init__(self, ir: KernelIR):
         self.ir = ir
         self.params = {p.name: p for p in ir.params + [o[0] for o in ir.outputs]}
@@ -51,19 +52,6 @@ class _Gen:
         if n.op == "program_id":
             return f"np.int32(pid{n.arg})"
         return self.namer.name(n)
-
-    def block(self, block, depth) -> list[str]:
-        out, pad = [], "    " * depth
-        for n in block.nodes:
-            if n.op in INLINE or id(n) not in self.live:
-                continue
-            if n.op == "range":
-                s = ", ".join(self.ref(x) for x in n.srcs)
-                out.append(f"{pad}for {self.ref(n)} in range({s}):")
-                out += self.block(n.arg, depth + 1) or [f"{pad}    pass"]
-                continue
-            out += [pad + s for s in self.stmts(n)]
-        return out
 
     def _fill(self, expr: str, n: Node, dtype: str) -> str:
         """Broadcast an expression to the node's tile shape (numba needs explicit shapes)."""

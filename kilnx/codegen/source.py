@@ -87,3 +87,29 @@ def live_nodes(ir: KernelIR) -> set[int]:
             stack += [lp for lp in loops if lp.arg is n.block]
     return live
 
+
+
+class StatementEmitter:
+    """Walks a kernel body in program order and emits one or more lines per live node; loops become
+    Python `for` statements. Backends supply `ref` (how a node is named or inlined) and `stmts`."""
+
+    live: set[int]
+
+    def ref(self, n: Node) -> str:
+        raise NotImplementedError
+
+    def stmts(self, n: Node) -> list[str]:
+        raise NotImplementedError
+
+    def block(self, block, depth: int) -> list[str]:
+        out, pad = [], "    " * depth
+        for n in block.nodes:
+            if n.op in INLINE or id(n) not in self.live:
+                continue
+            if n.op == "range":
+                bounds = ", ".join(self.ref(x) for x in n.srcs)
+                out.append(f"{pad}for {self.ref(n)} in range({bounds}):")
+                out += self.block(n.arg, depth + 1) or [f"{pad}    pass"]
+                continue
+            out += [pad + line for line in self.stmts(n)]
+        return out

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from kilnx.dsl import opdefs
 from kilnx.dsl.ir import KernelIR, Node
-from kilnx.codegen.source import INLINE, Namer, const_literal, live_nodes, param_names, py_literal
+from kilnx.codegen.source import (Namer, StatementEmitter, const_literal, live_nodes, param_names,
+                                  py_literal)
 
 TL = {"f16": "tl.float16", "bf16": "tl.bfloat16", "f32": "tl.float32", "f64": "tl.float64",
       "i8": "tl.int8", "u8": "tl.uint8", "i16": "tl.int16", "i32": "tl.int32", "u32": "tl.uint32",
@@ -29,7 +30,7 @@ def generate(ir: KernelIR, *, fn_name: str | None = None, interpret: bool = Fals
     return "\n".join(lines) + "\n"
 
 
-class _Gen:
+class _Gen(StatementEmitter):
     def __init__(self, ir: KernelIR, interpret: bool):
         self.ir, self.interpret = ir, interpret
         self.live = live_nodes(ir)
@@ -46,21 +47,9 @@ class _Gen:
             return f"tl.program_id({n.arg})"
         return self.namer.name(n)
 
-    def block(self, block, depth) -> list[str]:
-        out = []
-        pad = "    " * depth
-        for n in block.nodes:
-            if n.op in INLINE or id(n) not in self.live:
-                continue
-            if n.op == "range":
-                s = ", ".join(self.ref(x) for x in n.srcs)
-                out.append(f"{pad}for {self.ref(n)} in range({s}):")
-                out += self.block(n.arg, depth + 1) or [f"{pad}    pass"]
-                continue
-            stmt = self.stmt(n)
-            if stmt:
-                out.append(pad + stmt)
-        return out
+    def stmts(self, n: Node) -> list[str]:
+        stmt = self.stmt(n)
+        return [stmt] if stmt else []
 
     def stmt(self, n: Node) -> str:
         r = [self.ref(s) for s in n.srcs]

@@ -178,14 +178,14 @@ class FusionKernel(KernelBase):
             persistent = discover or BLOCK_D >= self._width(args, kw)
             kinds = [] if persistent else self._reduction_kinds(args, kw, config)
             n_red = len(kinds)
-            finals, outputs = [], None
+            finals, outputs, allocated = [], None, {}
             for p in range(n_red + 1):
                 target = p if p < n_red else None
                 if persistent:
                     cols = lang.arange(0, BLOCK_D)
                     ctx = _FusionTrace(rows, cols, cols < width, width, 0, None, finals, splits)
                     outputs, names = self._call(ctx, tens, scalars)
-                    self._store(ctx, outputs, args, tens, first)
+                    self._store(ctx, outputs, tens, first, allocated)
                     break
                 acc = self._new_accumulator(kinds[p], ROWS) if target is not None else None
                 for c0 in lang.range(0, width, BLOCK_D):
@@ -193,7 +193,7 @@ class FusionKernel(KernelBase):
                     ctx = _FusionTrace(rows, cols, cols < width, width, c0, p, finals, splits)
                     if target is None:
                         outputs, names = self._call(ctx, tens, scalars)
-                        self._store(ctx, outputs, args, tens, first)
+                        self._store(ctx, outputs, tens, first, allocated)
                     else:
                         try:
                             self._call(ctx, tens, scalars)
@@ -254,9 +254,9 @@ class FusionKernel(KernelBase):
         v, kind, mean = acc
         return v / width.to("f32") if mean else v
 
-    def _store(self, ctx, outputs, args, tens, first):
-        b = lang.builder()
-        existing = {o[0].name: o for o in b.ir.outputs}
+    def _store(self, ctx, outputs, tens, first, allocated: dict):
+        """Store each returned value: row tiles into (rows, width) outputs, per-row values into (rows,).
+        Outputs are allocated on first use and reused by later chunks (`allocated`: name -> tensor)."""
         lead = tens[first]
         n_rows = lead.shape[0] if lead.ndim == 2 else 1
         names = []
@@ -264,19 +264,17 @@ class FusionKernel(KernelBase):
             name = f"out{k}"
             names.append(name)
             rowwise = v.ndim == 2 and v.shape[1] != 1
-            if name not in existing:
+            if name not in allocated:
                 shape = (n_rows, ctx.width) if rowwise else (n_rows,)
-                t = lang.output(shape, v.dtype, name=name)
-                existing[name] = (t.param,)
-                b.__dict__.setdefault("_fusion_outs", {})[name] = t
-            t = b.__dict__["_fusion_outs"][name]
+                allocated[name] = lang.output(shape, v.dtype, name=name)
+            t = allocated[name]
             if rowwise:
                 lang.store(t, ctx.rows[:, None], ctx.cols[None, :], v,
                            mask=ctx.colmask[None, :], check=(True, False))
             else:
                 flat = lang.reshape(v, (v.shape[0],)) if v.ndim == 2 else v
                 lang.store(t, ctx.rows, flat)
-        b.ir.returns = tuple(names) if len(names) > 1 else names[0]
+        lang.builder().ir.returns = tuple(names) if len(names) > 1 else names[0]
 
     # --- protocol ---------------------------------------------------------------------------------
     def _build(self, config, args, kw, backend):

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# kernel calls read tuned configs from the tuning DB: never the user's own during tests
+os.environ.setdefault("KILNX_DB", "sqlite:///" + os.path.join(__import__("tempfile").mkdtemp(prefix="kilnx-test-db-"), "tuning.db"))
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402

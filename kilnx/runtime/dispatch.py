@@ -8,6 +8,7 @@ and the source hash must match, so a config tuned for other code or another GPU 
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import warnings
@@ -152,3 +153,22 @@ def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_info(kind: str, index: int) -> DeviceInfo:
+    from kilnx.runtime.device import cpu_info, cuda_info
+    return cuda_info(index) if kind == "cuda" else cpu_info()
+
+
+def config_for(kernel, args: tuple, kw: dict) -> dict:
+    """The config a kernel call launches with: the tuned one for this device and shape bucket (or the
+    nearest tuned bucket), else the kernel's default. Reads only what `get_tuned` loaded at start-up."""
+    default = kernel.default_config(*args, **kw)
+    dev = next((a.device for a in args if hasattr(a, "device")), None)
+    info = _device_info(dev.type if dev is not None else "cpu", (dev.index or 0) if dev is not None else 0)
+    cfg = get_tuned(info).config_for(kernel.name, kernel.source_hash, kernel.key(*args, **kw), default)
+    try:
+        return kernel.space.validate(cfg)
+    except ValueError:  # a stored config this version's space no longer admits
+        return default

@@ -25,8 +25,8 @@ run: $(STAMP)
 	# checkpoint on the tuned kernels, then its bench line. The first run compiles every kernel.
 	$(BIN)/kilnx tune --device auto --model smollm2-135m --kernel add_rms_norm_kernel \
 	    --kernel rms_norm_kernel --kernel silu_mul_kernel --budget 2m
-	$(BIN)/kilnx generate --model smollm2-135m --prompt "The three primary colors are" --max-tokens 16
-	$(BIN)/kilnx bench --model smollm2-135m --prompt-lens 16 --gen 8
+	$(BIN)/kilnx generate --model smollm2-135m --prompt "The three primary colors are" --max-tokens 8
+	$(BIN)/kilnx bench --model smollm2-135m --prompt-lens 16 --gen 4
 
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -x --timeout=900 tests

@@ -81,6 +81,8 @@ class _Gen(StatementEmitter):
             if not n.shape:
                 return [f"{name} = {NP[n.dtype]}({r[0]})"]
             return [f"{name} = np.asarray({r[0]}).astype({NP[n.dtype]})"]
+        if op == "bitcast":
+            return [f"{name} = np.ascontiguousarray({r[0]}).view({NP[n.dtype]})"]
         if op == "var":
             return [f"{name} = {r[0]}" if not n.shape else f"{name} = {r[0]}.copy()"]
         if op == "assign":

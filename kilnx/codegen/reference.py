@@ -95,6 +95,8 @@ class Interpreter:
             return cast(np.full(n.shape, n.arg, dtype=np.float64), n.dtype)
         if op == "cast":
             return cast(v[0], n.dtype)
+        if op == "bitcast":
+            return np.ascontiguousarray(v[0]).view(NUMPY_OF[n.dtype])
         if op in ("var", "assign"):
             if op == "assign":
                 env[id(n.srcs[0])] = v[1]

@@ -70,6 +70,8 @@ class _Gen(StatementEmitter):
                 # Triton specializes int arguments equal to 1 into constexprs, which have no .to()
                 return f"{name} = tl.cast({r[0]}, {TL[n.dtype]})"
             return f"{name} = {r[0]}.to({TL[n.dtype]})"
+        if op == "bitcast":
+            return f"{name} = {r[0]}.to({TL[n.dtype]}, bitcast=True)"
         if op == "var":
             return f"{name} = {r[0]}"
         if op == "assign":

@@ -138,6 +138,18 @@ class Value:
 
     astype = to
 
+    def bitcast(self, dtype) -> "Value":
+        """The same bits read as another 32-bit type (i32/u32 <-> f32): no conversion instruction.
+        Lets kernels build floats from integer codes with bit operations (the magic-number trick)."""
+        d = dtype_of(dtype)
+        if d == self.dtype:
+            return self
+        if {d, self.dtype} - {"i32", "u32", "f32"}:
+            raise dsl_error(f"bitcast {self.dtype} -> {d}: only between 32-bit types (i32, u32, f32)")
+        if not self.shape:
+            raise dsl_error("bitcast needs a tile; scalars have no bitcast in every backend")
+        return Value(builder().emit("bitcast", d, self.shape, (self.node,), arg=d))
+
     def f32(self):
         return self.to("f32")
 
@@ -432,6 +444,10 @@ def broadcast_to(x: Value, shape) -> Value:
     if x.shape == shape:
         return x
     return Value(builder().emit("broadcast", x.dtype, shape, (x.node,), arg=shape))
+
+
+def bitcast(x: Value, dtype) -> Value:
+    return x.bitcast(dtype)
 
 
 def trans(x: Value) -> Value:

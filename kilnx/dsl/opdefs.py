@@ -30,7 +30,7 @@ class OpDef:
 
 OPS: dict[str, OpDef] = {}
 
-STRUCTURAL = {"param", "dim", "const", "arange", "full", "program_id", "cast", "load", "store",
+STRUCTURAL = {"param", "dim", "const", "arange", "full", "program_id", "cast", "bitcast", "load", "store",
               "atomic_add", "range", "var", "assign", "reshape", "expand", "broadcast", "trans",
               "reduce", "dot", "where", "stride"}
 

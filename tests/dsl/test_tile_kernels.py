@@ -307,6 +307,40 @@ def test_cast_to_f16_rounds_to_nearest_even(backend):
     assert_close(to_f16(x, backend=backend, config={}), x.to(torch.float16), ulps=0, atol=0, what=backend)
 
 
+# ---- kd.bitcast: codes become floats by bit operations alone (the magic-number dequantization) ----
+@kd.kernel(tune={"BLOCK": kd.choice(64)})
+def magic_codes(q, *, BLOCK):
+    n = q.shape[0]
+    pid = kd.grid(kd.cdiv(n, BLOCK))
+    r = pid * BLOCK + kd.arange(0, BLOCK)
+    words = kd.load(q, r)
+    f = ((words & 0xF0) | 0x4B000000).bitcast(kd.f32)     # 2^23 + 16 * code, exactly
+    codes = kd.output((n,), kd.f32, name="codes")
+    bits = kd.output((n,), kd.i32, name="bits")
+    kd.store(codes, r, f * (1.0 / 16) - 2.0 ** 19)         # one fma: the code, exactly
+    kd.store(bits, r, f.bitcast(kd.i32))                   # and back to the same bits
+    return codes, bits
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bitcast_builds_floats_from_codes(backend):
+    q = torch.randint(-2**31, 2**31 - 1, (100,), dtype=torch.int32, generator=torch.Generator().manual_seed(5))
+    codes, bits = magic_codes(q, backend=backend, config={})
+    assert torch.equal(codes, ((q >> 4) & 0xF).float()), backend
+    assert torch.equal(bits, (q & 0xF0) | 0x4B000000), backend
+
+
+def test_bitcast_is_only_between_32_bit_types():
+    @kd.kernel(tune={})
+    def bad(x):
+        v = kd.load(x, kd.arange(0, 16))
+        out = kd.output((16,), kd.f32)
+        kd.store(out, kd.arange(0, 16), v.bitcast(kd.f16).f32())
+        return out
+    with pytest.raises(kd.DSLError, match="only between 32-bit types"):
+        bad(torch.zeros(16, dtype=torch.int32), backend="reference", config={})
+
+
 # ---- the GPU source (not the interpreter's variant) of each kernel compiles for sm_90 ----------------
 GPU_CASES = [  # (kernel name, args maker, config)
     ("row_sum", lambda: (randn(5, 40),), {"BLOCK_M": 4, "BLOCK_K": 16}),
@@ -319,6 +353,7 @@ GPU_CASES = [  # (kernel name, args maker, config)
     ("pair_sum_transposed", lambda: (randn(2, 4),), {"BLOCK": 8}),
     ("casts", lambda: (randn(4),), {}),
     ("to_f16", lambda: (randn(4),), {}),
+    ("magic_codes", lambda: (torch.zeros(4, dtype=torch.int32),), {}),
 ]
 TL_PTR = {"f32": "fp32", "bf16": "bf16", "f16": "fp16", "i32": "i32", "i8": "i8"}
 

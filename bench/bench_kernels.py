@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from kilnx.kernels import activations, norms, qmatmul  # noqa: E402
+from kilnx.kernels import activations, norms  # noqa: E402
 
 L2_BYTES = 60 << 20
 QUICK = False
@@ -199,97 +199,6 @@ def _eager_gelu_mul(gu):
     return (torch.nn.functional.gelu(g, approximate="tanh") * u).to(gu.dtype)
 
 
-LLAMA8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-QMV_CONFIGS = [dict(BLOCK_N=bn, BLOCK_KW=kw, SPLIT_K=sk, num_warps=nw, num_stages=ns)
-               for bn, kw, sk, nw, ns in [
-                   (4, 64, 1, 4, 2), (4, 128, 1, 4, 2), (8, 64, 1, 4, 2), (2, 128, 1, 2, 3),
-                   (4, 128, 2, 2, 4), (4, 256, 1, 4, 3), (8, 128, 1, 8, 2), (16, 64, 1, 8, 2),
-                   (2, 256, 2, 2, 4), (1, 512, 1, 4, 2), (4, 64, 4, 2, 3), (8, 32, 1, 4, 3),
-                   (16, 32, 1, 4, 2), (32, 16, 1, 4, 2)]]
-QMM_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
-               for bm, bn, bk, nw, ns in [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4),
-                                          (128, 128, 128, 8, 3), (64, 256, 64, 8, 4), (128, 64, 64, 4, 4)]]
-
-
-def bench_quant(rec: Recorder, copy_bw: float, smoke: bool):
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    shapes = LLAMA8B if not smoke else {"o": (64, 256)}
-    for label, (n, k) in shapes.items():
-        for m in ((1, 4, 8) if not smoke else (1, 3)):
-            _safe(rec, f"qmv_b4_M{m}_{label}", lambda: _bench_qmv(rec, label, n, k, m, dev, copy_bw, smoke))
-    for label in (("gate_up",) if not smoke else ("o",)):
-        n, k = shapes[label]
-        for m in ((512, 4096) if not smoke else (32,)):
-            _safe(rec, f"qmm_b4_M{m}_{label}", lambda: _bench_qmm(rec, label, n, k, m, dev, smoke))
-
-
-def _safe(rec, case, fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001
-        rec.add("quant", case, "error", repr(e)[:200])
-        traceback.print_exc()
-
-
-def _qargs(m, n, k, dev, copies):
-    return [qmatmul.make_qmatmul_args({"M": m, "N": n, "K": k, "bits": 4, "gs": 64}, dev) for _ in range(copies)]
-
-
-def _bench_qmv(rec, label, n, k, m, dev, copy_bw, smoke):
-    wbytes = n * k // 2 + 2 * 2 * n * (k // 64)
-    sets = _qargs(m, n, k, dev, copies_for(wbytes, smoke))
-    case = f"qmv_b4_M{m}_{label}"
-    check = sets[0]
-    ref = qmatmul._dense_peer(*check).float()
-    results = []
-    for cfg in ([qmatmul.qmv.default_config(*check)] + QMV_CONFIGS[: (3 if smoke else None)]):
-        def run(x, wq, s, b, cfg=cfg):
-            y = qmatmul.qmv(x, wq, s, b, config=cfg)
-            return y if y.dtype == x.dtype else y.to(x.dtype)
-        try:
-            err = (run(*check).float() - ref).abs().max().item() / (ref.abs().max().item() + 1e-9)
-            if not err < 2e-2:
-                print(f"{case} {cfg}: wrong (rel err {err:.3g}), skipped")
-                continue
-            results.append((time_calls(run, sets), cfg))
-        except Exception as e:  # noqa: BLE001 - a config that fails to compile is skipped
-            print(f"{case} {cfg}: {e!r}"[:300])
-    dense = [(x, qmatmul._dense_spec_weight(x, wq, s, b)) for x, wq, s, b in sets[:max(2, copies_for(n * k * 2, smoke))]]
-    t_cublas = time_calls(lambda x, w: x @ w.T, dense)
-    t_default, best = results[0][0], min(results, key=lambda r: r[0])
-    rec.add("quant", case, "GBps", wbytes / best[0] / 1e9, "cublas_bf16_GBps", n * k * 2 / t_cublas / 1e9)
-    rec.add("quant", case, "GBps_default_config", wbytes / t_default / 1e9, "copy_GBps", copy_bw)
-    rec.add("quant", case, "pct_of_copy", 100 * wbytes / best[0] / 1e9 / copy_bw, "best_config", str(best[1]))
-    rec.add("quant", case, "us", best[0] * 1e6, "cublas_bf16_us", t_cublas * 1e6)
-
-
-def _bench_qmm(rec, label, n, k, m, dev, smoke):
-    wbytes = n * k // 2
-    sets = _qargs(m, n, k, dev, 2)
-    case = f"qmm_b4_M{m}_{label}"
-    check = sets[0]
-    ref = qmatmul._dense_peer(*check).float()
-    results = []
-    for cfg in [qmatmul.qmm.default_config(*check)] + QMM_CONFIGS[: (2 if smoke else None)]:
-        run = lambda x, wq, s, b, cfg=cfg: qmatmul.qmm(x, wq, s, b, config=cfg)  # noqa: E731
-        try:
-            err = (run(*check).float() - ref).abs().max().item() / (ref.abs().max().item() + 1e-9)
-            if not err < 3e-2:
-                print(f"{case} {cfg}: wrong (rel err {err:.3g}), skipped")
-                continue
-            results.append((time_calls(run, sets, reps=10), cfg))
-        except Exception as e:  # noqa: BLE001
-            print(f"{case} {cfg}: {e!r}"[:300])
-    dense = [(x, qmatmul._dense_spec_weight(x, wq, s, b)) for x, wq, s, b in sets]
-    t_cublas = time_calls(lambda x, w: x @ w.T, dense, reps=10)
-    best = min(results, key=lambda r: r[0])
-    flops = 2 * m * n * k
-    rec.add("quant", case, "ratio_vs_cublas_time", best[0] / t_cublas, "best_config", str(best[1]))
-    rec.add("quant", case, "ratio_vs_cublas_time_default", results[0][0] / t_cublas)
-    rec.add("quant", case, "TFLOPs", flops / best[0] / 1e12, "cublas_bf16_TFLOPs", flops / t_cublas / 1e12)
-    del wbytes
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
@@ -305,7 +214,11 @@ def main():
         if a.quick:
             global QUICK
             QUICK = True
-        {"fusions": bench_fusions, "quant": bench_quant}[suite](rec, bw, a.smoke)
+        if suite == "quant":
+            from bench_quant import bench_quant
+            bench_quant(rec, bw, a.smoke)
+        else:
+            {"fusions": bench_fusions}[suite](rec, bw, a.smoke)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,26 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: kernel benchmarks, a short tune, and an end-to-end decode bench.
-# Usage there: bash bench/device_run.sh   (needs .whl carried; writes everything under $OUT)
+# GPU-machine driver: bash bench/device_run.sh STEP...   (needs .whl carried; everything lands in $OUT)
+# Steps: gputests quant fusions moe e2e1b e2e8b tune8b   -- each has its own time limit and log.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
-export PYTHONUNBUFFERED=1 KILNX_CACHE_DIR=/tmp/kilnx-cache KILNX_DB=sqlite:////tmp/kilnx-tune.db
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee $OUT/gpu.txt
-timeout 260 python3 bench/bench_kernels.py --suite quant --out $OUT 2>&1 | tee $OUT/quant.log | grep -v "^  " | tail -60
-timeout 150 python3 bench/bench_kernels.py --suite fusions --out $OUT 2>&1 | tee $OUT/fusions.log | grep -v "^  " | tail -45
-timeout 90 python3 -m kilnx.cli bench --model llama-3.2-1b --random --prompt-lens 128 --gen 64 --device cuda \
-  --csv $OUT/e2e.csv 2>&1 | tail -15
-timeout 120 python3 -m kilnx.cli tune --device sm_90 --model llama-3.1-8b --kernel qmv --budget 100s --workers 1 2>&1 | tail -40
-python3 -m kilnx.cli db export $OUT/tune.json 2>&1 | tail -2
-ls -la $OUT
+export PYTHONUNBUFFERED=1 KILNX_CACHE_DIR=/tmp/kilnx-cache KILNX_DB=${KILNX_DB:-sqlite:////tmp/kilnx-tune.db}
+export KILNX_COMMIT=$(cat .commit 2>/dev/null || echo unknown)
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > $OUT/gpu.txt
+step() {  # name seconds command...
+  local name=$1 secs=$2; shift 2
+  local t0=$(date +%s)
+  timeout $secs "$@" > $OUT/$name.log 2>&1; local rc=$?
+  echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"; grep -v "^  " $OUT/$name.log | tail -${TAIL:-25}
+}
+for s in "$@"; do case $s in
+  gputests) step gputests 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/kernels/test_qmatmul_gpu.py tests/tuner/test_tuner_gpu.py ;;
+  quant) step quant 330 python3 bench/bench_kernels.py --suite quant --out $OUT ;;
+  fusions) step fusions 150 python3 bench/bench_kernels.py --suite fusions --quick --out $OUT ;;
+  moe) step moe 200 python3 bench/bench_kernels.py --suite moe --out $OUT ;;
+  e2e1b) step e2e1b 120 python3 -m kilnx.cli bench --model llama-3.2-1b --random --prompt-lens 128 --gen 64 --device cuda --csv $OUT/e2e.csv ;;
+  e2e8b) step e2e8b 240 python3 -m kilnx.cli bench --model llama-3.1-8b --random --prompt-lens 128,2048 --gen 64 --device cuda --csv $OUT/e2e.csv ;;
+  tune8b) step tune8b 330 python3 -m kilnx.cli tune --device sm_90 --model llama-3.1-8b --budget 290s --workers 1
+          python3 -m kilnx.cli db export $OUT/tune.json > /dev/null 2>&1; cp /tmp/kilnx-tune.db $OUT/ 2>/dev/null ;;
+esac; done
+ls $OUT

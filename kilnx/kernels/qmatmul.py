@@ -1,13 +1,20 @@
 """Quantized matmul in the DSL: y = x @ dequantize(w).T for MLX-affine weights.
 
-- `qmv`: M <= 16 rows and 2/4/8-bit codes (whole codes per 32-bit word). One pass over the weight
-  serves every row. Packed words are loaded whole along K and the codes of each word position are
-  unrolled; scale and bias are applied once per group to partial sums:
-  sum_k w_k x_k = sum_g s_g * sum_{k in g} q_k x_k + b_g * sum_{k in g} x_k.
-  SPLIT_K > 1 splits K across programs that add into an fp32 output with atomics.
+- `qmv_prep` + `qmv`: M <= 16 rows and 2/4/8-bit codes (whole codes per 32-bit word). The prep kernel
+  lays each row of x out as fp32 "planes" (plane j holds x[w * PER + j] for word w) and sums x per
+  quantization group, so the GEMV's inner loop loads x contiguously, in the layout of the packed
+  words, with no conversions. The GEMV loads whole words along K, unrolls the PER code positions,
+  and applies scale and bias once per group to partial sums:
+      sum_k w_k x_k = sum_g s_g * sum_{k in g} q_k x_k + b_g * sum_{k in g} x_k.
+  With MAGIC, a code becomes a float without an int->float conversion (a quarter-rate instruction
+  on sm_90): OR-ing it into the mantissa of 2^23 gives 2^23 + code * 2^s exactly, and one fma
+  removes the offset. One pass over the weight serves every row; SPLIT_K > 1 splits K across
+  programs that add into an fp32 output with atomics.
 - `qmm`: any M, any bit width, a tiled GEMM that dequantizes a weight tile in registers and
   multiplies with kd.dot. 2/4/8-bit codes are read as whole words along K and expanded with a
-  broadcast shift; 3/5/6-bit codes (which may straddle words) are read per element.
+  broadcast shift; 3/5/6-bit codes (which may straddle words) are read per element. With SWAP the
+  weight tile is the dot's left operand (out^T = W x^T), so a few rows of x still fill the tensor
+  cores' wide dimension.
 - `mm`: the dense tiled GEMM, for weights kept unquantized.
 """
 
@@ -33,32 +40,84 @@ def _qmv_key(x, wq, scales, biases, **kw):
     return {"M": x.shape[0], "N": wq.shape[0], "K": x.shape[1], "bits": f["BITS"], "gs": f["GROUP"]}
 
 
-def _qmv_spec(x, wq, scales, biases, *, BITS, GROUP, **_):
-    return _dense_spec(x, wq, scales, biases, BITS, GROUP)
-
-
-def _dense_spec(x, wq, scales, biases, bits, group):
+def _dense_spec(x, wq, scales, biases, bits, group, dtype=None):
     from kilnx.quant import QWeight
     w = QWeight.from_mlx(wq.cpu(), scales.cpu(), biases.cpu(), bits=bits, group_size=group)
     y = x.double().cpu() @ w.dequantize(torch.float32).double().T
-    return y.to(x.dtype).to(x.device)
+    return y.to(dtype or x.dtype).to(x.device)
+
+
+def _code(words, hi, j: int, bits: int, magic: bool):
+    """Code j of each packed word (bits j*bits ...) as an exact fp32 value."""
+    mask, shift = (1 << bits) - 1, j * bits
+    if not magic:
+        return ((words >> shift) & mask).f32()
+    src, s = (words, shift) if shift < 16 else (hi, shift - 16)
+    f = ((src & (mask << s)) | 0x4B000000).bitcast(kd.f32)    # 2^23 + code * 2^s, exactly
+    return f * (2.0 ** -s) - 2.0 ** (23 - s)                   # the code, exactly: one fma
+
+
+# ---- qmv: activations prepared once, then one pass over the packed weight --------------------------
+def _planes_of(x, per):
+    """The prep kernel's meaning in torch: planes (M, PER, K/PER) with planes[m, j, w] = x[m, w*PER+j]."""
+    m, k = x.shape
+    return x.float().reshape(m, k // per, per).transpose(1, 2).contiguous()
+
+
+def _x_of(planes):
+    m, per, kw = planes.shape
+    return planes.transpose(1, 2).reshape(m, per * kw)
+
+
+@kd.kernel(tune={"BLOCK_KW": kd.pow2(16, 512, default=128), "num_warps": kd.choice(1, 2, 4, default=4)},
+           key=lambda x, **kw: {"M": x.shape[0], "K": x.shape[1]},
+           spec=lambda x, *, PER, GROUP, **_: (_planes_of(x, PER),
+                                                x.float().reshape(x.shape[0], -1, GROUP).sum(-1)))
+def qmv_prep(x, *, PER: kd.constexpr, GROUP: kd.constexpr, BLOCK_KW):
+    M, K = x.shape
+    WPG = GROUP // PER                    # words per group
+    BW = max(BLOCK_KW, WPG)               # whole groups per program
+    NG = BW // WPG
+    row, pw = kd.grid(M, kd.cdiv(kd.cdiv(K, PER), BW))
+    w = pw * BW + kd.arange(0, BW)
+    j = kd.arange(0, PER)
+    v = kd.load(x, row, w[:, None] * PER + j[None, :]).f32()           # (BW, PER), contiguous in x
+    planes = kd.output((M, PER, K // PER), kd.f32, name="planes")
+    kd.store(planes, row, j[:, None], w[None, :], kd.trans(v))
+    sums = kd.output((M, K // GROUP), kd.f32, name="group_sums")
+    kd.store(sums, row, pw * NG + kd.arange(0, NG), kd.sum(kd.reshape(v, (NG, WPG * PER)), axis=1))
+    return planes, sums
+
+
+def _qmv_format(planes, sums, wq, scales, biases):
+    per = planes.shape[1]
+    return {"BITS": 32 // per, "GROUP": per * planes.shape[2] // scales.shape[1]}
+
+
+def _qmv_key_prepared(planes, sums, wq, scales, biases, **kw):
+    f = _qmv_format(planes, sums, wq, scales, biases)
+    return {"M": planes.shape[0], "N": wq.shape[0], "K": planes.shape[1] * planes.shape[2],
+            "bits": f["BITS"], "gs": f["GROUP"]}
+
+
+def _qmv_spec(planes, sums, wq, scales, biases, *, BITS, GROUP, **_):
+    return _dense_spec(_x_of(planes), wq, scales, biases, BITS, GROUP, dtype=scales.dtype)
 
 
 @kd.kernel(
     tune={"BLOCK_N": kd.pow2(1, 64, default=4), "BLOCK_KW": kd.pow2(8, 512, default=256),
-          "SPLIT_K": kd.choice(1, 2, 4, 8, default=1), "num_warps": kd.choice(1, 2, 4, 8, default=4),
-          "num_stages": kd.choice(1, 2, 3, 4, default=3)},
-    key=_qmv_key, spec=_qmv_spec,
-    specialize=lambda x, wq, s, b: {**_format_of(x, wq, s, b), "BLOCK_M": _pow2_at_least(x.shape[0])})
-def qmv(x, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr, BLOCK_M: kd.constexpr,
-        BLOCK_N, BLOCK_KW, SPLIT_K):
-    M, K = x.shape
+          "SPLIT_K": kd.choice(1, 2, 4, 8, default=1), "MAGIC": kd.boolean(default=True),
+          "num_warps": kd.choice(1, 2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=3)},
+    key=_qmv_key_prepared, spec=_qmv_spec,
+    specialize=lambda p, s, wq, sc, b: {**_qmv_format(p, s, wq, sc, b), "BLOCK_M": _pow2_at_least(p.shape[0])})
+def qmv(planes, sums, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr,
+        BLOCK_M: kd.constexpr, BLOCK_N, BLOCK_KW, SPLIT_K, MAGIC):
+    M = planes.shape[0]
     N, KW = wq.shape
     PER = 32 // BITS                 # codes per word
     WPG = GROUP // PER               # words per group
     G = max(BLOCK_KW // WPG, 1)      # groups per chunk of words
     CHUNK = G * WPG                  # whole groups per chunk
-    MASK = (1 << BITS) - 1
     pid_n, pid_k = kd.grid(kd.cdiv(N, BLOCK_N), SPLIT_K)
     n = pid_n * BLOCK_N + kd.arange(0, BLOCK_N)
     rows = kd.arange(0, BLOCK_M)
@@ -69,24 +128,22 @@ def qmv(x, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr, BLOCK
     for w0 in kd.range(w_start, w_stop, CHUNK):
         wc = w0 + kd.arange(0, CHUNK)
         words = kd.load(wq, n[:, None], wc[None, :], hint="stream")
+        hi = words >> 16
         g = w0 // WPG + kd.arange(0, G)
         s = kd.load(scales, n[:, None], g[None, :]).f32()
         b = kd.load(biases, n[:, None], g[None, :]).f32()
-        codes = [((words >> (j * BITS)) & MASK).f32() for j in kd.static_range(PER)]
+        codes = [_code(words, hi, j, BITS, MAGIC) for j in kd.static_range(PER)]
         # every row reuses the codes already in registers; one row needs no loop at all
         for m in (kd.static_range(1) if BLOCK_M == 1 else kd.range(0, M)):
-            qx = xsum = None
+            qx = None
             for j in kd.static_range(PER):
-                xv = kd.load(x, m, wc * PER + j).f32()
-                term = codes[j] * xv[None, :]
+                term = codes[j] * kd.load(planes, m, j, wc)[None, :]
                 qx = term if qx is None else qx + term
-                xsum = xv if xsum is None else xsum + xv
             qx_g = kd.reshape(kd.sum(kd.reshape(qx, (BLOCK_N * G, WPG)), axis=1), (BLOCK_N, G))
-            xs_g = kd.sum(kd.reshape(xsum, (G, WPG)), axis=1)
-            row = kd.sum(qx_g * s + b * xs_g[None, :], axis=1)
+            row = kd.sum(qx_g * s + b * kd.load(sums, m, g)[None, :], axis=1)
             acc += row[None, :] if BLOCK_M == 1 else kd.where(rows[:, None] == m, row[None, :], 0.0)
     if SPLIT_K == 1:
-        out = kd.output((M, N), x.dtype)
+        out = kd.output((M, N), scales.dtype)
         kd.store(out, rows[:, None], n[None, :], acc)
     else:
         out = kd.output((M, N), kd.f32, zero=True)
@@ -94,22 +151,43 @@ def qmv(x, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr, BLOCK
     return out
 
 
+def run_qmv(x, wq, scales, biases, *, backend=None, config=None, prep_config=None):
+    """x (M, K) -> (M, N) in scales' dtype (fp32 with split-K): prep then the GEMV."""
+    f = _format_of(x, wq, scales, biases)
+    planes, sums = qmv_prep(x, PER=32 // f["BITS"], GROUP=f["GROUP"], backend=backend, config=prep_config)
+    return qmv(planes, sums, wq, scales, biases, backend=backend, config=config)
+
+
+# ---- qmm: tile GEMM with the dequantization in the prologue ------------------------------------------
+def _qmm_default(x, wq, scales, biases, **_):
+    m = x.shape[0]
+    if m <= 64:   # few rows: the weight fills the wide side of the MMA
+        return {"BLOCK_M": max(16, _pow2_at_least(m)), "BLOCK_N": 64, "BLOCK_K": 128, "SWAP": True,
+                "num_warps": 4}
+    return {}
+
+
+def _qmm_spec(x, wq, scales, biases, *, BITS, GROUP, **_):
+    return _dense_spec(x, wq, scales, biases, BITS, GROUP)
+
+
 @kd.kernel(
     tune={"BLOCK_M": kd.pow2(16, 128, default=128), "BLOCK_N": kd.pow2(16, 256, default=128),
-          "BLOCK_K": kd.pow2(32, 256, default=64), "num_warps": kd.choice(2, 4, 8, default=8),
+          "BLOCK_K": kd.pow2(32, 256, default=64), "MAGIC": kd.boolean(default=True),
+          "SWAP": kd.boolean(default=False), "num_warps": kd.choice(2, 4, 8, default=8),
           "num_stages": kd.choice(1, 2, 3, 4, default=3)},
-    key=_qmv_key, spec=_qmv_spec, specialize=_format_of)
-def qmm(x, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr, BLOCK_M, BLOCK_N, BLOCK_K):
+    key=_qmv_key, spec=_qmm_spec, specialize=_format_of, default=_qmm_default)
+def qmm(x, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr, BLOCK_M, BLOCK_N, BLOCK_K,
+        MAGIC, SWAP):
     M, K = x.shape
     N = wq.shape[0]
     MASK = (1 << BITS) - 1
     pm, pn = kd.grid(kd.cdiv(M, BLOCK_M), kd.cdiv(N, BLOCK_N))
     rm = pm * BLOCK_M + kd.arange(0, BLOCK_M)
     rn = pn * BLOCK_N + kd.arange(0, BLOCK_N)
-    acc = kd.zeros((BLOCK_M, BLOCK_N), kd.f32)
+    acc = kd.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), kd.f32)
     for k0 in kd.range(0, K, BLOCK_K):
         rk = k0 + kd.arange(0, BLOCK_K)
-        a = kd.load(x, rm[:, None], rk[None, :])
         if 32 % BITS == 0:
             # whole words along K (contiguous, coalesced), codes expanded by a broadcast shift:
             # code j of word w is element k = w * PER + j
@@ -118,26 +196,28 @@ def qmm(x, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr, BLOCK
             words = kd.load(wq, rn[:, None], kw[None, :])
             shifts = kd.arange(0, PER) * BITS
             q = kd.reshape((words[:, :, None] >> shifts[None, None, :]) & MASK, (BLOCK_N, BLOCK_K))
-            grp = (rk // GROUP)[None, :]
-            s = kd.load(scales, rn[:, None], grp).f32()
-            b = kd.load(biases, rn[:, None], grp).f32()
-            w = kd.trans(q.f32() * s + b)
         else:
             # codes may straddle two words: read the bit window per element
             bit = rk * BITS
-            wi = (bit >> 5)[:, None]
-            sh = (bit & 31)[:, None]
-            lo = kd.load(wq, rn[None, :], wi).to(kd.u32) >> sh.to(kd.u32)
+            wi = (bit >> 5)[None, :]
+            sh = (bit & 31)[None, :]
+            lo = kd.load(wq, rn[:, None], wi).to(kd.u32) >> sh.to(kd.u32)
             spill = sh > 32 - BITS
-            hi = kd.load(wq, rn[None, :], wi + 1, mask=spill).to(kd.u32) << ((32 - sh) & 31).to(kd.u32)
-            q = (lo | kd.where(spill, hi, 0)) & MASK
-            grp = (rk // GROUP)[:, None]
-            s = kd.load(scales, rn[None, :], grp).f32()
-            b = kd.load(biases, rn[None, :], grp).f32()
-            w = q.f32() * s + b
-        acc += kd.dot(a.to(x.dtype), w.to(x.dtype))
+            hi = kd.load(wq, rn[:, None], wi + 1, mask=spill).to(kd.u32) << ((32 - sh) & 31).to(kd.u32)
+            q = ((lo | kd.where(spill, hi, 0)) & MASK).to(kd.i32)
+        # codes are small: OR-ing them into 2^23's mantissa is an exact int->float without a convert
+        qf = (q | 0x4B000000).bitcast(kd.f32) - 8388608.0 if MAGIC else q.f32()
+        grp = (rk // GROUP)[None, :]
+        w = qf * kd.load(scales, rn[:, None], grp).f32() + kd.load(biases, rn[:, None], grp).f32()
+        if SWAP:
+            acc += kd.dot(w.to(x.dtype), kd.load(x, rm[None, :], rk[:, None]))
+        else:
+            acc += kd.dot(kd.load(x, rm[:, None], rk[None, :]), kd.trans(w).to(x.dtype))
     out = kd.output((M, N), x.dtype)
-    kd.store(out, rm[:, None], rn[None, :], acc)
+    if SWAP:
+        kd.store(out, rm[None, :], rn[:, None], acc)
+    else:
+        kd.store(out, rm[:, None], rn[None, :], acc)
     return out
 
 
@@ -187,7 +267,7 @@ def qmatmul(x: torch.Tensor, w) -> torch.Tensor:
     # numba compiles qmv's per-row loop very slowly, so on the CPU only single rows take qmv
     max_rows = QMV_MAX_ROWS if x.is_cuda else 1
     if x2.shape[0] <= max_rows and 32 % w.bits == 0:
-        y = qmv(*args)
+        y = run_qmv(*args)
         y = y if y.dtype == x.dtype else y.to(x.dtype)
     else:
         y = qmm(*args)
@@ -224,15 +304,29 @@ def _dense_spec_weight(x, wq, scales, biases):
     return q.dequantize(torch.bfloat16).to(x.device)
 
 
+def make_qmv_args(problem: dict, device: str):
+    """qmv's own inputs: the prepared activations (what qmv_prep makes) with the packed weight."""
+    x, wq, scales, biases = make_qmatmul_args(problem, device)
+    f = _format_of(x, wq, scales, biases)
+    sums = x.float().reshape(x.shape[0], -1, f["GROUP"]).sum(-1)
+    return _planes_of(x, 32 // f["BITS"]), sums, wq, scales, biases
+
+
+def _dense_peer_prepared(planes, sums, wq, scales, biases):
+    return _dense_peer(_x_of(planes).to(scales.dtype), wq, scales, biases)
+
+
 QMV_PROBLEMS = [{"M": m, "N": 4096, "K": 4096, "bits": 4, "gs": 64} for m in (1, 4)]
 QMM_PROBLEMS = [{"M": 512, "N": 4096, "K": 4096, "bits": 4, "gs": 64}]
-qmv.tuning(make_args=make_qmatmul_args, problems=QMV_PROBLEMS, peer=_dense_peer)
+qmv.tuning(make_args=make_qmv_args, problems=QMV_PROBLEMS, peer=_dense_peer_prepared)
 qmm.tuning(make_args=make_qmatmul_args, problems=QMM_PROBLEMS, peer=_dense_peer)
 
 
 def _matmul_tolerance(args):
     """(rtol, atol) for a K-long dot of bf16-rounded operands: elementwise relative error is
     meaningless where the sum cancels, so atol scales with sqrt(K) x rms(x) x the largest weight."""
+    if len(args) == 5:   # qmv's prepared activations
+        args = (_x_of(args[0]), *args[2:])
     x, wq, scales, biases = args
     k = x.shape[1]
     bits = _format_of(*args)["BITS"]

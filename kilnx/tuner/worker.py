@@ -283,6 +283,7 @@ class WorkerPool:
         visible = visible or [None] * n
         self.workers = [Worker(i, device, visible[i], threads) for i in range(n)]
         self._next_id = 0
+        self._lost: list[tuple[int, Outcome]] = []   # jobs whose worker was gone before they reached it
 
     def __enter__(self):
         return self
@@ -308,11 +309,22 @@ class WorkerPool:
 
     def submit(self, worker: Worker, job: Any, timeout_s: float) -> int:
         self._next_id += 1
-        worker.send(self._next_id, job, timeout_s)
+        try:
+            worker.send(self._next_id, job, timeout_s)
+        except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as e:
+            # the worker died while idle (a crash its last job left behind): the job fails, the worker
+            # is replaced, the tune goes on
+            code = worker.proc.exitcode if worker.proc is not None else None
+            self._lost.append((self._next_id, Outcome(False, kind="crash",
+                                                      error=f"worker gone before the job (exit code {code}): {e!r}")))
+            worker.restart()
         return self._next_id
 
     def wait(self, timeout_s: float | None = None) -> list[tuple[int, Outcome]]:
         """Outcomes of jobs that finished (or were killed) within `timeout_s`; also brings up workers."""
+        if self._lost:
+            lost, self._lost = self._lost, []
+            return lost
         now = time.monotonic()
         deadlines = [w.deadline for w in self.workers if w.job_id is not None]
         deadlines += [w.started_at + _STARTUP_TIMEOUT_S for w in self.workers if not w.ready]

@@ -43,7 +43,7 @@ def check(got, want, k):
 def test_qmatmul_matches_mlx_on_the_interpreter(bits, gs, m, n, groups):
     k = gs * groups
     x, qw, want = mlx_case(m, n, k, bits, gs, seed=bits * 1000 + m * 10 + n)
-    kern = Q.qmv if (m <= 16 and 32 % bits == 0) else Q.qmm
+    kern = Q.run_qmv if (m <= 16 and 32 % bits == 0) else Q.qmm
     args = (x, qw.packed, qw.scales, qw.biases)
     check(kern(*args, backend="triton"), want, k)
 
@@ -51,11 +51,11 @@ def test_qmatmul_matches_mlx_on_the_interpreter(bits, gs, m, n, groups):
 @pytest.mark.parametrize("bits,gs,m", [(4, 64, 1), (8, 32, 3), (3, 128, 5), (6, 64, 17)])
 def test_reference_interpreter_matches_mlx(bits, gs, m):
     x, qw, want = mlx_case(m, 24, 2 * gs, bits, gs, seed=7)
-    for kern in (Q.qmv, Q.qmm) if 32 % bits == 0 and m <= 16 else (Q.qmm,):
+    for kern in (Q.run_qmv, Q.qmm) if 32 % bits == 0 and m <= 16 else (Q.qmm,):
         check(kern(x, qw.packed, qw.scales, qw.biases, backend="reference"), want, 2 * gs)
 
 
-@pytest.mark.parametrize("kern,bits,m", [("qmv", 4, 1), ("qmm", 3, 5)])
+@pytest.mark.parametrize("kern,bits,m", [("run_qmv", 4, 1), ("qmm", 3, 5)])
 def test_numba_matches_mlx(kern, bits, m):
     x, qw, want = mlx_case(m, 40, 128, bits, 64, seed=3)
     k = getattr(Q, kern)
@@ -65,9 +65,36 @@ def test_numba_matches_mlx(kern, bits, m):
 @pytest.mark.parametrize("split_k", [2, 4])
 def test_split_k_adds_partial_sums(split_k):
     x, qw, want = mlx_case(2, 16, 512, 4, 64, seed=11)
-    y = Q.qmv(x, qw.packed, qw.scales, qw.biases, backend="triton",
-              config={"SPLIT_K": split_k, "BLOCK_KW": 8})
+    y = Q.run_qmv(x, qw.packed, qw.scales, qw.biases, backend="triton",
+                  config={"SPLIT_K": split_k, "BLOCK_KW": 8})
     check(y.float(), want, 512)
+
+
+@pytest.mark.parametrize("magic", [False, True])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_qmv_dequantization_variants_agree(bits, magic):
+    """The magic-number path (codes OR-ed into 2^23's mantissa) and the int->float path are the same
+    numbers: each code is exact in fp32 either way."""
+    x, qw, want = mlx_case(3, 12, 128, bits, 32, seed=bits)
+    y = Q.run_qmv(x, qw.packed, qw.scales, qw.biases, backend="triton",
+                  config={"MAGIC": magic, "BLOCK_KW": 32})
+    check(y, want, 128)
+
+
+@pytest.mark.parametrize("cfg", [{"SWAP": True, "MAGIC": True, "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 64},
+                                 {"SWAP": False, "MAGIC": False, "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32}])
+@pytest.mark.parametrize("bits", [3, 4])
+def test_qmm_swapped_and_magic_tiles(bits, cfg):
+    x, qw, want = mlx_case(20, 40, 128, bits, 64, seed=bits + 1)
+    check(Q.qmm(x, qw.packed, qw.scales, qw.biases, backend="triton", config=cfg), want, 128)
+
+
+def test_qmv_prep_lays_out_planes_and_group_sums():
+    x = torch.randn(3, 256)
+    planes, sums = Q.qmv_prep(x, PER=8, GROUP=64, backend="triton", config={"BLOCK_KW": 16})
+    assert torch.equal(planes[:, 5, 7], x[:, 7 * 8 + 5])
+    assert torch.equal(Q._x_of(planes), x)
+    assert torch.allclose(sums, x.reshape(3, 4, 64).sum(-1), atol=1e-5)
 
 
 def test_public_op_dispatches_and_keeps_leading_dims():

@@ -110,3 +110,18 @@ def test_workers_are_pinned_to_gpus_of_the_same_model(monkeypatch):
     assert worker_placement(h200, 4) == ("cuda:0", ["4", "6", "7", "4"])
     assert worker_placement(devmod.DeviceInfo(name="NVIDIA H200", arch="sm_90", index=2), 1) == ("cuda:0", ["6"])
     assert worker_placement(devmod.cpu_info(), 3) == ("cpu", [None, None, None])
+
+
+def test_a_worker_that_died_while_idle_fails_one_job_and_is_replaced():
+    """A worker process can die between jobs (a crash its last job left behind); the next job sent to
+    it fails as a crash instead of ending the tune with a BrokenPipeError, and a new worker takes over."""
+    from kilnx.tuner.worker import DescribeJob, WorkerPool
+    job = DescribeJob("tests.tuner.fake_kernels:scale_add", {"M": 4, "N": 64})
+    with WorkerPool(1, "cpu", threads=1) as pool:
+        assert pool.run(job, timeout_s=60).ok
+        worker = pool.workers[0]
+        os.kill(worker.proc.pid, signal.SIGKILL)
+        worker.proc.join(timeout=10)
+        job_id = pool.submit(worker, job, timeout_s=60)
+        assert [(jid, out.kind) for jid, out in pool.wait(5)] == [(job_id, "crash")]
+        assert pool.run(job, timeout_s=60).ok

@@ -1,0 +1,131 @@
+"""Quantized GEMM benchmarks (`bench_kernels.py --suite quant`): kilnx against cuBLAS bf16 on the
+dequantized weight and the HBM copy ceiling, in the same process.
+
+qmv cases time the whole path a model call takes (prep of x + the GEMV); the GEMV alone is reported
+too, so the prep's share is visible. For M > 1 the swapped-operand qmm (weight on the MMA's wide
+side) competes with qmv, and the faster one is the case's value (its config names which).
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import torch
+
+from bench_kernels import copies_for, time_calls
+from kilnx.kernels import qmatmul
+
+LLAMA8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+QMV_CONFIGS = [dict(BLOCK_N=bn, BLOCK_KW=kw, SPLIT_K=sk, num_warps=nw, num_stages=ns, MAGIC=mg)
+               for bn, kw, sk, nw, ns, mg in [
+                   (4, 256, 1, 4, 3, False), (4, 128, 1, 4, 3, True), (8, 128, 1, 4, 3, True),
+                   (2, 256, 1, 2, 3, True), (8, 256, 1, 8, 3, True), (4, 512, 1, 4, 2, True),
+                   (16, 64, 1, 4, 3, True), (4, 128, 2, 4, 3, True), (2, 128, 1, 2, 4, True),
+                   (1, 512, 1, 4, 3, True), (8, 64, 1, 4, 4, True), (4, 256, 1, 8, 2, True),
+                   (16, 128, 1, 8, 3, True), (4, 64, 4, 2, 3, True)]]
+WIDE_CONFIGS = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns, MAGIC=True, SWAP=True)
+                for bn, bk, nw, ns in [(64, 128, 4, 3), (128, 128, 4, 3), (64, 256, 4, 3), (128, 256, 8, 3),
+                                       (64, 512, 4, 2), (32, 256, 4, 4)]]
+QMM_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns, MAGIC=mg, SWAP=sw)
+               for bm, bn, bk, nw, ns, mg, sw in [
+                   (128, 128, 64, 8, 3, False, False), (128, 256, 64, 8, 3, True, False),
+                   (64, 128, 64, 4, 4, True, False), (128, 128, 128, 8, 3, True, False),
+                   (128, 64, 64, 4, 4, True, False), (128, 128, 64, 8, 4, True, True),
+                   (64, 256, 64, 8, 3, True, True), (128, 256, 64, 8, 3, True, True)]]
+
+
+def bench_quant(rec, copy_bw: float, smoke: bool):
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    shapes = LLAMA8B if not smoke else {"o": (64, 256)}
+    for label, (n, k) in shapes.items():
+        for m in ((1, 4, 8) if not smoke else (1, 3)):
+            _safe(rec, f"qmv_b4_M{m}_{label}", lambda: _bench_qmv(rec, label, n, k, m, 4, dev, copy_bw, smoke))
+    label = "gate_up" if not smoke else "o"
+    n, k = shapes[label]
+    _safe(rec, f"qmv_b8_M1_{label}", lambda: _bench_qmv(rec, label, n, k, 1, 8, dev, copy_bw, smoke))
+    for m in ((512, 4096) if not smoke else (32,)):
+        _safe(rec, f"qmm_b4_M{m}_{label}", lambda: _bench_qmm(rec, label, n, k, m, dev, smoke))
+
+
+def _safe(rec, case, fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - one broken case must not end the run
+        rec.add("quant", case, "error", repr(e)[:200])
+        traceback.print_exc()
+
+
+def _qargs(m, n, k, bits, dev, copies):
+    p = {"M": m, "N": n, "K": k, "bits": bits, "gs": 64}
+    return [qmatmul.make_qmatmul_args(p, dev) for _ in range(copies)]
+
+
+def _measure(case, run, sets, ref, reps=20, tol=2e-2):
+    """Seconds per call, or None when the output is wrong or the config does not compile."""
+    try:
+        got = run(*sets[0]).float()
+        err = (got - ref).abs().max().item() / (ref.abs().max().item() + 1e-9)
+        if not err < tol:
+            print(f"{case}: wrong (rel err {err:.3g}), skipped")
+            return None
+        return time_calls(run, sets, reps=reps)
+    except Exception as e:  # noqa: BLE001 - a config that fails to compile is skipped
+        print(f"{case}: {e!r}"[:300])
+        return None
+
+
+def _bench_qmv(rec, label, n, k, m, bits, dev, copy_bw, smoke):
+    wbytes = n * k * bits // 8 + 2 * 2 * n * (k // 64)
+    sets = _qargs(m, n, k, bits, dev, copies_for(wbytes, smoke))
+    case = f"qmv_b{bits}_M{m}_{label}"
+    ref = qmatmul._dense_peer(*sets[0]).float()
+    results = []   # (seconds, path, config)
+    for cfg in [qmatmul.qmv.space.default()] + QMV_CONFIGS[: (3 if smoke else None)]:
+        def run(x, wq, s, b, cfg=cfg):
+            return qmatmul.run_qmv(x, wq, s, b, config=cfg).to(x.dtype)
+        t = _measure(f"{case} qmv {cfg}", run, sets, ref)
+        if t is not None:
+            results.append((t, "qmv", cfg))
+    if m > 1 or not smoke:
+        for cfg in WIDE_CONFIGS[: (2 if smoke else None)]:
+            run = lambda x, wq, s, b, cfg=cfg: qmatmul.qmm(x, wq, s, b, config=cfg)  # noqa: E731
+            t = _measure(f"{case} qmm-swap {cfg}", run, sets, ref)
+            if t is not None:
+                results.append((t, "qmm", cfg))
+    # the GEMV alone, on prepared inputs, with the best qmv config
+    qmv_best = min((r for r in results if r[1] == "qmv"), key=lambda r: r[0])
+    prepared = [qmatmul.make_qmv_args({"M": m, "N": n, "K": k, "bits": bits, "gs": 64}, dev)
+                for _ in range(len(sets))]
+    t_gemv = time_calls(lambda *a: qmatmul.qmv(*a, config=qmv_best[2]), prepared)
+    dense = [(x, qmatmul._dense_spec_weight(x, wq, s, b)) for x, wq, s, b in sets[:max(2, copies_for(n * k * 2, smoke))]]
+    t_cublas = time_calls(lambda x, w: x @ w.T, dense)
+    t_default = results[0][0]
+    best = min(results, key=lambda r: r[0])
+    rec.add("quant", case, "GBps", wbytes / best[0] / 1e9, "cublas_bf16_GBps", n * k * 2 / t_cublas / 1e9)
+    rec.add("quant", case, "GBps_default_config", wbytes / t_default / 1e9, "copy_GBps", copy_bw)
+    rec.add("quant", case, "pct_of_copy", 100 * wbytes / best[0] / 1e9 / copy_bw, "best_config",
+            f"{best[1]} {best[2]}")
+    rec.add("quant", case, "us", best[0] * 1e6, "cublas_bf16_us", t_cublas * 1e6)
+    rec.add("quant", case, "us_gemv_only", t_gemv * 1e6, "us_qmv_path_best", qmv_best[0] * 1e6)
+    wide = [r for r in results if r[1] == "qmm"]
+    if wide:
+        rec.add("quant", case, "us_qmm_swap_best", min(wide, key=lambda r: r[0])[0] * 1e6)
+
+
+def _bench_qmm(rec, label, n, k, m, dev, smoke):
+    sets = _qargs(m, n, k, 4, dev, 2)
+    case = f"qmm_b4_M{m}_{label}"
+    ref = qmatmul._dense_peer(*sets[0]).float()
+    results = []
+    for cfg in [qmatmul.qmm.default_config(*sets[0])] + QMM_CONFIGS[: (2 if smoke else None)]:
+        run = lambda x, wq, s, b, cfg=cfg: qmatmul.qmm(x, wq, s, b, config=cfg)  # noqa: E731
+        t = _measure(f"{case} {cfg}", run, sets, ref, reps=10, tol=3e-2)
+        if t is not None:
+            results.append((t, cfg))
+    dense = [(x, qmatmul._dense_spec_weight(x, wq, s, b)) for x, wq, s, b in sets]
+    t_cublas = time_calls(lambda x, w: x @ w.T, dense, reps=10)
+    best = min(results, key=lambda r: r[0])
+    flops = 2 * m * n * k
+    rec.add("quant", case, "ratio_vs_cublas_time", best[0] / t_cublas, "best_config", str(best[1]))
+    rec.add("quant", case, "ratio_vs_cublas_time_default", results[0][0] / t_cublas)
+    rec.add("quant", case, "TFLOPs", flops / best[0] / 1e12, "cublas_bf16_TFLOPs", flops / t_cublas / 1e12)

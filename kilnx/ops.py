@@ -68,6 +68,26 @@ def qmatmul(x: torch.Tensor, w) -> torch.Tensor:
     return qm.qmatmul(x, w)
 
 
+def gather_qmatmul(x: torch.Tensor, w, expert_ids: torch.Tensor) -> torch.Tensor:
+    """Per-(token, slot) expert matmul: x (T, K), w a QWeight expert stack (E, N, K), expert_ids
+    (T, top_k) int -> (T, top_k, N), out[t, k] = x[t] @ w[expert_ids[t, k]].T; that is
+    mx.gather_qmm(x[:, None, None, :], w, s, b, rhs_indices=expert_ids, transpose=True) squeezed.
+    Leading dims of x / expert_ids beyond T are kept. Affine 2/4/8-bit weights."""
+    from kilnx.kernels import moe as m
+    return m.gather_qmatmul(x, w, expert_ids)
+
+
+def moe(x: torch.Tensor, w_gate_up, w_down, expert_ids: torch.Tensor, routing_weights: torch.Tensor,
+        activation: str = "silu") -> torch.Tensor:
+    """Mixture-of-experts MLP: x (T, H); w_gate_up (E, 2F, H) laid out [gate | up]; w_down (E, H, F);
+    expert_ids, routing_weights (T, top_k) -> (T, H) in x.dtype,
+    y[t] = sum_k routing_weights[t, k] * down_e(act(gate_e x[t]) * up_e x[t]) with e = expert_ids[t, k].
+    activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU). Few tokens take a two-launch decode path,
+    more an align step and two grouped GEMMs (crossover: kilnx.kernels.moe.MOE_DECODE_MAX_TOKENS)."""
+    from kilnx.kernels import moe as m
+    return m.moe(x, w_gate_up, w_down, expert_ids, routing_weights, activation)
+
+
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
               scale: float, *, softcap: float | None = None, window: int | None = None) -> torch.Tensor:
     """Causal attention of new queries over a KV cache.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-MODULES = ("norms", "activations", "rope", "attention", "qmatmul")
+MODULES = ("norms", "activations", "rope", "attention", "qmatmul", "moe_align", "moe")
 
 
 def all() -> list:  # noqa: A001 - the registry's natural verb
@@ -38,7 +38,8 @@ def source_hashes() -> dict[str, str]:
 
 def problems_for_model(model: str) -> list[tuple[str, dict]]:
     """(kernel name, problem) pairs for a zoo preset or a model path: decode and prefill shapes of
-    its norms, activations and quantized GEMMs (4-bit gs64, as the runtime's --random format)."""
+    its norms, activations and quantized GEMMs (4-bit gs64, as the runtime's --random format), and
+    for an MoE model its align step, grouped GEMMs and per-slot GEMVs."""
     from kilnx.models.presets import get_preset, problems
     cfg = get_preset(model)
     out: list[tuple[str, dict]] = []
@@ -47,6 +48,9 @@ def problems_for_model(model: str) -> list[tuple[str, dict]]:
             out.append(("qmv", {"M": m, "N": g["N"], "K": g["K"], "bits": 4, "gs": 64}))
         for m in (512, 2048):
             out.append(("qmm", {"M": m, "N": g["N"], "K": g["K"], "bits": 4, "gs": 64}))
+    if cfg.is_moe:
+        from kilnx.kernels.moe_specs import moe_problems
+        out += moe_problems(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size)
     for rows in (1, 2048):
         out.append(("add_rms_norm_kernel", {"rows": rows, "D": cfg.hidden_size, "dtype": "bf16"}))
         out.append(("rms_norm_kernel", {"rows": rows, "D": cfg.hidden_size, "dtype": "bf16"}))

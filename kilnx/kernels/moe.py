@@ -1,0 +1,351 @@
+"""Mixture-of-experts matmuls over MLX-affine 2/4/8-bit expert stacks W (E, N, K), in the DSL.
+
+Every (token, slot) pair i = t * top_k + k multiplies a row of x by the weight of expert
+expert_ids[t, k]. Two layouts of that work:
+
+- Grouped GEMM (`gather_qmm*`, any number of tokens): `moe_align` groups the slots by expert into
+  blocks of BLOCK_M rows of one expert. A program takes one such block and BLOCK_N output columns,
+  dequantizes the expert's weight tile in registers (whole packed words along K expanded by a
+  broadcast shift, scale and bias per group, as qmm does) and multiplies with kd.dot. Blocks past the
+  last expert's run do no K iterations at all.
+- Per-slot GEMV (`gather_qmv*`, decode): one program per (slot, BLOCK_N rows), the packed words
+  loaded whole along K, the codes of each word position unrolled, scale and bias applied once per
+  group to partial sums (as qmv does). No align step, no padding.
+
+Epilogues, each its own kernel so that the tuner can time and key them apart:
+  *_glu      SwiGLU / GeGLU on a [gate | up] weight (N = 2F): act(x W_gate^T) * (x W_up^T), (.., F).
+  gather_qmm with float `routing` (routing weights, not ids): each row scaled by its weight.
+  *_combine  weighted by the routing weights and summed over the top_k slots into (T, N).
+
+Rows of x are tokens (x (T, K), shared by a token's slots) or slots (x (T * top_k, K), e.g. the
+activations feeding the down projection); which one follows from x's row count. Compile-time
+parameters all follow from the arguments' shapes, so the tuner can build any kernel from its inputs.
+The fused decode MoE (`moe` for T <= MOE_DECODE_MAX_TOKENS) is two launches: gather_qmv_glu for
+gate_up + activation per (token, slot), then gather_qmv_combine for down + the weighted sum.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+
+import torch
+
+import kilnx.dsl as kd
+from kilnx.kernels.moe_align import align, align_block_m, align_buffers
+
+ACTIVATIONS = {"silu": kd.silu, "gelu_tanh": kd.gelu_tanh}
+# decode/prefill crossovers (tokens); later the tuner will store measured ones
+GATHER_QMV_MAX_TOKENS = 4
+MOE_DECODE_MAX_TOKENS = 4
+
+
+# ---- traced building blocks -----------------------------------------------------------------------
+def _dequantized_tile_t(wq, scales, biases, expert, cols, k0, BITS, GROUP, BLOCK_K):
+    """W[expert][cols, k0:k0 + BLOCK_K] dequantized and transposed: (BLOCK_K, len(cols)) fp32.
+    Code j of packed word w is element k = w * PER + j (LSB first)."""
+    PER = 32 // BITS
+    words = kd.load(wq, expert, cols[:, None], (k0 // PER + kd.arange(0, BLOCK_K // PER))[None, :])
+    shifts = kd.arange(0, PER) * BITS
+    codes = kd.reshape((words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1),
+                       (cols.shape[0], BLOCK_K))
+    group = ((k0 + kd.arange(0, BLOCK_K)) // GROUP)[None, :]
+    s = kd.load(scales, expert, cols[:, None], group).f32()
+    b = kd.load(biases, expert, cols[:, None], group).f32()
+    return kd.trans(codes.f32() * s + b)
+
+
+def _gather_gemm(x, wq, scales, biases, sorted_ids, block_expert, routing, *, act, combine, BITS, GROUP,
+                 BLOCK_M, X_BY_TOKEN, BLOCK_N, BLOCK_K):
+    K = x.shape[1]
+    T, TOP_K = routing.shape
+    numel = T * TOP_K
+    n_out = wq.shape[1] // 2 if act else wq.shape[1]
+    pid_m, pid_n = kd.grid(block_expert.shape[0], kd.cdiv(n_out, BLOCK_N))
+    slot = kd.load(sorted_ids, pid_m * BLOCK_M + kd.arange(0, BLOCK_M))   # numel marks padding
+    expert = kd.load(block_expert, pid_m)
+    # the sentinel slot maps past the last row of x and of the output: bounds checks mask it
+    x_row = slot // TOP_K if X_BY_TOKEN else slot
+    cols = pid_n * BLOCK_N + kd.arange(0, BLOCK_N)
+    k_stop = kd.where(expert >= 0, K, 0)    # a block past the last run (expert -1) does nothing
+    acc = kd.zeros((BLOCK_M, BLOCK_N), kd.f32)
+    acc_up = kd.zeros((BLOCK_M, BLOCK_N), kd.f32) if act else None
+    for k0 in kd.range(0, k_stop, BLOCK_K):
+        a = kd.load(x, x_row[:, None], (k0 + kd.arange(0, BLOCK_K))[None, :])
+        w = _dequantized_tile_t(wq, scales, biases, expert, cols, k0, BITS, GROUP, BLOCK_K)
+        acc += kd.dot(a, w.to(x.dtype))
+        if act:
+            # the up half shares the activations tile: one x load feeds both products
+            w_up = _dequantized_tile_t(wq, scales, biases, expert, cols + n_out, k0, BITS, GROUP, BLOCK_K)
+            acc_up += kd.dot(a, w_up.to(x.dtype))
+    y = ACTIVATIONS[act](acc) * acc_up if act else acc
+    if routing.dtype in (kd.f16, kd.bf16, kd.f32, kd.f64):
+        y = y * kd.load(routing, slot // TOP_K, slot % TOP_K).f32()[:, None]
+    if combine:
+        out = kd.output((T, n_out), kd.f32, zero=True)
+        kd.atomic_add(out, (slot // TOP_K)[:, None], cols[None, :], y)
+    else:
+        out = kd.output((numel, n_out), x.dtype)
+        kd.store(out, slot[:, None], cols[None, :], y)
+    return out
+
+
+def _gemv_partial_sums(x, x_row, wq, scales, biases, expert, row_tiles, BITS, GROUP, BLOCK_KW):
+    """[sum_k W[expert][rows, k] * x[x_row, k] for rows in row_tiles], fp32 (BLOCK_N,) tiles. All row
+    tiles share one pass over x. sum_k w_k x_k = sum_g s_g sum_{k in g} q_k x_k + b_g sum_{k in g} x_k."""
+    PER = 32 // BITS
+    WPG = GROUP // PER               # words per group
+    G = max(BLOCK_KW // WPG, 1)      # whole groups per chunk
+    CHUNK = G * WPG
+    MASK = (1 << BITS) - 1
+    BN = row_tiles[0].shape[0]
+    accs = [kd.zeros((BN,), kd.f32) for _ in row_tiles]
+    for w0 in kd.range(0, wq.shape[2], CHUNK):
+        word = w0 + kd.arange(0, CHUNK)
+        xs = [kd.load(x, x_row, word * PER + j).f32() for j in kd.static_range(PER)]
+        x_all = xs[0]
+        for xv in xs[1:]:
+            x_all = x_all + xv
+        x_group = kd.sum(kd.reshape(x_all, (G, WPG)), axis=1)
+        group = (w0 // WPG + kd.arange(0, G))[None, :]
+        for acc, rows in zip(accs, row_tiles):
+            words = kd.load(wq, expert, rows[:, None], word[None, :], hint="stream")
+            qx = None
+            for j in kd.static_range(PER):
+                term = ((words >> (j * BITS)) & MASK).f32() * xs[j][None, :]
+                qx = term if qx is None else qx + term
+            qx_group = kd.reshape(kd.sum(kd.reshape(qx, (BN * G, WPG)), axis=1), (BN, G))
+            s = kd.load(scales, expert, rows[:, None], group).f32()
+            b = kd.load(biases, expert, rows[:, None], group).f32()
+            acc += kd.sum(qx_group * s + b * x_group[None, :], axis=1)
+    return accs
+
+
+def _gather_gemv(x, wq, scales, biases, expert_ids, *, act, BITS, GROUP, X_BY_TOKEN, BLOCK_N, BLOCK_KW):
+    T, TOP_K = expert_ids.shape
+    numel = T * TOP_K
+    n_out = wq.shape[1] // 2 if act else wq.shape[1]
+    slot, pid_n = kd.grid(numel, kd.cdiv(n_out, BLOCK_N))
+    token = slot // TOP_K
+    expert = kd.load(expert_ids, token, slot % TOP_K)
+    rows = pid_n * BLOCK_N + kd.arange(0, BLOCK_N)
+    tiles = [rows, rows + n_out] if act else [rows]
+    accs = _gemv_partial_sums(x, token if X_BY_TOKEN else slot, wq, scales, biases, expert, tiles,
+                              BITS, GROUP, BLOCK_KW)
+    y = ACTIVATIONS[act](accs[0]) * accs[1] if act else accs[0]
+    out = kd.output((numel, n_out), x.dtype)
+    kd.store(out, slot, rows, y)
+    return out
+
+
+# ---- kernels ------------------------------------------------------------------------------------
+def _format(x, wq, scales):
+    """Bit width and group size from the shapes: K*bits/32 words and K/group scales per row."""
+    k = x.shape[1]
+    return {"BITS": wq.shape[2] * 32 // k, "GROUP": k // scales.shape[2]}
+
+
+def _gemm_specialize(x, wq, scales, biases, sorted_ids, block_expert, routing):
+    return {**_format(x, wq, scales), "BLOCK_M": sorted_ids.shape[0] // block_expert.shape[0],
+            "X_BY_TOKEN": x.shape[0] != routing.numel()}
+
+
+def _gemv_specialize(x, wq, scales, biases, expert_ids, routing_weights=None):
+    return {**_format(x, wq, scales), "X_BY_TOKEN": x.shape[0] != expert_ids.numel()}
+
+
+def _gemm_default(x, wq, scales, biases, sorted_ids, block_expert, routing, *, BLOCK_M, **_):
+    return {"BLOCK_N": 128 if BLOCK_M >= 64 else 64, "BLOCK_K": 64, "num_warps": 8 if BLOCK_M >= 64 else 4}
+
+
+def _gemv_default(x, wq, scales, biases, expert_ids, *rest, **_):
+    # one chunk covers the whole row when it is short (the down projection's K = F is often < 1024);
+    # on the CPU backends a program costs far more than its arithmetic: fewer, wider ones
+    return {"BLOCK_KW": min(max(1 << max(wq.shape[2] - 1, 0).bit_length(), 8), 256),
+            **({} if x.is_cuda else {"BLOCK_N": 32})}
+
+
+GEMM_TUNE = {"BLOCK_N": kd.pow2(16, 256, default=64), "BLOCK_K": kd.pow2(32, 256, default=64),
+             "num_warps": kd.choice(2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=3)}
+GEMV_TUNE = {"BLOCK_N": kd.pow2(1, 64, default=4), "BLOCK_KW": kd.pow2(8, 512, default=256),
+             "num_warps": kd.choice(1, 2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=3)}
+
+
+def _hooks(*, gemm: bool, glu: bool = False, combine: bool = False) -> dict:
+    """The decorator arguments of one variant: its tuning bucket names the routing size, the weight's
+    shape and format (and for the GEMM the block height, for a GLU the activation)."""
+    def key(x, wq, scales, biases, *rest, **kw):
+        routing = rest[2] if gemm else rest[0]
+        k = {"M": routing.numel(), "N": wq.shape[1], "K": x.shape[1], "E": wq.shape[0], "bits": kw["BITS"],
+             "gs": kw["GROUP"]}
+        if gemm:
+            k["BM"] = kw["BLOCK_M"]
+        if glu:
+            k["act"] = kw.get("ACT", "silu")
+        return k
+
+    def spec(*args, **kw):
+        from kilnx.kernels.moe_specs import gather_spec
+        act = kw.pop("ACT", "silu") if glu else None
+        return gather_spec(*args, gemm=gemm, act=act, combine=combine, **kw)
+
+    return dict(tune=GEMM_TUNE if gemm else GEMV_TUNE, key=key, spec=spec,
+                default=_gemm_default if gemm else _gemv_default,
+                specialize=_gemm_specialize if gemm else _gemv_specialize)
+
+
+@kd.kernel(**_hooks(gemm=True))
+def gather_qmm(x, wq, scales, biases, sorted_ids, block_expert, routing, *, BITS: kd.constexpr,
+               GROUP: kd.constexpr, BLOCK_M: kd.constexpr, X_BY_TOKEN: kd.constexpr, BLOCK_N, BLOCK_K):
+    """(T * top_k, N): slot i = x[row of i] @ W[its expert]^T. `routing` (T, top_k) is the expert ids
+    (read for their shape only) or the routing weights (each row then scaled by its weight)."""
+    return _gather_gemm(x, wq, scales, biases, sorted_ids, block_expert, routing, act=None, combine=False,
+                        BITS=BITS, GROUP=GROUP, BLOCK_M=BLOCK_M, X_BY_TOKEN=X_BY_TOKEN, BLOCK_N=BLOCK_N,
+                        BLOCK_K=BLOCK_K)
+
+
+@kd.kernel(**_hooks(gemm=True, glu=True))
+def gather_qmm_glu(x, wq, scales, biases, sorted_ids, block_expert, routing, *, BITS: kd.constexpr,
+                   GROUP: kd.constexpr, BLOCK_M: kd.constexpr, X_BY_TOKEN: kd.constexpr,
+                   ACT: kd.constexpr = "silu", BLOCK_N, BLOCK_K):
+    """(T * top_k, N / 2): act(gate) * up of the [gate | up] product (weighted if routing is float)."""
+    return _gather_gemm(x, wq, scales, biases, sorted_ids, block_expert, routing, act=ACT, combine=False,
+                        BITS=BITS, GROUP=GROUP, BLOCK_M=BLOCK_M, X_BY_TOKEN=X_BY_TOKEN, BLOCK_N=BLOCK_N,
+                        BLOCK_K=BLOCK_K)
+
+
+@kd.kernel(**_hooks(gemm=True, combine=True))
+def gather_qmm_combine(x, wq, scales, biases, sorted_ids, block_expert, routing_weights, *, BITS: kd.constexpr,
+                       GROUP: kd.constexpr, BLOCK_M: kd.constexpr, X_BY_TOKEN: kd.constexpr, BLOCK_N, BLOCK_K):
+    """(T, N) fp32 = sum_k routing_weights[t, k] * (slot (t, k) @ W[its expert]^T), added atomically."""
+    return _gather_gemm(x, wq, scales, biases, sorted_ids, block_expert, routing_weights, act=None,
+                        combine=True, BITS=BITS, GROUP=GROUP, BLOCK_M=BLOCK_M, X_BY_TOKEN=X_BY_TOKEN,
+                        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+
+
+@kd.kernel(**_hooks(gemm=False))
+def gather_qmv(x, wq, scales, biases, expert_ids, *, BITS: kd.constexpr, GROUP: kd.constexpr,
+               X_BY_TOKEN: kd.constexpr, BLOCK_N, BLOCK_KW):
+    """(T * top_k, N): slot i = x[row of i] @ W[expert_ids.flat[i]]^T, one GEMV per slot."""
+    return _gather_gemv(x, wq, scales, biases, expert_ids, act=None, BITS=BITS, GROUP=GROUP,
+                        X_BY_TOKEN=X_BY_TOKEN, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW)
+
+
+@kd.kernel(**_hooks(gemm=False, glu=True))
+def gather_qmv_glu(x, wq, scales, biases, expert_ids, *, BITS: kd.constexpr, GROUP: kd.constexpr,
+                   X_BY_TOKEN: kd.constexpr, ACT: kd.constexpr = "silu", BLOCK_N, BLOCK_KW):
+    """(T * top_k, N / 2): act(gate) * up per slot, one pass over x for both halves."""
+    return _gather_gemv(x, wq, scales, biases, expert_ids, act=ACT, BITS=BITS, GROUP=GROUP,
+                        X_BY_TOKEN=X_BY_TOKEN, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW)
+
+
+@kd.kernel(**_hooks(gemm=False, combine=True))
+def gather_qmv_combine(x, wq, scales, biases, expert_ids, routing_weights, *, BITS: kd.constexpr,
+                       GROUP: kd.constexpr, X_BY_TOKEN: kd.constexpr, BLOCK_N, BLOCK_KW):
+    """(T, N) in x.dtype = sum_k routing_weights[t, k] * (x[row of (t, k)] @ W[expert_ids[t, k]]^T).
+    A program owns BLOCK_N outputs of one token and loops over its slots: no atomics."""
+    T, TOP_K = expert_ids.shape
+    N = wq.shape[1]
+    token, pid_n = kd.grid(T, kd.cdiv(N, BLOCK_N))
+    rows = pid_n * BLOCK_N + kd.arange(0, BLOCK_N)
+    total = kd.zeros((BLOCK_N,), kd.f32)
+    for k in kd.range(0, TOP_K):
+        expert = kd.load(expert_ids, token, k)
+        weight = kd.load(routing_weights, token, k).f32()
+        (part,) = _gemv_partial_sums(x, token if X_BY_TOKEN else token * TOP_K + k, wq, scales, biases,
+                                     expert, [rows], BITS, GROUP, BLOCK_KW)
+        total += weight * part
+    out = kd.output((T, N), x.dtype)
+    kd.store(out, token, rows, total)
+    return out
+
+
+def _hash_with_helpers(kernel, *helpers):
+    """A kernel's source hash covers its function only; these kernels are thin wrappers, so the
+    traced helpers they call must count too (else tuned configs outlive a change to them)."""
+    from kilnx.dsl.kernel import CODEGEN_VERSION
+    text = CODEGEN_VERSION + "".join(inspect.getsource(f) for f in (kernel.fn, *helpers))
+    kernel.source_hash = hashlib.sha256(text.encode()).hexdigest()
+
+
+for _k in (gather_qmm, gather_qmm_glu, gather_qmm_combine):
+    _hash_with_helpers(_k, _gather_gemm, _dequantized_tile_t)
+for _k in (gather_qmv, gather_qmv_glu):
+    _hash_with_helpers(_k, _gather_gemv, _gemv_partial_sums)
+_hash_with_helpers(gather_qmv_combine, _gemv_partial_sums)
+
+
+# ---- public ops -----------------------------------------------------------------------------------
+def _check_weight(w, k: int, what: str):
+    from kilnx.quant import QWeight
+    if not isinstance(w, QWeight) or len(w.shape) != 3:
+        raise ValueError(f"{what}: expected an (E, N, K) QWeight expert stack, got {getattr(w, 'shape', type(w))}")
+    if w.mode != "affine" or 32 % w.bits:
+        raise NotImplementedError(f"{what}: kernels for affine 2/4/8-bit weights only, got {w.mode} {w.bits}-bit")
+    if w.shape[-1] != k:
+        raise ValueError(f"{what}: weight {tuple(w.shape)} does not match the activations' last dim {k}")
+
+
+def _check_routing(x, expert_ids, what: str):
+    if expert_ids.shape[:-1] != x.shape[:-1] or expert_ids.is_floating_point():
+        raise ValueError(f"{what}: expert_ids must be integers shaped (..., top_k) with x's leading dims "
+                         f"{tuple(x.shape[:-1])}, got {expert_ids.dtype} {tuple(expert_ids.shape)}")
+
+
+def gather_qmatmul(x: torch.Tensor, w, expert_ids: torch.Tensor) -> torch.Tensor:
+    """kilnx.ops.gather_qmatmul: x (..., K), w (E, N, K), expert_ids (..., top_k) -> (..., top_k, N)."""
+    _check_weight(w, x.shape[-1], "gather_qmatmul")
+    _check_routing(x, expert_ids, "gather_qmatmul")
+    lead, top_k, n = x.shape[:-1], expert_ids.shape[-1], w.shape[1]
+    x2, ids = x.reshape(-1, x.shape[-1]), expert_ids.reshape(-1, top_k)
+    if ids.numel() == 0:
+        return x.new_empty(*lead, top_k, n)
+    args = (x2, w.packed, w.scales, w.biases)
+    if x2.shape[0] <= GATHER_QMV_MAX_TOKENS:
+        y = gather_qmv(*args, ids)
+    else:
+        sorted_ids, block_expert, _ = align(ids, w.shape[0], align_block_m(ids.numel(), w.shape[0]))
+        y = gather_qmm(*args, sorted_ids, block_expert, ids)
+    return y.reshape(*lead, top_k, n)
+
+
+def moe(x, w_gate_up, w_down, expert_ids, routing_weights, activation: str = "silu") -> torch.Tensor:
+    """kilnx.ops.moe: sum_k routing_weights[.., k] * down_e(act(gate_e x) * up_e x), e = expert_ids[.., k].
+
+    x (..., H); w_gate_up (E, 2F, H) laid out [gate | up]; w_down (E, H, F); expert_ids and
+    routing_weights (..., top_k). Returns (..., H) in x.dtype. Up to MOE_DECODE_MAX_TOKENS tokens: two
+    GEMV launches, no align step; more: align, then two grouped GEMMs."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"moe: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    _check_weight(w_gate_up, x.shape[-1], "moe (gate_up)")
+    _check_weight(w_down, w_gate_up.shape[1] // 2, "moe (down)")
+    _check_routing(x, expert_ids, "moe")
+    if w_down.shape[1] != x.shape[-1] or w_down.shape[0] != w_gate_up.shape[0]:
+        raise ValueError(f"moe: down weight {tuple(w_down.shape)} does not map back to width {x.shape[-1]} "
+                         f"for {w_gate_up.shape[0]} experts")
+    if routing_weights.shape != expert_ids.shape:
+        raise ValueError(f"moe: routing_weights {tuple(routing_weights.shape)} must match expert_ids "
+                         f"{tuple(expert_ids.shape)}")
+    lead, top_k, E = x.shape[:-1], expert_ids.shape[-1], w_gate_up.shape[0]
+    x2, ids = x.reshape(-1, x.shape[-1]), expert_ids.reshape(-1, top_k)
+    rw = routing_weights.reshape(-1, top_k)
+    if ids.numel() == 0:
+        return torch.zeros_like(x)
+    gu = (w_gate_up.packed, w_gate_up.scales, w_gate_up.biases)
+    dn = (w_down.packed, w_down.scales, w_down.biases)
+    if x2.shape[0] <= MOE_DECODE_MAX_TOKENS:
+        h = gather_qmv_glu(x2, *gu, ids, ACT=activation)
+        y = gather_qmv_combine(h, *dn, ids, rw)
+    else:
+        sorted_ids, block_expert, _ = align(ids, E, align_block_m(ids.numel(), E))
+        h = gather_qmm_glu(x2, *gu, sorted_ids, block_expert, ids, ACT=activation)
+        y = gather_qmm_combine(h, *dn, sorted_ids, block_expert, rw).to(x.dtype)
+    return y.reshape(x.shape)
+
+
+__all__ = ["gather_qmatmul", "moe", "gather_qmm", "gather_qmm_glu", "gather_qmm_combine", "gather_qmv",
+           "gather_qmv_glu", "gather_qmv_combine", "align", "align_buffers", "GATHER_QMV_MAX_TOKENS",
+           "MOE_DECODE_MAX_TOKENS"]
+
+from kilnx.kernels import moe_specs as _specs  # noqa: E402 - tuning problems need the kernels above
+_specs.register_tuning()

@@ -1,0 +1,165 @@
+"""What the MoE kernels mean (eager torch, float64) and how the tuner feeds them.
+
+The formulas here are written independently of the kernels (the weight is unpacked with torch shifts,
+per expert) and are themselves checked against MLX's gather_qmm in the tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kilnx.kernels.moe_align import align_block_m, align_buffers, align_formula
+
+TORCH_ACTIVATIONS = {"silu": torch.nn.functional.silu,
+                     "gelu_tanh": lambda g: torch.nn.functional.gelu(g, approximate="tanh")}
+
+
+def dequantized_expert(wq, scales, biases, expert: int, bits: int, group: int) -> torch.Tensor:
+    """W[expert] (N, K) in float64 on the CPU: codes LSB-first in 32-bit words, w = scale * q + bias."""
+    words = wq[expert].cpu().long() & 0xFFFFFFFF
+    shifts = torch.arange(0, 32, bits)
+    codes = ((words[:, :, None] >> shifts) & ((1 << bits) - 1)).reshape(words.shape[0], -1)
+    s = scales[expert].cpu().double().repeat_interleave(group, dim=1)
+    b = biases[expert].cpu().double().repeat_interleave(group, dim=1)
+    return codes.double() * s + b
+
+
+def gather_formula(x, wq, scales, biases, expert_ids, bits: int, group: int, x_by_token: bool) -> torch.Tensor:
+    """(T * top_k, N) float64 on the CPU: slot i = t * top_k + k is x[t or i] @ W[expert_ids[t, k]]^T.
+    Slots with expert -1 (never placed by the align step) stay zero."""
+    top_k = expert_ids.shape[1]
+    ids = expert_ids.reshape(-1).cpu().long()
+    xd = x.detach().cpu().double()
+    rows = torch.arange(ids.numel()) // top_k if x_by_token else torch.arange(ids.numel())
+    out = torch.zeros(ids.numel(), wq.shape[1], dtype=torch.float64)
+    for e in ids.unique().tolist():
+        if e < 0:
+            continue
+        sel = (ids == e).nonzero().flatten()
+        out[sel] = xd[rows[sel]] @ dequantized_expert(wq, scales, biases, e, bits, group).T
+    return out
+
+
+def slot_experts(sorted_ids, block_expert, num_slots: int, block_m: int) -> torch.Tensor:
+    """The expert each slot was placed with by an align step (-1 where none), (num_slots,)."""
+    pos = torch.arange(sorted_ids.shape[0])
+    slot = sorted_ids.cpu().long()
+    placed = slot < num_slots
+    out = torch.full((num_slots,), -1, dtype=torch.long)
+    out[slot[placed]] = block_expert.cpu().long()[pos[placed] // block_m]
+    return out
+
+
+def gather_spec(*args, gemm: bool, act, combine: bool, BITS, GROUP, X_BY_TOKEN, BLOCK_M=None, **_):
+    """The spec of every gather kernel variant (see kilnx/kernels/moe.py for their arguments)."""
+    if gemm:
+        x, wq, scales, biases, sorted_ids, block_expert, routing = args
+        T, top_k = routing.shape
+        ids = slot_experts(sorted_ids, block_expert, T * top_k, BLOCK_M).reshape(T, top_k)
+        weights = routing if routing.is_floating_point() else None
+    else:
+        x, wq, scales, biases, ids = args[:5]
+        T, top_k = ids.shape
+        weights = args[5] if len(args) > 5 else None
+    y = gather_formula(x, wq, scales, biases, ids, BITS, GROUP, X_BY_TOKEN)
+    if act:
+        gate, up = y.chunk(2, dim=-1)
+        y = TORCH_ACTIVATIONS[act](gate) * up
+    if weights is not None:
+        y = y * weights.detach().cpu().double().reshape(-1, 1)
+    dtype = x.dtype
+    if combine:
+        y = y.reshape(T, top_k, -1).sum(1)
+        dtype = torch.float32 if gemm else x.dtype   # the grouped GEMM adds into fp32 atomically
+    return y.to(dtype).to(x.device)
+
+
+def gather_tolerance(args, *, glu: bool):
+    """(rtol, atol) for K-long dots of 16-bit-rounded operands: atol scales with sqrt(K) x rms(x) x
+    the largest weight (cancelling sums); a GLU output is also multiplied by the up half (~ that)."""
+    x, wq, scales, biases = args[:4]
+    k = x.shape[1]
+    bits = wq.shape[2] * 32 // k
+    wmax = scales.float().abs().max().item() * (2 ** bits - 1) + biases.float().abs().max().item()
+    scale = (k ** 0.5) * x.float().pow(2).mean().sqrt().item() * wmax
+    atol = 4e-3 * scale
+    return 2e-2, atol * (1 + 0.5 * scale) if glu else atol
+
+
+# ---- tuning --------------------------------------------------------------------------------------
+def moe_problems(E: int, top_k: int, hidden: int, width: int, *, bits: int = 4, gs: int = 64,
+                 decode=(1, 4), prefill=(512, 2048)) -> list[tuple[str, dict]]:
+    """(kernel name, problem) for one MoE layer's shapes: gate_up (+ activation) and down (+ combine),
+    per-slot GEMVs at decode sizes, grouped GEMMs and the align step at prefill sizes."""
+    base = {"top_k": top_k, "E": E, "bits": bits, "gs": gs}
+    gate_up = {**base, "N": 2 * width, "K": hidden, "x": "token"}
+    down = {**base, "N": hidden, "K": width, "x": "slot"}
+    out = []
+    for T in decode:
+        out += [("gather_qmv_glu", {**gate_up, "T": T}), ("gather_qmv_combine", {**down, "T": T})]
+    out.append(("gather_qmv", {**gate_up, "T": decode[0]}))
+    for T in prefill:
+        bm = align_block_m(T * top_k, E)
+        out += [("moe_align", {"T": T, "top_k": top_k, "E": E, "BM": bm}),
+                ("gather_qmm_glu", {**gate_up, "T": T, "BM": bm}),
+                ("gather_qmm_combine", {**down, "T": T, "BM": bm})]
+    out.append(("gather_qmm", {**gate_up, "T": prefill[-1], "BM": align_block_m(prefill[-1] * top_k, E)}))
+    return out
+
+
+QWEN3_30B_A3B = dict(E=128, top_k=8, hidden=2048, width=768)
+
+
+def routed_experts(T: int, top_k: int, E: int) -> torch.Tensor:
+    """(T, top_k) distinct experts per token from a skewed router (a few popular experts)."""
+    logits = torch.randn(T, E) + torch.linspace(0, 2, E)[torch.randperm(E)]
+    return torch.topk(logits, top_k, dim=1).indices
+
+
+def random_expert_weights(E: int, N: int, K: int, bits: int, gs: int, dtype=torch.bfloat16):
+    """Random packed words and small scales (a valid stack without quantizing on the host)."""
+    wq = torch.randint(-2 ** 31, 2 ** 31 - 1, (E, N, K * bits // 32), dtype=torch.int32)
+    scales = (torch.rand(E, N, K // gs) * 0.02 + 0.001).to(dtype)
+    biases = (-scales.float() * 2 ** (bits - 1)).to(dtype)
+    return wq, scales, biases
+
+
+def make_args_for(gemm: bool, weighted: bool):
+    """make_args(problem, device) for a gather kernel: {T, top_k, E, N, K, bits, gs, x, [BM]}."""
+    def make(problem: dict, device: str):
+        # the global generator: the tuner seeds it per draw, so gate inputs differ from timing inputs
+        T, k, E, N, K = (problem[n] for n in ("T", "top_k", "E", "N", "K"))
+        bits, gs = problem.get("bits", 4), problem.get("gs", 64)
+        x = torch.randn(T if problem.get("x", "token") == "token" else T * k, K).to(torch.bfloat16)
+        ids = routed_experts(T, k, E)
+        rw = torch.softmax(torch.randn(T, k), dim=-1).to(torch.bfloat16)
+        args = (x, *random_expert_weights(E, N, K, bits, gs))
+        if gemm:
+            sorted_ids, block_expert, _ = align_formula(ids, E, problem["BM"])
+            args += (sorted_ids, block_expert, rw if weighted else ids)
+        else:
+            args += (ids, rw) if weighted else (ids,)
+        return tuple(a.to(device) for a in args)
+    return make
+
+
+def make_align_args(problem: dict, device: str):
+    """{T, top_k, E, BM} -> (expert_ids, the empty buffers moe_align fills)."""
+    ids = routed_experts(problem["T"], problem["top_k"], problem["E"]).to(device)
+    return (ids, *align_buffers(ids, problem["E"], problem["BM"]))
+
+
+def register_tuning():
+    """Declare the tuner's inputs and the qwen3-30b-a3b problems on every MoE kernel."""
+    from kilnx.kernels import moe
+    from kilnx.kernels.moe_align import moe_align
+    problems: dict[str, list[dict]] = {}
+    for name, problem in moe_problems(**QWEN3_30B_A3B):
+        problems.setdefault(name, []).append(problem)
+    for kernel, gemm, weighted, glu in [(moe.gather_qmm, True, False, False), (moe.gather_qmm_glu, True, False, True),
+                                        (moe.gather_qmm_combine, True, True, False),
+                                        (moe.gather_qmv, False, False, False), (moe.gather_qmv_glu, False, False, True),
+                                        (moe.gather_qmv_combine, False, True, False)]:
+        kernel.tuning(make_args=make_args_for(gemm, weighted), problems=problems[kernel.name])
+        kernel.tolerance = (lambda g: lambda args: gather_tolerance(args, glu=g))(glu)
+    moe_align.tuning(make_args=make_align_args, problems=problems["moe_align"])

@@ -21,17 +21,17 @@ QMV_CONFIGS = [dict(BLOCK_N=bn, BLOCK_KW=kw, SPLIT_K=sk, num_warps=nw, num_stage
                    (4, 256, 1, 4, 3, False), (4, 128, 1, 4, 3, True), (8, 128, 1, 4, 3, True),
                    (2, 256, 1, 2, 3, True), (8, 256, 1, 8, 3, True), (4, 512, 1, 4, 2, True),
                    (16, 64, 1, 4, 3, True), (4, 128, 2, 4, 3, True), (2, 128, 1, 2, 4, True),
-                   (1, 512, 1, 4, 3, True), (8, 64, 1, 4, 4, True), (4, 256, 1, 8, 2, True),
-                   (16, 128, 1, 8, 3, True), (4, 64, 4, 2, 3, True)]]
+                   (8, 64, 1, 4, 4, True), (16, 128, 1, 8, 3, True), (32, 64, 1, 8, 3, True)]]
 WIDE_CONFIGS = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns, MAGIC=True, SWAP=True)
                 for bn, bk, nw, ns in [(64, 128, 4, 3), (128, 128, 4, 3), (64, 256, 4, 3), (128, 256, 8, 3),
-                                       (64, 512, 4, 2), (32, 256, 4, 4)]]
+                                       (128, 64, 4, 4), (256, 128, 8, 3), (32, 256, 4, 4)]]
 QMM_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns, MAGIC=mg, SWAP=sw)
                for bm, bn, bk, nw, ns, mg, sw in [
                    (128, 128, 64, 8, 3, False, False), (128, 256, 64, 8, 3, True, False),
                    (64, 128, 64, 4, 4, True, False), (128, 128, 128, 8, 3, True, False),
                    (128, 64, 64, 4, 4, True, False), (128, 128, 64, 8, 4, True, True),
-                   (64, 256, 64, 8, 3, True, True), (128, 256, 64, 8, 3, True, True)]]
+                   (64, 256, 64, 8, 3, True, True), (128, 256, 64, 8, 3, True, True),
+                   (128, 128, 32, 4, 4, True, False), (64, 128, 128, 4, 3, True, False)]]
 
 
 def bench_quant(rec, copy_bw: float, smoke: bool):

@@ -35,6 +35,12 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _pow2_dividing(n: int, cap: int = 4096) -> int:
+    """The largest power of two dividing n (up to cap): lets a kernel drop bounds masks on dims whose
+    size its block divides, which also frees the compiler to vectorize and skip zero-filling."""
+    return min(n & -n, cap) if n > 0 else cap
+
+
 def _qmv_key(x, wq, scales, biases, **kw):
     f = _format_of(x, wq, scales, biases)
     return {"M": x.shape[0], "N": wq.shape[0], "K": x.shape[1], "bits": f["BITS"], "gs": f["GROUP"]}
@@ -109,15 +115,18 @@ def _qmv_spec(planes, sums, wq, scales, biases, *, BITS, GROUP, **_):
           "SPLIT_K": kd.choice(1, 2, 4, 8, default=1), "MAGIC": kd.boolean(default=True),
           "num_warps": kd.choice(1, 2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=3)},
     key=_qmv_key_prepared, spec=_qmv_spec,
-    specialize=lambda p, s, wq, sc, b: {**_qmv_format(p, s, wq, sc, b), "BLOCK_M": _pow2_at_least(p.shape[0])})
+    specialize=lambda p, s, wq, sc, b: {**_qmv_format(p, s, wq, sc, b), "BLOCK_M": _pow2_at_least(p.shape[0]),
+                                         "N_DIV": _pow2_dividing(wq.shape[0]), "KW_DIV": _pow2_dividing(wq.shape[1])})
 def qmv(planes, sums, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr,
-        BLOCK_M: kd.constexpr, BLOCK_N, BLOCK_KW, SPLIT_K, MAGIC):
+        BLOCK_M: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr, BLOCK_N, BLOCK_KW, SPLIT_K, MAGIC):
     M = planes.shape[0]
     N, KW = wq.shape
     PER = 32 // BITS                 # codes per word
     WPG = GROUP // PER               # words per group
     G = max(BLOCK_KW // WPG, 1)      # groups per chunk of words
     CHUNK = G * WPG                  # whole groups per chunk
+    ROWS_IN = N_DIV % BLOCK_N == 0   # every row of every block exists: no row masks
+    K_IN = KW_DIV % CHUNK == 0       # every chunk is whole: no masks along K
     pid_n, pid_k = kd.grid(kd.cdiv(N, BLOCK_N), SPLIT_K)
     n = pid_n * BLOCK_N + kd.arange(0, BLOCK_N)
     rows = kd.arange(0, BLOCK_M)
@@ -127,20 +136,24 @@ def qmv(planes, sums, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.const
     acc = kd.zeros((BLOCK_M, BLOCK_N), kd.f32)
     for w0 in kd.range(w_start, w_stop, CHUNK):
         wc = w0 + kd.arange(0, CHUNK)
-        words = kd.load(wq, n[:, None], wc[None, :], hint="stream")
+        words = kd.load(wq, n[:, None], wc[None, :], hint="stream", check=(not ROWS_IN, not K_IN))
         hi = words >> 16
         g = w0 // WPG + kd.arange(0, G)
-        s = kd.load(scales, n[:, None], g[None, :]).f32()
-        b = kd.load(biases, n[:, None], g[None, :]).f32()
+        s = kd.load(scales, n[:, None], g[None, :], check=(not ROWS_IN, not K_IN)).f32()
+        b = kd.load(biases, n[:, None], g[None, :], check=(not ROWS_IN, not K_IN)).f32()
         codes = [_code(words, hi, j, BITS, MAGIC) for j in kd.static_range(PER)]
         # every row reuses the codes already in registers; one row needs no loop at all
         for m in (kd.static_range(1) if BLOCK_M == 1 else kd.range(0, M)):
             qx = None
             for j in kd.static_range(PER):
-                term = codes[j] * kd.load(planes, m, j, wc)[None, :]
+                # loaded as a (BLOCK_N, CHUNK) tile (rows repeat the same addresses) so x arrives in
+                # the packed words' register layout: a 1-d load would be re-laid out through shared
+                # memory, with a barrier, for every code position
+                term = codes[j] * kd.load(planes, m, j, wc[None, :] + n[:, None] * 0,
+                                          check=(False, False, not K_IN))
                 qx = term if qx is None else qx + term
             qx_g = kd.reshape(kd.sum(kd.reshape(qx, (BLOCK_N * G, WPG)), axis=1), (BLOCK_N, G))
-            row = kd.sum(qx_g * s + b * kd.load(sums, m, g)[None, :], axis=1)
+            row = kd.sum(qx_g * s + b * kd.load(sums, m, g, check=(False, not K_IN))[None, :], axis=1)
             acc += row[None, :] if BLOCK_M == 1 else kd.where(rows[:, None] == m, row[None, :], 0.0)
     if SPLIT_K == 1:
         out = kd.output((M, N), scales.dtype)
@@ -176,12 +189,17 @@ def _qmm_spec(x, wq, scales, biases, *, BITS, GROUP, **_):
           "BLOCK_K": kd.pow2(32, 256, default=64), "MAGIC": kd.boolean(default=True),
           "SWAP": kd.boolean(default=False), "num_warps": kd.choice(2, 4, 8, default=8),
           "num_stages": kd.choice(1, 2, 3, 4, default=3)},
-    key=_qmv_key, spec=_qmm_spec, specialize=_format_of, default=_qmm_default)
-def qmm(x, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr, BLOCK_M, BLOCK_N, BLOCK_K,
-        MAGIC, SWAP):
+    key=_qmv_key, spec=_qmm_spec, default=_qmm_default,
+    specialize=lambda x, wq, s, b: {**_format_of(x, wq, s, b), "N_DIV": _pow2_dividing(wq.shape[0]),
+                                    "K_DIV": _pow2_dividing(x.shape[1])})
+def qmm(x, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr, N_DIV: kd.constexpr,
+        K_DIV: kd.constexpr, BLOCK_M, BLOCK_N, BLOCK_K, MAGIC, SWAP):
     M, K = x.shape
     N = wq.shape[0]
     MASK = (1 << BITS) - 1
+    N_IN = N_DIV % BLOCK_N == 0      # whole blocks along N and K: no masks there
+    K_IN = K_DIV % BLOCK_K == 0
+    NG = max(BLOCK_K // GROUP, 1)    # quantization groups per K step
     pm, pn = kd.grid(kd.cdiv(M, BLOCK_M), kd.cdiv(N, BLOCK_N))
     rm = pm * BLOCK_M + kd.arange(0, BLOCK_M)
     rn = pn * BLOCK_N + kd.arange(0, BLOCK_N)
@@ -193,7 +211,7 @@ def qmm(x, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr, BLOCK
             # code j of word w is element k = w * PER + j
             PER = 32 // BITS
             kw = k0 // PER + kd.arange(0, BLOCK_K // PER)
-            words = kd.load(wq, rn[:, None], kw[None, :])
+            words = kd.load(wq, rn[:, None], kw[None, :], check=(not N_IN, not K_IN))
             shifts = kd.arange(0, PER) * BITS
             q = kd.reshape((words[:, :, None] >> shifts[None, None, :]) & MASK, (BLOCK_N, BLOCK_K))
         else:
@@ -207,12 +225,21 @@ def qmm(x, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr, BLOCK
             q = ((lo | kd.where(spill, hi, 0)) & MASK).to(kd.i32)
         # codes are small: OR-ing them into 2^23's mantissa is an exact int->float without a convert
         qf = (q | 0x4B000000).bitcast(kd.f32) - 8388608.0 if MAGIC else q.f32()
-        grp = (rk // GROUP)[None, :]
-        w = qf * kd.load(scales, rn[:, None], grp).f32() + kd.load(biases, rn[:, None], grp).f32()
-        if SWAP:
-            acc += kd.dot(w.to(x.dtype), kd.load(x, rm[None, :], rk[:, None]))
+        # one scale and bias per row and group, broadcast over the group's codes (a load per element
+        # would issue BLOCK_K loads per row)
+        g = k0 // GROUP + kd.arange(0, NG)
+        chk = (not N_IN, not K_IN)
+        s = kd.load(scales, rn[:, None], g[None, :], check=chk).f32()
+        b = kd.load(biases, rn[:, None], g[None, :], check=chk).f32()
+        if BLOCK_K > GROUP:
+            qf = kd.reshape(qf, (BLOCK_N, NG, GROUP))
+            w = kd.reshape(qf * s[:, :, None] + b[:, :, None], (BLOCK_N, BLOCK_K))
         else:
-            acc += kd.dot(kd.load(x, rm[:, None], rk[None, :]), kd.trans(w).to(x.dtype))
+            w = qf * s + b
+        if SWAP:
+            acc += kd.dot(w.to(x.dtype), kd.load(x, rm[None, :], rk[:, None], check=(True, not K_IN)))
+        else:
+            acc += kd.dot(kd.load(x, rm[:, None], rk[None, :], check=(True, not K_IN)), kd.trans(w).to(x.dtype))
     out = kd.output((M, N), x.dtype)
     if SWAP:
         kd.store(out, rm[None, :], rn[:, None], acc)

@@ -78,6 +78,45 @@ def results_table(results: list[TargetResult]) -> Table:
     return table
 
 
+CSV_COLUMNS = ["suite", "case", "metric", "value", "peer", "peer_value", "device", "torch", "triton", "commit",
+               "date"]
+
+
+def write_results_csv(path: str, results: list[TargetResult], device_key: str) -> None:
+    """One row per kernel×bucket (speedup of the recorded config over the default, both timed in this
+    tune) and `tune_geomean_speedup_vs_default` over the buckets that have both times."""
+    import csv
+    import datetime
+    import os
+
+    import torch
+    import triton
+
+    from kilnx.tuner.session import geomean_speedup
+    meta = {"device": device_key, "torch": torch.__version__, "triton": triton.__version__,
+            "commit": os.environ.get("KILNX_COMMIT", ""), "date": datetime.date.today().isoformat()}
+    rows = []
+    for r in results:
+        if r.speedup is None:
+            continue
+        case = f"tune_{r.target.kernel.name}_{r.target.bucket}"
+        rows.append({"suite": "tune", "case": case, "metric": "speedup", "value": f"{r.speedup:.4g}",
+                     "peer": "default_us", "peer_value": f"{r.default_time_s * 1e6:.4g}", **meta})
+        rows.append({"suite": "tune", "case": case, "metric": "tuned_us", "value": f"{r.time_s * 1e6:.4g}",
+                     "peer": "config", "peer_value": str(r.config), **meta})
+    g = geomean_speedup(results)
+    if g:
+        rows.append({"suite": "tune", "case": "tune_geomean_speedup_vs_default", "metric": "speedup",
+                     "value": f"{g:.4g}", "peer": "buckets", "peer_value": str(sum(1 for r in results if r.speedup)),
+                     **meta})
+    new = not os.path.exists(path)
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, CSV_COLUMNS)
+        if new:
+            w.writeheader()
+        w.writerows(rows)
+
+
 def result_notes(results: list[TargetResult]) -> list[str]:
     """Lines below the table: errors, why configs were rejected, where the default was kept."""
     notes = []
@@ -105,6 +144,9 @@ def tune(
     workers: Annotated[int, typer.Option(help="Worker processes on each study (one per GPU if several).")] = 1,
     trial_timeout: Annotated[float, typer.Option(help="Seconds before a trial's worker is killed.")] = 60.0,
     seed: Annotated[int, typer.Option(help="Sampler seed.")] = 0,
+    csv_path: Annotated[Optional[str], typer.Option("--csv", metavar="FILE",
+                                                    help="Append tuned-vs-default rows per kernel×bucket "
+                                                         "and the geomean speedup to this CSV.")] = None,
 ) -> None:  # noqa: B006 - typer reads the [] defaults; they are never mutated
     """Tune kernels for this device with Optuna and record the best configs in the tuning DB."""
     from kilnx.runtime.device import DeviceError, detect
@@ -152,5 +194,7 @@ def tune(
         _out.print(escape(line), highlight=False, soft_wrap=True)
     g = geomean_speedup(results)
     _out.print(f"geomean speedup vs default: {fmt_ratio(g)}" if g else "geomean speedup vs default: —")
+    if csv_path:
+        write_results_csv(csv_path, results, dev.key)
     if results and all(r.error for r in results):
         raise typer.Exit(1)

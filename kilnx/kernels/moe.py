@@ -41,7 +41,13 @@ MOE_DECODE_MAX_TOKENS = 4
 
 
 # ---- traced building blocks -----------------------------------------------------------------------
-def _dequantized_tile_t(wq, scales, biases, expert, cols, k0, BITS, GROUP, BLOCK_K):
+def _code_f32(code, MAGIC):
+    """Small non-negative int codes as exact fp32. With MAGIC no int->float conversion (a quarter-rate
+    instruction on sm_90): OR-ed into the mantissa of 2^23 the code is 2^23 + code exactly."""
+    return (code | 0x4B000000).bitcast(kd.f32) - 8388608.0 if MAGIC else code.f32()
+
+
+def _dequantized_tile_t(wq, scales, biases, expert, cols, k0, BITS, GROUP, BLOCK_K, MAGIC):
     """W[expert][cols, k0:k0 + BLOCK_K] dequantized and transposed: (BLOCK_K, len(cols)) fp32.
     Code j of packed word w is element k = w * PER + j (LSB first)."""
     PER = 32 // BITS
@@ -52,11 +58,11 @@ def _dequantized_tile_t(wq, scales, biases, expert, cols, k0, BITS, GROUP, BLOCK
     group = ((k0 + kd.arange(0, BLOCK_K)) // GROUP)[None, :]
     s = kd.load(scales, expert, cols[:, None], group).f32()
     b = kd.load(biases, expert, cols[:, None], group).f32()
-    return kd.trans(codes.f32() * s + b)
+    return kd.trans(_code_f32(codes, MAGIC) * s + b)
 
 
 def _gather_gemm(x, wq, scales, biases, sorted_ids, block_expert, routing, *, act, combine, BITS, GROUP,
-                 BLOCK_M, X_BY_TOKEN, BLOCK_N, BLOCK_K):
+                 BLOCK_M, X_BY_TOKEN, BLOCK_N, BLOCK_K, MAGIC):
     K = x.shape[1]
     T, TOP_K = routing.shape
     numel = T * TOP_K
@@ -72,11 +78,12 @@ def _gather_gemm(x, wq, scales, biases, sorted_ids, block_expert, routing, *, ac
     acc_up = kd.zeros((BLOCK_M, BLOCK_N), kd.f32) if act else None
     for k0 in kd.range(0, k_stop, BLOCK_K):
         a = kd.load(x, x_row[:, None], (k0 + kd.arange(0, BLOCK_K))[None, :])
-        w = _dequantized_tile_t(wq, scales, biases, expert, cols, k0, BITS, GROUP, BLOCK_K)
+        w = _dequantized_tile_t(wq, scales, biases, expert, cols, k0, BITS, GROUP, BLOCK_K, MAGIC)
         acc += kd.dot(a, w.to(x.dtype))
         if act:
             # the up half shares the activations tile: one x load feeds both products
-            w_up = _dequantized_tile_t(wq, scales, biases, expert, cols + n_out, k0, BITS, GROUP, BLOCK_K)
+            w_up = _dequantized_tile_t(wq, scales, biases, expert, cols + n_out, k0, BITS, GROUP, BLOCK_K,
+                                       MAGIC)
             acc_up += kd.dot(a, w_up.to(x.dtype))
     y = ACTIVATIONS[act](acc) * acc_up if act else acc
     if routing.dtype in (kd.f16, kd.bf16, kd.f32, kd.f64):
@@ -90,7 +97,7 @@ def _gather_gemm(x, wq, scales, biases, sorted_ids, block_expert, routing, *, ac
     return out
 
 
-def _gemv_partial_sums(x, x_row, wq, scales, biases, expert, row_tiles, BITS, GROUP, BLOCK_KW):
+def _gemv_partial_sums(x, x_row, wq, scales, biases, expert, row_tiles, BITS, GROUP, BLOCK_KW, MAGIC):
     """[sum_k W[expert][rows, k] * x[x_row, k] for rows in row_tiles], fp32 (BLOCK_N,) tiles. All row
     tiles share one pass over x. sum_k w_k x_k = sum_g s_g sum_{k in g} q_k x_k + b_g sum_{k in g} x_k."""
     PER = 32 // BITS
@@ -112,7 +119,7 @@ def _gemv_partial_sums(x, x_row, wq, scales, biases, expert, row_tiles, BITS, GR
             words = kd.load(wq, expert, rows[:, None], word[None, :], hint="stream")
             qx = None
             for j in kd.static_range(PER):
-                term = ((words >> (j * BITS)) & MASK).f32() * xs[j][None, :]
+                term = _code_f32((words >> (j * BITS)) & MASK, MAGIC) * xs[j][None, :]
                 qx = term if qx is None else qx + term
             qx_group = kd.reshape(kd.sum(kd.reshape(qx, (BN * G, WPG)), axis=1), (BN, G))
             s = kd.load(scales, expert, rows[:, None], group).f32()
@@ -121,7 +128,7 @@ def _gemv_partial_sums(x, x_row, wq, scales, biases, expert, row_tiles, BITS, GR
     return accs
 
 
-def _gather_gemv(x, wq, scales, biases, expert_ids, *, act, BITS, GROUP, X_BY_TOKEN, BLOCK_N, BLOCK_KW):
+def _gather_gemv(x, wq, scales, biases, expert_ids, *, act, BITS, GROUP, X_BY_TOKEN, BLOCK_N, BLOCK_KW, MAGIC):
     T, TOP_K = expert_ids.shape
     numel = T * TOP_K
     n_out = wq.shape[1] // 2 if act else wq.shape[1]
@@ -131,7 +138,7 @@ def _gather_gemv(x, wq, scales, biases, expert_ids, *, act, BITS, GROUP, X_BY_TO
     rows = pid_n * BLOCK_N + kd.arange(0, BLOCK_N)
     tiles = [rows, rows + n_out] if act else [rows]
     accs = _gemv_partial_sums(x, token if X_BY_TOKEN else slot, wq, scales, biases, expert, tiles,
-                              BITS, GROUP, BLOCK_KW)
+                              BITS, GROUP, BLOCK_KW, MAGIC)
     y = ACTIVATIONS[act](accs[0]) * accs[1] if act else accs[0]
     out = kd.output((numel, n_out), x.dtype)
     kd.store(out, slot, rows, y)
@@ -166,8 +173,10 @@ def _gemv_default(x, wq, scales, biases, expert_ids, *rest, **_):
 
 
 GEMM_TUNE = {"BLOCK_N": kd.pow2(16, 256, default=64), "BLOCK_K": kd.pow2(32, 256, default=64),
+             "MAGIC": kd.boolean(default=True),
              "num_warps": kd.choice(2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=3)}
 GEMV_TUNE = {"BLOCK_N": kd.pow2(1, 64, default=4), "BLOCK_KW": kd.pow2(8, 512, default=256),
+             "MAGIC": kd.boolean(default=True),
              "num_warps": kd.choice(1, 2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=3)}
 
 
@@ -196,52 +205,52 @@ def _hooks(*, gemm: bool, glu: bool = False, combine: bool = False) -> dict:
 
 @kd.kernel(**_hooks(gemm=True))
 def gather_qmm(x, wq, scales, biases, sorted_ids, block_expert, routing, *, BITS: kd.constexpr,
-               GROUP: kd.constexpr, BLOCK_M: kd.constexpr, X_BY_TOKEN: kd.constexpr, BLOCK_N, BLOCK_K):
+               GROUP: kd.constexpr, BLOCK_M: kd.constexpr, X_BY_TOKEN: kd.constexpr, BLOCK_N, BLOCK_K, MAGIC):
     """(T * top_k, N): slot i = x[row of i] @ W[its expert]^T. `routing` (T, top_k) is the expert ids
     (read for their shape only) or the routing weights (each row then scaled by its weight)."""
     return _gather_gemm(x, wq, scales, biases, sorted_ids, block_expert, routing, act=None, combine=False,
                         BITS=BITS, GROUP=GROUP, BLOCK_M=BLOCK_M, X_BY_TOKEN=X_BY_TOKEN, BLOCK_N=BLOCK_N,
-                        BLOCK_K=BLOCK_K)
+                        BLOCK_K=BLOCK_K, MAGIC=MAGIC)
 
 
 @kd.kernel(**_hooks(gemm=True, glu=True))
 def gather_qmm_glu(x, wq, scales, biases, sorted_ids, block_expert, routing, *, BITS: kd.constexpr,
                    GROUP: kd.constexpr, BLOCK_M: kd.constexpr, X_BY_TOKEN: kd.constexpr,
-                   ACT: kd.constexpr = "silu", BLOCK_N, BLOCK_K):
+                   ACT: kd.constexpr = "silu", BLOCK_N, BLOCK_K, MAGIC):
     """(T * top_k, N / 2): act(gate) * up of the [gate | up] product (weighted if routing is float)."""
     return _gather_gemm(x, wq, scales, biases, sorted_ids, block_expert, routing, act=ACT, combine=False,
                         BITS=BITS, GROUP=GROUP, BLOCK_M=BLOCK_M, X_BY_TOKEN=X_BY_TOKEN, BLOCK_N=BLOCK_N,
-                        BLOCK_K=BLOCK_K)
+                        BLOCK_K=BLOCK_K, MAGIC=MAGIC)
 
 
 @kd.kernel(**_hooks(gemm=True, combine=True))
 def gather_qmm_combine(x, wq, scales, biases, sorted_ids, block_expert, routing_weights, *, BITS: kd.constexpr,
-                       GROUP: kd.constexpr, BLOCK_M: kd.constexpr, X_BY_TOKEN: kd.constexpr, BLOCK_N, BLOCK_K):
+                       GROUP: kd.constexpr, BLOCK_M: kd.constexpr, X_BY_TOKEN: kd.constexpr, BLOCK_N, BLOCK_K, MAGIC):
     """(T, N) fp32 = sum_k routing_weights[t, k] * (slot (t, k) @ W[its expert]^T), added atomically."""
     return _gather_gemm(x, wq, scales, biases, sorted_ids, block_expert, routing_weights, act=None,
                         combine=True, BITS=BITS, GROUP=GROUP, BLOCK_M=BLOCK_M, X_BY_TOKEN=X_BY_TOKEN,
-                        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+                        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, MAGIC=MAGIC)
 
 
 @kd.kernel(**_hooks(gemm=False))
 def gather_qmv(x, wq, scales, biases, expert_ids, *, BITS: kd.constexpr, GROUP: kd.constexpr,
-               X_BY_TOKEN: kd.constexpr, BLOCK_N, BLOCK_KW):
+               X_BY_TOKEN: kd.constexpr, BLOCK_N, BLOCK_KW, MAGIC):
     """(T * top_k, N): slot i = x[row of i] @ W[expert_ids.flat[i]]^T, one GEMV per slot."""
     return _gather_gemv(x, wq, scales, biases, expert_ids, act=None, BITS=BITS, GROUP=GROUP,
-                        X_BY_TOKEN=X_BY_TOKEN, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW)
+                        X_BY_TOKEN=X_BY_TOKEN, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW, MAGIC=MAGIC)
 
 
 @kd.kernel(**_hooks(gemm=False, glu=True))
 def gather_qmv_glu(x, wq, scales, biases, expert_ids, *, BITS: kd.constexpr, GROUP: kd.constexpr,
-                   X_BY_TOKEN: kd.constexpr, ACT: kd.constexpr = "silu", BLOCK_N, BLOCK_KW):
+                   X_BY_TOKEN: kd.constexpr, ACT: kd.constexpr = "silu", BLOCK_N, BLOCK_KW, MAGIC):
     """(T * top_k, N / 2): act(gate) * up per slot, one pass over x for both halves."""
     return _gather_gemv(x, wq, scales, biases, expert_ids, act=ACT, BITS=BITS, GROUP=GROUP,
-                        X_BY_TOKEN=X_BY_TOKEN, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW)
+                        X_BY_TOKEN=X_BY_TOKEN, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW, MAGIC=MAGIC)
 
 
 @kd.kernel(**_hooks(gemm=False, combine=True))
 def gather_qmv_combine(x, wq, scales, biases, expert_ids, routing_weights, *, BITS: kd.constexpr,
-                       GROUP: kd.constexpr, X_BY_TOKEN: kd.constexpr, BLOCK_N, BLOCK_KW):
+                       GROUP: kd.constexpr, X_BY_TOKEN: kd.constexpr, BLOCK_N, BLOCK_KW, MAGIC):
     """(T, N) in x.dtype = sum_k routing_weights[t, k] * (x[row of (t, k)] @ W[expert_ids[t, k]]^T).
     A program owns BLOCK_N outputs of one token and loops over its slots: no atomics."""
     T, TOP_K = expert_ids.shape
@@ -253,7 +262,7 @@ def gather_qmv_combine(x, wq, scales, biases, expert_ids, routing_weights, *, BI
         expert = kd.load(expert_ids, token, k)
         weight = kd.load(routing_weights, token, k).f32()
         (part,) = _gemv_partial_sums(x, token if X_BY_TOKEN else token * TOP_K + k, wq, scales, biases,
-                                     expert, [rows], BITS, GROUP, BLOCK_KW)
+                                     expert, [rows], BITS, GROUP, BLOCK_KW, MAGIC)
         total += weight * part
     out = kd.output((T, N), x.dtype)
     kd.store(out, token, rows, total)
@@ -269,10 +278,10 @@ def _hash_with_helpers(kernel, *helpers):
 
 
 for _k in (gather_qmm, gather_qmm_glu, gather_qmm_combine):
-    _hash_with_helpers(_k, _gather_gemm, _dequantized_tile_t)
+    _hash_with_helpers(_k, _gather_gemm, _dequantized_tile_t, _code_f32)
 for _k in (gather_qmv, gather_qmv_glu):
-    _hash_with_helpers(_k, _gather_gemv, _gemv_partial_sums)
-_hash_with_helpers(gather_qmv_combine, _gemv_partial_sums)
+    _hash_with_helpers(_k, _gather_gemv, _gemv_partial_sums, _code_f32)
+_hash_with_helpers(gather_qmv_combine, _gemv_partial_sums, _code_f32)
 
 
 # ---- public ops -----------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ or one row per slot). Epilogues (GLU, routing weights, the sum over top_k) are c
 numpy applied to MLX's products, and moe() against a float64 torch composition of dequantized
 weights. The align step is checked by its invariants, and equals the torch formula exactly.
 Kernels run on the Triton interpreter and the numpy reference interpreter with explicit small
-configs (several column tiles, K tails); the numba backend on one fixed case per kernel family.
+configs (several column tiles, K tails, both int->float dequantizations); the numba backend on one
+fixed case per kernel family.
 """
 
 from __future__ import annotations
@@ -111,8 +112,8 @@ def test_align_groups_slots_by_expert_in_padded_blocks(T, k, E, bm, distinct, se
 @settings(max_examples=8, deadline=None, derandomize=True)
 @given(bits=st.sampled_from([2, 4, 8]), gs=st.sampled_from([32, 64]), T=st.sampled_from([1, 3, 17]),
        E=st.sampled_from([4, 8]), N=st.sampled_from([7, 40]), groups=st.sampled_from([1, 3]),
-       x_rows=st.sampled_from(["token", "slot"]), bm=st.sampled_from([16, 32]))
-def test_gather_kernels_match_mlx_gather_qmm(bits, gs, T, E, N, groups, x_rows, bm):
+       x_rows=st.sampled_from(["token", "slot"]), bm=st.sampled_from([16, 32]), magic=st.booleans())
+def test_gather_kernels_match_mlx_gather_qmm(bits, gs, T, E, N, groups, x_rows, bm, magic):
     K, k = gs * groups, 2
     mw, w = experts(E, N, K, bits, gs, seed=bits * 100 + T)
     ids, _ = routing(T, k, E, seed=T * 7 + E)
@@ -121,10 +122,11 @@ def test_gather_kernels_match_mlx_gather_qmm(bits, gs, T, E, N, groups, x_rows, 
     sorted_ids, block_expert, _ = align_formula(ids, E, bm)
     for backend in ("triton", "reference"):
         got = M.gather_qmm(x, w.packed, w.scales, w.biases, sorted_ids, block_expert, ids, backend=backend,
-                           config=GEMM_CFG)
+                           config={**GEMM_CFG, "MAGIC": magic})
         close(got, want, K)
         if T <= 3:   # the decode kernel: one program per slot and column tile
-            got = M.gather_qmv(x, w.packed, w.scales, w.biases, ids, backend=backend, config=GEMV_CFG)
+            got = M.gather_qmv(x, w.packed, w.scales, w.biases, ids, backend=backend,
+                               config={**GEMV_CFG, "MAGIC": magic})
             close(got, want, K)
 
 

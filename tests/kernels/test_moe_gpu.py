@@ -1,0 +1,99 @@
+"""On the GPU: the MoE kernels give the float64 formulas at realistic routing sizes (run with -m gpu)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kilnx.kernels import moe as M
+from kilnx.kernels import moe_specs as S
+from kilnx.kernels.moe_align import align, align_formula
+from kilnx.quant import QWeight
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
+
+E, TOP_K, H, F = 16, 4, 512, 256
+
+
+def stack(n, k, bits, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = QWeight.quantize(torch.randn(E, n, k, generator=g) * 0.1, bits=bits, group_size=64)
+    w = QWeight.from_mlx(w.packed, w.scales.bfloat16(), w.biases.bfloat16(), bits=bits, group_size=64)
+    return QWeight.from_mlx(w.packed.cuda(), w.scales.cuda(), w.biases.cuda(), bits=bits, group_size=64)
+
+
+def routing(T, seed):
+    torch.manual_seed(seed)
+    ids = S.routed_experts(T, TOP_K, E)
+    return ids.cuda(), torch.softmax(torch.randn(T, TOP_K), -1).bfloat16().cuda()
+
+
+def close(got, want, rel=2e-2):
+    err = (got.double().cpu() - want).abs().max().item()
+    assert err <= rel * want.abs().max().item() + 1e-3, err
+
+
+@pytest.mark.parametrize("T", [1, 64, 2048])
+def test_align_on_gpu_equals_the_formula(T):
+    ids, _ = routing(T, T)
+    for bm in (16, 64, 128):
+        for got, want in zip(align(ids, E, bm), align_formula(ids, E, bm)):
+            assert torch.equal(got.cpu(), want.cpu())
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("T", [1, 3, 17, 300])
+def test_gather_qmatmul_on_gpu(bits, T):
+    w = stack(2 * F, H, bits, seed=bits)
+    ids, _ = routing(T, T)
+    x = torch.randn(T, H).bfloat16().cuda()
+    want = S.gather_formula(x, w.packed, w.scales, w.biases, ids, bits, 64, True)
+    close(M.gather_qmatmul(x, w, ids).reshape(T * TOP_K, -1), want)
+
+
+@pytest.mark.parametrize("cfg", [{"MAGIC": True}, {"MAGIC": False, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8},
+                                 {"BLOCK_N": 32, "BLOCK_K": 32, "num_stages": 2}])
+@pytest.mark.parametrize("bm", [16, 64])
+def test_grouped_gemm_variants_on_gpu(cfg, bm):
+    gu, dn = stack(2 * F, H, 4, seed=1), stack(H, F, 4, seed=2)
+    T = 300
+    ids, rw = routing(T, 5)
+    x = torch.randn(T, H).bfloat16().cuda()
+    sorted_ids, block_expert, _ = align(ids, E, bm)
+    g = (gu.packed, gu.scales, gu.biases)
+    h = M.gather_qmm_glu(x, *g, sorted_ids, block_expert, ids, config=cfg)
+    close(h, S.gather_spec(x, *g, sorted_ids, block_expert, ids, gemm=True, act="silu", combine=False, BITS=4,
+                           GROUP=64, X_BY_TOKEN=True, BLOCK_M=bm).cpu().double())
+    d = (dn.packed, dn.scales, dn.biases)
+    y = M.gather_qmm_combine(h, *d, sorted_ids, block_expert, rw, config=cfg)
+    close(y, S.gather_spec(h, *d, sorted_ids, block_expert, rw, gemm=True, act=None, combine=True, BITS=4,
+                           GROUP=64, X_BY_TOKEN=False, BLOCK_M=bm).cpu().double())
+
+
+@pytest.mark.parametrize("cfg", [{"MAGIC": True}, {"MAGIC": False}, {"BLOCK_N": 16, "BLOCK_KW": 64, "num_warps": 2}])
+@pytest.mark.parametrize("T", [1, 4])
+def test_decode_kernels_on_gpu(cfg, T):
+    gu, dn = stack(2 * F, H, 4, seed=3), stack(H, F, 4, seed=4)
+    ids, rw = routing(T, 6)
+    x = torch.randn(T, H).bfloat16().cuda()
+    g, d = (gu.packed, gu.scales, gu.biases), (dn.packed, dn.scales, dn.biases)
+    h = M.gather_qmv_glu(x, *g, ids, config=cfg)
+    close(h, S.gather_spec(x, *g, ids, gemm=False, act="silu", combine=False, BITS=4, GROUP=64,
+                           X_BY_TOKEN=True).cpu().double())
+    y = M.gather_qmv_combine(h, *d, ids, rw, config=cfg)
+    close(y, S.gather_spec(h, *d, ids, rw, gemm=False, act=None, combine=True, BITS=4, GROUP=64,
+                           X_BY_TOKEN=False).cpu().double())
+
+
+def test_public_moe_on_gpu_every_path():
+    gu, dn = stack(2 * F, H, 4, seed=7), stack(H, F, 8, seed=8)
+    for T in (1, 4, 5, 2048):
+        ids, rw = routing(T, T)
+        x = torch.randn(T, H).bfloat16().cuda()
+        h = S.gather_formula(x, gu.packed, gu.scales, gu.biases, ids, 4, 64, True)
+        gate, up = h.chunk(2, -1)
+        h = (torch.nn.functional.silu(gate) * up).to(torch.bfloat16)
+        y = S.gather_formula(h, dn.packed, dn.scales, dn.biases, ids, 8, 64, False)
+        want = (y.reshape(T, TOP_K, H) * rw.cpu().double()[..., None]).sum(1)
+        close(M.moe(x, gu, dn, ids, rw), want)

@@ -8,6 +8,7 @@ side) competes with qmv, and the faster one is the case's value (its config name
 
 from __future__ import annotations
 
+import os
 import traceback
 
 import torch
@@ -35,14 +36,17 @@ QMM_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages
 
 
 def bench_quant(rec, copy_bw: float, smoke: bool):
+    """$KILNX_BENCH_ONLY=qmm limits the run to the qmm cases."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = LLAMA8B if not smoke else {"o": (64, 256)}
-    for label, (n, k) in shapes.items():
+    only_qmm = os.environ.get("KILNX_BENCH_ONLY") == "qmm"
+    for label, (n, k) in ({} if only_qmm else shapes).items():
         for m in ((1, 4, 8) if not smoke else (1, 3)):
             _safe(rec, f"qmv_b4_M{m}_{label}", lambda: _bench_qmv(rec, label, n, k, m, 4, dev, copy_bw, smoke))
     label = "gate_up" if not smoke else "o"
     n, k = shapes[label]
-    _safe(rec, f"qmv_b8_M1_{label}", lambda: _bench_qmv(rec, label, n, k, 1, 8, dev, copy_bw, smoke))
+    if not only_qmm:
+        _safe(rec, f"qmv_b8_M1_{label}", lambda: _bench_qmv(rec, label, n, k, 1, 8, dev, copy_bw, smoke))
     for m in ((512, 4096) if not smoke else (32,)):
         _safe(rec, f"qmm_b4_M{m}_{label}", lambda: _bench_qmm(rec, label, n, k, m, dev, smoke))
 

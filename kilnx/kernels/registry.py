@@ -44,9 +44,9 @@ def problems_for_model(model: str) -> list[tuple[str, dict]]:
     cfg = get_preset(model)
     out: list[tuple[str, dict]] = []
     for g in problems(cfg):
-        for m in (1, 4, 16):
+        for m in (1, 4):
             out.append(("qmv", {"M": m, "N": g["N"], "K": g["K"], "bits": 4, "gs": 64}))
-        for m in (512, 2048):
+        for m in (16, 512, 2048):
             out.append(("qmm", {"M": m, "N": g["N"], "K": g["K"], "bits": 4, "gs": 64}))
     if cfg.is_moe:
         from kilnx.kernels.moe_specs import moe_problems

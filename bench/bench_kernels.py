@@ -1,6 +1,6 @@
 """Kernel benchmarks: kilnx against its peers measured in the same run, written as CSV.
 
-    python bench/bench_kernels.py --out DIR [--suite fusions,quant] [--smoke]
+    python bench/bench_kernels.py --out DIR [--suite fusions,quant,moe] [--smoke]
 
 Every timing is a CUDA graph replaying the kernel over enough distinct input copies that they do
 not fit in L2 (so the weights really stream from HBM), divided by the number of calls; peers
@@ -217,6 +217,9 @@ def main():
         if suite == "quant":
             from bench_quant import bench_quant
             bench_quant(rec, bw, a.smoke)
+        elif suite == "moe":
+            from bench_moe import bench_moe
+            bench_moe(rec, bw, a.smoke)
         else:
             {"fusions": bench_fusions}[suite](rec, bw, a.smoke)
 

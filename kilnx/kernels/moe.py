@@ -47,26 +47,37 @@ def _code_f32(code, MAGIC):
     return (code | 0x4B000000).bitcast(kd.f32) - 8388608.0 if MAGIC else code.f32()
 
 
-def _dequantized_tile_t(wq, scales, biases, expert, cols, k0, BITS, GROUP, BLOCK_K, MAGIC):
+def _dequantized_tile_t(wq, scales, biases, expert, cols, k0, BITS, GROUP, BLOCK_K, MAGIC, check):
     """W[expert][cols, k0:k0 + BLOCK_K] dequantized and transposed: (BLOCK_K, len(cols)) fp32.
-    Code j of packed word w is element k = w * PER + j (LSB first)."""
+    Code j of packed word w is element k = w * PER + j (LSB first). `check`: bounds checks on the
+    (row, K) dims; the expert of a block that runs exists."""
     PER = 32 // BITS
-    words = kd.load(wq, expert, cols[:, None], (k0 // PER + kd.arange(0, BLOCK_K // PER))[None, :])
+    BN = cols.shape[0]
+    NG = max(BLOCK_K // GROUP, 1)    # quantization groups per K step
+    chk = (False, *check)
+    words = kd.load(wq, expert, cols[:, None], (k0 // PER + kd.arange(0, BLOCK_K // PER))[None, :], check=chk)
     shifts = kd.arange(0, PER) * BITS
-    codes = kd.reshape((words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1),
-                       (cols.shape[0], BLOCK_K))
-    group = ((k0 + kd.arange(0, BLOCK_K)) // GROUP)[None, :]
-    s = kd.load(scales, expert, cols[:, None], group).f32()
-    b = kd.load(biases, expert, cols[:, None], group).f32()
-    return kd.trans(_code_f32(codes, MAGIC) * s + b)
+    q = _code_f32(kd.reshape((words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1), (BN, BLOCK_K)),
+                  MAGIC)
+    # one scale and bias per row and group, broadcast over the group's codes
+    g = (k0 // GROUP + kd.arange(0, NG))[None, :]
+    s = kd.load(scales, expert, cols[:, None], g, check=chk).f32()
+    b = kd.load(biases, expert, cols[:, None], g, check=chk).f32()
+    if BLOCK_K > GROUP:
+        w = kd.reshape(kd.reshape(q, (BN, NG, GROUP)) * s[:, :, None] + b[:, :, None], (BN, BLOCK_K))
+    else:
+        w = q * s + b
+    return kd.trans(w)
 
 
 def _gather_gemm(x, wq, scales, biases, sorted_ids, block_expert, routing, *, act, combine, BITS, GROUP,
-                 BLOCK_M, X_BY_TOKEN, BLOCK_N, BLOCK_K, MAGIC):
+                 BLOCK_M, X_BY_TOKEN, DIVS, BLOCK_N, BLOCK_K, MAGIC):
     K = x.shape[1]
     T, TOP_K = routing.shape
     numel = T * TOP_K
     n_out = wq.shape[1] // 2 if act else wq.shape[1]
+    # no bounds masks along N or K where the blocks divide them (the compiler can then vectorize)
+    check = (DIVS[0] % BLOCK_N != 0, DIVS[1] % BLOCK_K != 0)
     pid_m, pid_n = kd.grid(block_expert.shape[0], kd.cdiv(n_out, BLOCK_N))
     slot = kd.load(sorted_ids, pid_m * BLOCK_M + kd.arange(0, BLOCK_M))   # numel marks padding
     expert = kd.load(block_expert, pid_m)
@@ -77,71 +88,83 @@ def _gather_gemm(x, wq, scales, biases, sorted_ids, block_expert, routing, *, ac
     acc = kd.zeros((BLOCK_M, BLOCK_N), kd.f32)
     acc_up = kd.zeros((BLOCK_M, BLOCK_N), kd.f32) if act else None
     for k0 in kd.range(0, k_stop, BLOCK_K):
-        a = kd.load(x, x_row[:, None], (k0 + kd.arange(0, BLOCK_K))[None, :])
-        w = _dequantized_tile_t(wq, scales, biases, expert, cols, k0, BITS, GROUP, BLOCK_K, MAGIC)
+        a = kd.load(x, x_row[:, None], (k0 + kd.arange(0, BLOCK_K))[None, :], check=(True, check[1]))
+        w = _dequantized_tile_t(wq, scales, biases, expert, cols, k0, BITS, GROUP, BLOCK_K, MAGIC, check)
         acc += kd.dot(a, w.to(x.dtype))
         if act:
             # the up half shares the activations tile: one x load feeds both products
             w_up = _dequantized_tile_t(wq, scales, biases, expert, cols + n_out, k0, BITS, GROUP, BLOCK_K,
-                                       MAGIC)
+                                       MAGIC, check)
             acc_up += kd.dot(a, w_up.to(x.dtype))
     y = ACTIVATIONS[act](acc) * acc_up if act else acc
     if routing.dtype in (kd.f16, kd.bf16, kd.f32, kd.f64):
         y = y * kd.load(routing, slot // TOP_K, slot % TOP_K).f32()[:, None]
     if combine:
         out = kd.output((T, n_out), kd.f32, zero=True)
-        kd.atomic_add(out, (slot // TOP_K)[:, None], cols[None, :], y)
+        kd.atomic_add(out, (slot // TOP_K)[:, None], cols[None, :], y, check=(True, check[0]))
     else:
         out = kd.output((numel, n_out), x.dtype)
-        kd.store(out, slot[:, None], cols[None, :], y)
+        kd.store(out, slot[:, None], cols[None, :], y, check=(True, check[0]))
     return out
 
 
-def _gemv_partial_sums(x, x_row, wq, scales, biases, expert, row_tiles, BITS, GROUP, BLOCK_KW, MAGIC):
+def _gemv_partial_sums(x, x_row, wq, scales, biases, expert, row_tiles, BITS, GROUP, BLOCK_KW, MAGIC, check):
     """[sum_k W[expert][rows, k] * x[x_row, k] for rows in row_tiles], fp32 (BLOCK_N,) tiles. All row
-    tiles share one pass over x. sum_k w_k x_k = sum_g s_g sum_{k in g} q_k x_k + b_g sum_{k in g} x_k."""
+    tiles share one pass over x. sum_k w_k x_k = sum_g s_g sum_{k in g} q_k x_k + b_g sum_{k in g} x_k.
+    `check`: bounds checks on the (row, K) dims; x_row and the expert exist."""
     PER = 32 // BITS
     WPG = GROUP // PER               # words per group
     G = max(BLOCK_KW // WPG, 1)      # whole groups per chunk
     CHUNK = G * WPG
     MASK = (1 << BITS) - 1
     BN = row_tiles[0].shape[0]
+    chk = (False, *check)
     accs = [kd.zeros((BN,), kd.f32) for _ in row_tiles]
     for w0 in kd.range(0, wq.shape[2], CHUNK):
-        word = w0 + kd.arange(0, CHUNK)
-        xs = [kd.load(x, x_row, word * PER + j).f32() for j in kd.static_range(PER)]
+        # x as (BLOCK_N, CHUNK) tiles (rows repeat the same addresses): they arrive in the packed
+        # words' register layout, where a 1-d tile would be re-laid out for every code position
+        word = w0 + kd.arange(0, CHUNK)[None, :] + kd.arange(0, BN)[:, None] * 0
+        xs = [kd.load(x, x_row, word * PER + j, check=(False, check[1])).f32() for j in kd.static_range(PER)]
         x_all = xs[0]
         for xv in xs[1:]:
             x_all = x_all + xv
-        x_group = kd.sum(kd.reshape(x_all, (G, WPG)), axis=1)
+        x_group = kd.reshape(kd.sum(kd.reshape(x_all, (BN * G, WPG)), axis=1), (BN, G))
         group = (w0 // WPG + kd.arange(0, G))[None, :]
         for acc, rows in zip(accs, row_tiles):
-            words = kd.load(wq, expert, rows[:, None], word[None, :], hint="stream")
+            words = kd.load(wq, expert, rows[:, None], word, hint="stream", check=chk)
             qx = None
             for j in kd.static_range(PER):
-                term = _code_f32((words >> (j * BITS)) & MASK, MAGIC) * xs[j][None, :]
+                term = _code_f32((words >> (j * BITS)) & MASK, MAGIC) * xs[j]
                 qx = term if qx is None else qx + term
             qx_group = kd.reshape(kd.sum(kd.reshape(qx, (BN * G, WPG)), axis=1), (BN, G))
-            s = kd.load(scales, expert, rows[:, None], group).f32()
-            b = kd.load(biases, expert, rows[:, None], group).f32()
-            acc += kd.sum(qx_group * s + b * x_group[None, :], axis=1)
+            s = kd.load(scales, expert, rows[:, None], group, check=chk).f32()
+            b = kd.load(biases, expert, rows[:, None], group, check=chk).f32()
+            acc += kd.sum(qx_group * s + b * x_group, axis=1)
     return accs
 
 
-def _gather_gemv(x, wq, scales, biases, expert_ids, *, act, BITS, GROUP, X_BY_TOKEN, BLOCK_N, BLOCK_KW, MAGIC):
+def _gemv_checks(DIVS, BITS, GROUP, BLOCK_N, BLOCK_KW):
+    """Bounds checks needed on the (row, K) dims: none where the blocks divide the sizes."""
+    WPG = GROUP * BITS // 32
+    return DIVS[0] % BLOCK_N != 0, (DIVS[1] * BITS // 32) % (max(BLOCK_KW // WPG, 1) * WPG) != 0
+
+
+def _gather_gemv(x, wq, scales, biases, expert_ids, *, act, BITS, GROUP, X_BY_TOKEN, DIVS, BLOCK_N, BLOCK_KW,
+                 MAGIC):
     T, TOP_K = expert_ids.shape
     numel = T * TOP_K
     n_out = wq.shape[1] // 2 if act else wq.shape[1]
+    check = _gemv_checks(DIVS, BITS, GROUP, BLOCK_N, BLOCK_KW)
     slot, pid_n = kd.grid(numel, kd.cdiv(n_out, BLOCK_N))
     token = slot // TOP_K
     expert = kd.load(expert_ids, token, slot % TOP_K)
     rows = pid_n * BLOCK_N + kd.arange(0, BLOCK_N)
     tiles = [rows, rows + n_out] if act else [rows]
     accs = _gemv_partial_sums(x, token if X_BY_TOKEN else slot, wq, scales, biases, expert, tiles,
-                              BITS, GROUP, BLOCK_KW, MAGIC)
+                              BITS, GROUP, BLOCK_KW, MAGIC, check)
     y = ACTIVATIONS[act](accs[0]) * accs[1] if act else accs[0]
     out = kd.output((numel, n_out), x.dtype)
-    kd.store(out, slot, rows, y)
+    kd.store(out, slot, rows, y, check=(False, check[0]))
     return out
 
 
@@ -152,13 +175,22 @@ def _format(x, wq, scales):
     return {"BITS": wq.shape[2] * 32 // k, "GROUP": k // scales.shape[2]}
 
 
+def _pow2_dividing(n: int, cap: int = 4096) -> int:
+    return min(n & -n, cap) if n > 0 else cap
+
+
+def _divs(x, wq):
+    """Powers of two dividing N (of one GLU half too) and K: blocks they divide need no masks."""
+    return _pow2_dividing(wq.shape[1] // 2 if wq.shape[1] % 2 == 0 else wq.shape[1]), _pow2_dividing(x.shape[1])
+
+
 def _gemm_specialize(x, wq, scales, biases, sorted_ids, block_expert, routing):
     return {**_format(x, wq, scales), "BLOCK_M": sorted_ids.shape[0] // block_expert.shape[0],
-            "X_BY_TOKEN": x.shape[0] != routing.numel()}
+            "X_BY_TOKEN": x.shape[0] != routing.numel(), "DIVS": _divs(x, wq)}
 
 
 def _gemv_specialize(x, wq, scales, biases, expert_ids, routing_weights=None):
-    return {**_format(x, wq, scales), "X_BY_TOKEN": x.shape[0] != expert_ids.numel()}
+    return {**_format(x, wq, scales), "X_BY_TOKEN": x.shape[0] != expert_ids.numel(), "DIVS": _divs(x, wq)}
 
 
 def _gemm_default(x, wq, scales, biases, sorted_ids, block_expert, routing, *, BLOCK_M, **_):
@@ -205,56 +237,61 @@ def _hooks(*, gemm: bool, glu: bool = False, combine: bool = False) -> dict:
 
 @kd.kernel(**_hooks(gemm=True))
 def gather_qmm(x, wq, scales, biases, sorted_ids, block_expert, routing, *, BITS: kd.constexpr,
-               GROUP: kd.constexpr, BLOCK_M: kd.constexpr, X_BY_TOKEN: kd.constexpr, BLOCK_N, BLOCK_K, MAGIC):
+               GROUP: kd.constexpr, BLOCK_M: kd.constexpr, X_BY_TOKEN: kd.constexpr, DIVS: kd.constexpr,
+               BLOCK_N, BLOCK_K, MAGIC):
     """(T * top_k, N): slot i = x[row of i] @ W[its expert]^T. `routing` (T, top_k) is the expert ids
     (read for their shape only) or the routing weights (each row then scaled by its weight)."""
     return _gather_gemm(x, wq, scales, biases, sorted_ids, block_expert, routing, act=None, combine=False,
-                        BITS=BITS, GROUP=GROUP, BLOCK_M=BLOCK_M, X_BY_TOKEN=X_BY_TOKEN, BLOCK_N=BLOCK_N,
-                        BLOCK_K=BLOCK_K, MAGIC=MAGIC)
+                        BITS=BITS, GROUP=GROUP, BLOCK_M=BLOCK_M, X_BY_TOKEN=X_BY_TOKEN, DIVS=DIVS,
+                        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, MAGIC=MAGIC)
 
 
 @kd.kernel(**_hooks(gemm=True, glu=True))
 def gather_qmm_glu(x, wq, scales, biases, sorted_ids, block_expert, routing, *, BITS: kd.constexpr,
                    GROUP: kd.constexpr, BLOCK_M: kd.constexpr, X_BY_TOKEN: kd.constexpr,
-                   ACT: kd.constexpr = "silu", BLOCK_N, BLOCK_K, MAGIC):
+                   ACT: kd.constexpr = "silu", DIVS: kd.constexpr, BLOCK_N, BLOCK_K, MAGIC):
     """(T * top_k, N / 2): act(gate) * up of the [gate | up] product (weighted if routing is float)."""
     return _gather_gemm(x, wq, scales, biases, sorted_ids, block_expert, routing, act=ACT, combine=False,
-                        BITS=BITS, GROUP=GROUP, BLOCK_M=BLOCK_M, X_BY_TOKEN=X_BY_TOKEN, BLOCK_N=BLOCK_N,
-                        BLOCK_K=BLOCK_K, MAGIC=MAGIC)
+                        BITS=BITS, GROUP=GROUP, BLOCK_M=BLOCK_M, X_BY_TOKEN=X_BY_TOKEN, DIVS=DIVS,
+                        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, MAGIC=MAGIC)
 
 
 @kd.kernel(**_hooks(gemm=True, combine=True))
 def gather_qmm_combine(x, wq, scales, biases, sorted_ids, block_expert, routing_weights, *, BITS: kd.constexpr,
-                       GROUP: kd.constexpr, BLOCK_M: kd.constexpr, X_BY_TOKEN: kd.constexpr, BLOCK_N, BLOCK_K, MAGIC):
+                       GROUP: kd.constexpr, BLOCK_M: kd.constexpr, X_BY_TOKEN: kd.constexpr, DIVS: kd.constexpr,
+                       BLOCK_N, BLOCK_K, MAGIC):
     """(T, N) fp32 = sum_k routing_weights[t, k] * (slot (t, k) @ W[its expert]^T), added atomically."""
     return _gather_gemm(x, wq, scales, biases, sorted_ids, block_expert, routing_weights, act=None,
-                        combine=True, BITS=BITS, GROUP=GROUP, BLOCK_M=BLOCK_M, X_BY_TOKEN=X_BY_TOKEN,
+                        combine=True, BITS=BITS, GROUP=GROUP, BLOCK_M=BLOCK_M, X_BY_TOKEN=X_BY_TOKEN, DIVS=DIVS,
                         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, MAGIC=MAGIC)
 
 
 @kd.kernel(**_hooks(gemm=False))
 def gather_qmv(x, wq, scales, biases, expert_ids, *, BITS: kd.constexpr, GROUP: kd.constexpr,
-               X_BY_TOKEN: kd.constexpr, BLOCK_N, BLOCK_KW, MAGIC):
+               X_BY_TOKEN: kd.constexpr, DIVS: kd.constexpr, BLOCK_N, BLOCK_KW, MAGIC):
     """(T * top_k, N): slot i = x[row of i] @ W[expert_ids.flat[i]]^T, one GEMV per slot."""
     return _gather_gemv(x, wq, scales, biases, expert_ids, act=None, BITS=BITS, GROUP=GROUP,
-                        X_BY_TOKEN=X_BY_TOKEN, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW, MAGIC=MAGIC)
+                        X_BY_TOKEN=X_BY_TOKEN, DIVS=DIVS, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW, MAGIC=MAGIC)
 
 
 @kd.kernel(**_hooks(gemm=False, glu=True))
 def gather_qmv_glu(x, wq, scales, biases, expert_ids, *, BITS: kd.constexpr, GROUP: kd.constexpr,
-                   X_BY_TOKEN: kd.constexpr, ACT: kd.constexpr = "silu", BLOCK_N, BLOCK_KW, MAGIC):
+                   X_BY_TOKEN: kd.constexpr, ACT: kd.constexpr = "silu", DIVS: kd.constexpr, BLOCK_N, BLOCK_KW,
+                   MAGIC):
     """(T * top_k, N / 2): act(gate) * up per slot, one pass over x for both halves."""
     return _gather_gemv(x, wq, scales, biases, expert_ids, act=ACT, BITS=BITS, GROUP=GROUP,
-                        X_BY_TOKEN=X_BY_TOKEN, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW, MAGIC=MAGIC)
+                        X_BY_TOKEN=X_BY_TOKEN, DIVS=DIVS, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW, MAGIC=MAGIC)
 
 
 @kd.kernel(**_hooks(gemm=False, combine=True))
 def gather_qmv_combine(x, wq, scales, biases, expert_ids, routing_weights, *, BITS: kd.constexpr,
-                       GROUP: kd.constexpr, X_BY_TOKEN: kd.constexpr, BLOCK_N, BLOCK_KW, MAGIC):
+                       GROUP: kd.constexpr, X_BY_TOKEN: kd.constexpr, DIVS: kd.constexpr, BLOCK_N, BLOCK_KW,
+                       MAGIC):
     """(T, N) in x.dtype = sum_k routing_weights[t, k] * (x[row of (t, k)] @ W[expert_ids[t, k]]^T).
     A program owns BLOCK_N outputs of one token and loops over its slots: no atomics."""
     T, TOP_K = expert_ids.shape
     N = wq.shape[1]
+    check = _gemv_checks(DIVS, BITS, GROUP, BLOCK_N, BLOCK_KW)
     token, pid_n = kd.grid(T, kd.cdiv(N, BLOCK_N))
     rows = pid_n * BLOCK_N + kd.arange(0, BLOCK_N)
     total = kd.zeros((BLOCK_N,), kd.f32)
@@ -262,10 +299,10 @@ def gather_qmv_combine(x, wq, scales, biases, expert_ids, routing_weights, *, BI
         expert = kd.load(expert_ids, token, k)
         weight = kd.load(routing_weights, token, k).f32()
         (part,) = _gemv_partial_sums(x, token if X_BY_TOKEN else token * TOP_K + k, wq, scales, biases,
-                                     expert, [rows], BITS, GROUP, BLOCK_KW, MAGIC)
+                                     expert, [rows], BITS, GROUP, BLOCK_KW, MAGIC, check)
         total += weight * part
     out = kd.output((T, N), x.dtype)
-    kd.store(out, token, rows, total)
+    kd.store(out, token, rows, total, check=(False, check[0]))
     return out
 
 
@@ -280,8 +317,8 @@ def _hash_with_helpers(kernel, *helpers):
 for _k in (gather_qmm, gather_qmm_glu, gather_qmm_combine):
     _hash_with_helpers(_k, _gather_gemm, _dequantized_tile_t, _code_f32)
 for _k in (gather_qmv, gather_qmv_glu):
-    _hash_with_helpers(_k, _gather_gemv, _gemv_partial_sums, _code_f32)
-_hash_with_helpers(gather_qmv_combine, _gemv_partial_sums, _code_f32)
+    _hash_with_helpers(_k, _gather_gemv, _gemv_partial_sums, _gemv_checks, _code_f32)
+_hash_with_helpers(gather_qmv_combine, _gemv_partial_sums, _gemv_checks, _code_f32)
 
 
 # ---- public ops -----------------------------------------------------------------------------------

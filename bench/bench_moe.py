@@ -1,0 +1,219 @@
+"""MoE benchmarks (`bench_kernels.py --suite moe`): one qwen3-30b-a3b MoE layer (128 experts, top-8,
+hidden 2048, expert width 768, 4-bit gs64 weights, bf16 activations), kilnx against cuBLAS bf16 and
+the HBM copy ceiling in the same process.
+
+- moe_prefill2048_qwen3_30b_a3b (tok_s): 2048 tokens through align + gate_up with SwiGLU + down with
+  the routing-weighted sum over top-8 (three launches and a cast). The bar is 10x MLX's 272 tok/s per
+  model, per layer: 272 x 48 layers x 10 = 130,560 tok/s. Block heights (the align's BLOCK_M) and
+  GEMM configs are swept; `tok_s` is the best, `tok_s_default_config` is kilnx.ops.moe untuned.
+  Peer: cuBLAS bf16 doing the same FLOPs as two dense GEMMs (slots x hidden @ hidden x 2F and
+  slots x F @ F x hidden), i.e. a grouped GEMM with no routing, padding or dequantization cost.
+- moe_decode{1,4}_qwen3_30b_a3b (GBps, pct_of_copy): the two-launch decode path, GB/s over the bytes
+  of the experts the step touches (packed words + scales + biases). Each input copy routes to other
+  experts of one weight stack, so successive replays do not find the weights in L2. Peer: cuBLAS
+  bf16 on the same experts' weights laid out dense (one GEMV each for gate_up and down).
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import torch
+
+from bench_kernels import copies_for, time_calls
+from kilnx.kernels import moe as M
+from kilnx.kernels.moe_align import align
+from kilnx.kernels.moe_specs import random_expert_weights, routed_experts
+from kilnx.quant import QWeight
+
+QWEN3_30B_A3B = dict(E=128, top_k=8, hidden=2048, width=768)
+MLX_TOK_S_PER_MODEL, QWEN3_30B_A3B_LAYERS = 272, 48
+PREFILL_BAR_TOK_S = 10 * MLX_TOK_S_PER_MODEL * QWEN3_30B_A3B_LAYERS
+BITS, GS = 4, 64
+
+GEMM_CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns, MAGIC=mg)
+                for bn, bk, nw, ns, mg in [(64, 64, 4, 3, True), (128, 64, 8, 3, True), (64, 128, 4, 3, True),
+                                           (128, 128, 8, 3, True), (32, 64, 4, 4, True), (64, 64, 4, 3, False)]]
+GEMV_CONFIGS = [dict(BLOCK_N=bn, BLOCK_KW=kw, num_warps=nw, num_stages=ns, MAGIC=mg)
+                for bn, kw, nw, ns, mg in [(4, 128, 4, 3, True), (8, 128, 4, 3, True), (2, 256, 2, 3, True),
+                                           (16, 64, 4, 3, True), (8, 256, 8, 2, True), (4, 128, 4, 3, False)]]
+
+
+def bench_moe(rec, copy_bw: float, smoke: bool):
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    shape = QWEN3_30B_A3B if not smoke else dict(E=8, top_k=2, hidden=128, width=64)
+    E, H, F = shape["E"], shape["hidden"], shape["width"]
+    gu, dn = _stack(E, 2 * F, H, dev), _stack(E, H, F, dev)
+    dense = _dense_bf16(gu), _dense_bf16(dn)
+    T = 2048 if not smoke else 32
+    _safe(rec, f"moe_prefill{T}_qwen3_30b_a3b", lambda: _bench_prefill(rec, T, shape, gu, dn, dense, dev, smoke))
+    # decode: the configs swept at one token; at four, the default against those winners
+    configs = [GEMV_CONFIGS[: (2 if smoke else None)]] * 2
+    for T in ((1, 4) if not smoke else (1,)):
+        case = f"moe_decode{T}_qwen3_30b_a3b"
+        best = _safe(rec, case, lambda: _bench_decode(rec, case, T, shape, gu, dn, dense, configs, dev, copy_bw, smoke))
+        if best is not None:
+            configs = [[M.gather_qmv_glu.space.default(), best[0]], [M.gather_qmv_combine.space.default(), best[1]]]
+
+
+def _safe(rec, case, fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - one broken case must not end the run
+        rec.add("moe", case, "error", repr(e)[:200])
+        traceback.print_exc()
+        return None
+
+
+def _stack(E, n, k, dev) -> QWeight:
+    torch.manual_seed(n + k)
+    wq, s, b = (t.to(dev) for t in random_expert_weights(E, n, k, BITS, GS))
+    return QWeight.from_mlx(wq, s, b, bits=BITS, group_size=GS)
+
+
+def _dense_bf16(w: QWeight) -> torch.Tensor:
+    """The stack dequantized to bf16 on its device, one expert at a time (for references and peers)."""
+    E, N, KW = w.packed.shape
+    shifts = torch.arange(0, 32, BITS, device=w.packed.device, dtype=torch.int32)
+    out = torch.empty(E, N, KW * 32 // BITS, dtype=torch.bfloat16, device=w.packed.device)
+    for e in range(E):
+        codes = ((w.packed[e][..., None] >> shifts) & ((1 << BITS) - 1)).reshape(N, -1).float()
+        s, b = (t[e].float().repeat_interleave(GS, 1) for t in (w.scales, w.biases))
+        out[e] = (codes * s + b).bfloat16()
+    return out
+
+
+def _reference(x, gu_dense, dn_dense, ids, rw):
+    """bf16 cuBLAS per expert, fp32 sums: (h (slots, F), y (T, H)) to check kilnx's outputs against."""
+    T, k = ids.shape
+    flat, token = ids.reshape(-1), torch.arange(T * k, device=x.device) // k
+    h = torch.zeros(T * k, dn_dense.shape[2], dtype=torch.bfloat16, device=x.device)
+    y = torch.zeros(T, dn_dense.shape[1], dtype=torch.float32, device=x.device)
+    for e in flat.unique().tolist():
+        sel = (flat == e).nonzero().flatten()
+        gate, up = (x[token[sel]] @ gu_dense[e].T).float().chunk(2, dim=-1)
+        h[sel] = (torch.nn.functional.silu(gate) * up).bfloat16()
+        y.index_add_(0, token[sel], (h[sel] @ dn_dense[e].T).float() * rw.reshape(-1)[sel, None].float())
+    return h, y.bfloat16()
+
+
+def _rel_err(got, want) -> float:
+    return (got.float() - want.float()).abs().max().item() / (want.float().abs().max().item() + 1e-9)
+
+
+def _best(case, fn_of_cfg, configs, sets, check, reps=10):
+    """(seconds, config) of the fastest config whose output passes `check`; wrong or failing ones skip."""
+    results = []
+    for cfg in configs:
+        run = fn_of_cfg(cfg)
+        try:
+            err = check(run(*sets[0]))
+            if not err < 3e-2:
+                print(f"{case} {cfg}: wrong (rel err {err:.3g}), skipped")
+                continue
+            results.append((time_calls(run, sets, reps=reps), cfg))
+        except Exception as e:  # noqa: BLE001 - a config that fails to compile is skipped
+            print(f"{case} {cfg}: {e!r}"[:300])
+    return min(results, key=lambda r: r[0])
+
+
+def _bench_prefill(rec, T, shape, gu, dn, dense, dev, smoke):
+    case = f"moe_prefill{T}_qwen3_30b_a3b"
+    E, k, H, F = shape["E"], shape["top_k"], shape["hidden"], shape["width"]
+    torch.manual_seed(1)
+    ids = routed_experts(T, k, E).to(dev)
+    rw = torch.softmax(torch.randn(T, k), dim=-1).bfloat16().to(dev)
+    sets = [(torch.randn(T, H).bfloat16().to(dev),) for _ in range(2)]   # the weights (300 MB) exceed L2
+    g, d = (gu.packed, gu.scales, gu.biases), (dn.packed, dn.scales, dn.biases)
+    h_ref, y_ref = _reference(sets[0][0], *dense, ids, rw)
+
+    t_default = time_calls(lambda x: M.moe(x, gu, dn, ids, rw), sets, reps=10)
+    assert _rel_err(M.moe(sets[0][0], gu, dn, ids, rw), y_ref) < 3e-2, "kilnx.ops.moe is wrong"
+    best = None
+    for bm in ((64, 128) if not smoke else (16,)):
+        sorted_ids, block_expert, _ = align(ids, E, bm)
+        t_align = time_calls(lambda i: align(i, E, bm), [(ids,)] * 2, reps=10)
+        t_gu, cfg_gu = _best(f"{case} BM={bm} gate_up",
+                             lambda c: lambda x: M.gather_qmm_glu(x, *g, sorted_ids, block_expert, ids, config=c),
+                             GEMM_CONFIGS[: (2 if smoke else None)], sets, lambda h: _rel_err(h, h_ref))
+        hs = [(M.gather_qmm_glu(x, *g, sorted_ids, block_expert, ids, config=cfg_gu),) for (x,) in sets]
+        t_dn, cfg_dn = _best(f"{case} BM={bm} down",
+                             lambda c: lambda h: M.gather_qmm_combine(h, *d, sorted_ids, block_expert, rw, config=c),
+                             GEMM_CONFIGS[: (2 if smoke else None)], hs, lambda y: _rel_err(y, y_ref))
+        if best is None or t_align + t_gu + t_dn < best[0]:
+            best = (t_align + t_gu + t_dn, bm, t_align, t_gu, cfg_gu, t_dn, cfg_dn)
+    _, bm, t_align, t_gu, cfg_gu, t_dn, cfg_dn = best
+
+    def layer(x):   # what kilnx.ops.moe launches, with the best block height and configs
+        sorted_ids, block_expert, _ = align(ids, E, bm)
+        h = M.gather_qmm_glu(x, *g, sorted_ids, block_expert, ids, config=cfg_gu)
+        return M.gather_qmm_combine(h, *d, sorted_ids, block_expert, rw, config=cfg_dn).to(x.dtype)
+    assert _rel_err(layer(sets[0][0]), y_ref) < 3e-2
+    t_layer = time_calls(layer, sets, reps=10)
+
+    slots = T * k
+    dense = [(torch.randn(slots, H).bfloat16().to(dev), torch.randn(2 * F, H).bfloat16().to(dev),
+              torch.randn(slots, F).bfloat16().to(dev), torch.randn(H, F).bfloat16().to(dev))]
+    t_cublas = time_calls(lambda a, w1, b, w2: (a @ w1.T, b @ w2.T), dense * 2, reps=10)
+    flops = 2 * slots * (2 * F * H + F * H)
+    rec.add("moe", case, "tok_s", T / t_layer, "target_10x_mlx_per_layer_tok_s", PREFILL_BAR_TOK_S)
+    rec.add("moe", case, "tok_s_default_config", T / t_default, "cublas_bf16_same_flops_tok_s", T / t_cublas)
+    rec.add("moe", case, "TFLOPs", flops / t_layer / 1e12, "cublas_bf16_same_flops_TFLOPs", flops / t_cublas / 1e12)
+    rec.add("moe", case, "us", t_layer * 1e6, "best_block_m", bm)
+    rec.add("moe", case, "us_align", t_align * 1e6)
+    rec.add("moe", case, "us_gate_up_swiglu", t_gu * 1e6, "best_config", str(cfg_gu))
+    rec.add("moe", case, "us_down_combine", t_dn * 1e6, "best_config", str(cfg_dn))
+
+
+def _touched_bytes(w: QWeight, ids) -> int:
+    """Packed words + scales + biases of the distinct experts a routing uses."""
+    per_expert = (w.packed[0].numel() * 4 + w.scales[0].numel() * w.scales.element_size()
+                  + w.biases[0].numel() * w.biases.element_size())
+    return int(ids.unique().numel()) * per_expert
+
+
+def _bench_decode(rec, case, T, shape, gu, dn, dense, configs, dev, copy_bw, smoke):
+    """Times the decode path; returns the best (gate_up, down) configs."""
+    E, k, H = shape["E"], shape["top_k"], shape["hidden"]
+    torch.manual_seed(2)
+    one = _touched_bytes(gu, torch.arange(T * k)) + _touched_bytes(dn, torch.arange(T * k))
+    n = copies_for(one, smoke)
+    order = torch.randperm(E)
+    sets = []   # each copy routes to the next experts in a shuffled order: no two copies share L2 lines
+    for i in range(n):
+        ids = order[(torch.arange(T * k) + i * T * k) % E].reshape(T, k).to(dev)
+        sets.append((torch.randn(T, H).bfloat16().to(dev), ids,
+                     torch.softmax(torch.randn(T, k), dim=-1).bfloat16().to(dev)))
+    nbytes = sum(_touched_bytes(gu, ids) + _touched_bytes(dn, ids) for _, ids, _ in sets) / n
+    gu_dense, dn_dense = dense
+    x0, ids0, rw0 = sets[0]
+    h_ref, y_ref = _reference(x0, gu_dense, dn_dense, ids0, rw0)
+    g, d = (gu.packed, gu.scales, gu.biases), (dn.packed, dn.scales, dn.biases)
+
+    t_default = time_calls(lambda x, ids, rw: M.moe(x, gu, dn, ids, rw), sets)
+    assert _rel_err(M.moe(x0, gu, dn, ids0, rw0), y_ref) < 3e-2, "kilnx.ops.moe is wrong"
+    t_gu, cfg_gu = _best(f"{case} gate_up", lambda c: lambda x, ids, rw: M.gather_qmv_glu(x, *g, ids, config=c),
+                         configs[0], sets, lambda h: _rel_err(h, h_ref))
+    hs = [(M.gather_qmv_glu(x, *g, ids, config=cfg_gu), ids, rw) for x, ids, rw in sets]
+    t_dn, cfg_dn = _best(f"{case} down", lambda c: lambda h, ids, rw: M.gather_qmv_combine(h, *d, ids, rw, config=c),
+                         configs[1], hs, lambda y: _rel_err(y, y_ref))
+
+    def step(x, ids, rw):
+        return M.gather_qmv_combine(M.gather_qmv_glu(x, *g, ids, config=cfg_gu), *d, ids, rw, config=cfg_dn)
+    t_step = time_calls(step, sets)
+
+    # peer: the same experts' weights dense in bf16, one cuBLAS GEMV for gate_up and one for down
+    peers = []
+    for x, ids, _ in sets[: max(2, copies_for(4 * one, smoke))]:
+        flat = ids.reshape(-1)
+        peers.append((x, gu_dense[flat].reshape(-1, H), torch.randn(T, dn_dense.shape[2] * T * k).bfloat16().to(dev),
+                      dn_dense[flat].permute(1, 0, 2).reshape(H, -1)))
+    peer_bytes = sum(t.numel() * 2 for t in peers[0][1::2])
+    t_cublas = time_calls(lambda x, w1, h, w2: (x @ w1.T, h @ w2.T), peers)
+    rec.add("moe", case, "GBps", nbytes / t_step / 1e9, "cublas_bf16_GBps", peer_bytes / t_cublas / 1e9)
+    rec.add("moe", case, "pct_of_copy", 100 * nbytes / t_step / 1e9 / copy_bw, "copy_GBps", copy_bw)
+    rec.add("moe", case, "GBps_default_config", nbytes / t_default / 1e9, "touched_MB", nbytes / 1e6)
+    rec.add("moe", case, "us", t_step * 1e6, "cublas_bf16_us", t_cublas * 1e6)
+    rec.add("moe", case, "us_gate_up_swiglu", t_gu * 1e6, "best_config", str(cfg_gu))
+    rec.add("moe", case, "us_down_combine", t_dn * 1e6, "best_config", str(cfg_dn))
+    return cfg_gu, cfg_dn

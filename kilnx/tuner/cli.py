@@ -99,7 +99,7 @@ def write_results_csv(path: str, results: list[TargetResult], device_key: str) -
     for r in results:
         if r.speedup is None:
             continue
-        case = f"tune_{r.target.kernel.name}_{r.target.bucket}"
+        case = f"tune_{r.target.kernel.name}_{r.target.bucket.replace(',', '_')}"
         rows.append({"suite": "tune", "case": case, "metric": "speedup", "value": f"{r.speedup:.4g}",
                      "peer": "default_us", "peer_value": f"{r.default_time_s * 1e6:.4g}", **meta})
         rows.append({"suite": "tune", "case": case, "metric": "tuned_us", "value": f"{r.time_s * 1e6:.4g}",

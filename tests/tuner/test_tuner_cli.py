@@ -41,7 +41,7 @@ def test_tune_command_prints_the_table_and_records(sqlite_url, cpu, tmp_path):
     import csv
     rows = list(csv.DictReader(csv_file.open()))
     speedups = {r["case"]: float(r["value"]) for r in rows if r["metric"] == "speedup"}
-    assert set(speedups) == {"tune_fake_scale_add_M=4,N=64", "tune_fake_scale_add_M=8,N=64",
+    assert set(speedups) == {"tune_fake_scale_add_M=4_N=64", "tune_fake_scale_add_M=8_N=64",
                              "tune_geomean_speedup_vs_default"}
     # the fake kernel's default (BLOCK=4) costs ~50 us and its best ~10 us: the tune must find it
     assert speedups["tune_geomean_speedup_vs_default"] > 1.5

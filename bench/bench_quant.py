@@ -32,7 +32,11 @@ QMM_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages
                    (64, 128, 64, 4, 4, True, False), (128, 128, 128, 8, 3, True, False),
                    (128, 64, 64, 4, 4, True, False), (128, 128, 64, 8, 4, True, True),
                    (64, 256, 64, 8, 3, True, True), (128, 256, 64, 8, 3, True, True),
-                   (128, 128, 32, 4, 4, True, False), (64, 128, 128, 4, 3, True, False)]]
+                   (128, 128, 32, 4, 4, True, False), (64, 128, 128, 4, 3, True, False),
+                   (256, 128, 64, 8, 3, True, False), (256, 128, 32, 8, 4, True, False)]]
+MM_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+              for bm, bn, bk, nw, ns in [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
+                                         (128, 256, 32, 8, 4), (64, 256, 64, 4, 4)]]
 
 
 def bench_quant(rec, copy_bw: float, smoke: bool):
@@ -126,10 +130,21 @@ def _bench_qmm(rec, label, n, k, m, dev, smoke):
         t = _measure(f"{case} {cfg}", run, sets, ref, reps=10, tol=3e-2)
         if t is not None:
             results.append((t, cfg))
+    # the two-kernel path: dequantize the weight once, then the dense DSL GEMM
+    mm_only = []
     dense = [(x, qmatmul._dense_spec_weight(x, wq, s, b)) for x, wq, s, b in sets]
+    for cfg in MM_CONFIGS[: (1 if smoke else None)]:
+        run = lambda x, wq, s, b, cfg=cfg: qmatmul.dequant_mm(x, wq, s, b, config=cfg)  # noqa: E731
+        t = _measure(f"{case} dequant+mm {cfg}", run, sets, ref, reps=10, tol=3e-2)
+        if t is not None:
+            results.append((t, {"path": "dequant+mm", **cfg}))
+            mm_only.append((time_calls(lambda x, w, cfg=cfg: qmatmul.mm(x, w, config=cfg), dense, reps=10), cfg))
     t_cublas = time_calls(lambda x, w: x @ w.T, dense, reps=10)
     best = min(results, key=lambda r: r[0])
     flops = 2 * m * n * k
+    if mm_only:
+        t_mm, cfg_mm = min(mm_only, key=lambda r: r[0])
+        rec.add("quant", case, "ratio_dense_mm_vs_cublas_time", t_mm / t_cublas, "best_config", str(cfg_mm))
     rec.add("quant", case, "ratio_vs_cublas_time", best[0] / t_cublas, "best_config", str(best[1]))
     rec.add("quant", case, "ratio_vs_cublas_time_default", results[0][0] / t_cublas)
     rec.add("quant", case, "TFLOPs", flops / best[0] / 1e12, "cublas_bf16_TFLOPs", flops / t_cublas / 1e12)

@@ -187,7 +187,7 @@ def _qmm_spec(x, wq, scales, biases, *, BITS, GROUP, **_):
 
 
 @kd.kernel(
-    tune={"BLOCK_M": kd.pow2(16, 128, default=128), "BLOCK_N": kd.pow2(16, 256, default=128),
+    tune={"BLOCK_M": kd.pow2(16, 256, default=128), "BLOCK_N": kd.pow2(16, 256, default=128),
           "BLOCK_K": kd.pow2(32, 256, default=64), "MAGIC": kd.boolean(default=True),
           "SWAP": kd.boolean(default=False), "num_warps": kd.choice(2, 4, 8, default=8),
           "num_stages": kd.choice(1, 2, 3, 4, default=3)},
@@ -271,6 +271,51 @@ def mm(x, w, *, BLOCK_M, BLOCK_N, BLOCK_K):
     out = kd.output((M, N), x.dtype)
     kd.store(out, rm[:, None], rn[None, :], acc)
     return out
+
+
+# ---- dequant: the whole weight to 16-bit, for large M where a dense GEMM then runs at full rate ----
+def _dequant_spec(wq, scales, biases, *, BITS, GROUP, **_):
+    from kilnx.quant import QWeight
+    w = QWeight.from_mlx(wq.cpu(), scales.cpu(), biases.cpu(), bits=BITS, group_size=GROUP)
+    return w.dequantize(torch.float32).to(scales.dtype).to(wq.device)
+
+
+@kd.kernel(tune={"BLOCK_N": kd.pow2(1, 64, default=16), "BLOCK_KW": kd.pow2(8, 256, default=32),
+                 "num_warps": kd.choice(2, 4, 8, default=4)},
+           key=lambda wq, s, b, *, BITS, GROUP, **_: {"N": wq.shape[0], "K": wq.shape[1] * 32 // BITS},
+           spec=_dequant_spec)
+def dequant(wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr, BLOCK_N, BLOCK_KW):
+    """(N, K*BITS/32) packed 2/4/8-bit words -> (N, K) in the scales' dtype."""
+    N, KW = wq.shape
+    PER = 32 // BITS
+    BK = BLOCK_KW * PER
+    NG = max(BK // GROUP, 1)
+    pn, pk = kd.grid(kd.cdiv(N, BLOCK_N), kd.cdiv(KW, BLOCK_KW))
+    n = pn * BLOCK_N + kd.arange(0, BLOCK_N)
+    wc = pk * BLOCK_KW + kd.arange(0, BLOCK_KW)
+    words = kd.load(wq, n[:, None], wc[None, :])
+    shifts = kd.arange(0, PER) * BITS
+    q = kd.reshape((words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1), (BLOCK_N, BK))
+    qf = (q | 0x4B000000).bitcast(kd.f32) - 8388608.0
+    k = pk * BK + kd.arange(0, BK)
+    if BK > GROUP:
+        g = pk * NG + kd.arange(0, NG)
+        s = kd.load(scales, n[:, None], g[None, :]).f32()
+        b = kd.load(biases, n[:, None], g[None, :]).f32()
+        w = kd.reshape(kd.reshape(qf, (BLOCK_N, NG, GROUP)) * s[:, :, None] + b[:, :, None], (BLOCK_N, BK))
+    else:
+        g = (pk * BK) // GROUP
+        w = qf * kd.load(scales, n[:, None], g).f32() + kd.load(biases, n[:, None], g).f32()
+    out = kd.output((N, KW * PER), scales.dtype)
+    kd.store(out, n[:, None], k[None, :], w)
+    return out
+
+
+def dequant_mm(x, wq, scales, biases, *, config=None, dequant_config=None):
+    """x @ dequantize(w).T as two kernels: the weight to 16-bit once, then the dense GEMM."""
+    f = _format_of(x, wq, scales, biases)
+    w = dequant(wq, scales, biases, BITS=f["BITS"], GROUP=f["GROUP"], config=dequant_config)
+    return mm(x, w.to(x.dtype), config=config)
 
 
 # Rows up to which the one-pass GEMV beats the swapped tile GEMM (H200, llama-3.1-8b shapes: qmv wins at

@@ -25,6 +25,8 @@ for bits in (3, 4, 8):
                 {"SWAP": False, "MAGIC": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}):
         compile_for_target(Q.qmm, args, cfg)
     if 32 % bits == 0:
+        compile_for_target(Q.dequant, args[1:], {}, kw={"BITS": bits, "GROUP": 64})
+        compile_for_target(Q.mm, (x, torch.randn(64, 256).bfloat16()), {"BLOCK_M": 64, "BLOCK_N": 64})
         planes, sums = Q.qmv_prep(x.float(), PER=32 // bits, GROUP=64, backend="reference")
         compile_for_target(Q.qmv_prep, (x,), {}, kw={"PER": 32 // bits, "GROUP": 64})
         for rows in (1, 4):

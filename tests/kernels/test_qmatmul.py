@@ -89,6 +89,14 @@ def test_qmm_swapped_and_magic_tiles(bits, cfg):
     check(Q.qmm(x, qw.packed, qw.scales, qw.biases, backend="triton", config=cfg), want, 128)
 
 
+@pytest.mark.parametrize("bits,gs", [(4, 64), (8, 32), (2, 128)])
+def test_dequant_then_dense_mm(bits, gs):
+    x, qw, want = mlx_case(20, 24, 2 * gs, bits, gs, seed=bits + gs)
+    w = Q.dequant(qw.packed, qw.scales, qw.biases, BITS=bits, GROUP=gs, backend="triton", config={"BLOCK_KW": 8})
+    assert torch.equal(w, qw.dequantize(torch.float32))
+    check(Q.dequant_mm(x, qw.packed, qw.scales, qw.biases), want, 2 * gs)
+
+
 def test_qmv_prep_lays_out_planes_and_group_sums():
     x = torch.randn(3, 256)
     planes, sums = Q.qmv_prep(x, PER=8, GROUP=64, backend="triton", config={"BLOCK_KW": 16})

@@ -23,7 +23,7 @@ import torch
 from bench_kernels import copies_for, time_calls
 from kilnx.kernels import moe as M
 from kilnx.kernels.moe_align import align
-from kilnx.kernels.moe_specs import random_expert_weights, routed_experts
+from kilnx.kernels.moe_specs import gemm_seeds, gemv_seeds, random_expert_weights, routed_experts
 from kilnx.quant import QWeight
 
 QWEN3_30B_A3B = dict(E=128, top_k=8, hidden=2048, width=768)
@@ -31,12 +31,10 @@ MLX_TOK_S_PER_MODEL, QWEN3_30B_A3B_LAYERS = 272, 48
 PREFILL_BAR_TOK_S = 10 * MLX_TOK_S_PER_MODEL * QWEN3_30B_A3B_LAYERS
 BITS, GS = 4, 64
 
-GEMM_CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns, MAGIC=mg)
-                for bn, bk, nw, ns, mg in [(64, 64, 4, 3, True), (128, 64, 8, 3, True), (64, 128, 4, 3, True),
-                                           (128, 128, 8, 3, True), (32, 64, 4, 4, True), (64, 64, 4, 3, False)]]
-GEMV_CONFIGS = [dict(BLOCK_N=bn, BLOCK_KW=kw, num_warps=nw, num_stages=ns, MAGIC=mg)
-                for bn, kw, nw, ns, mg in [(4, 128, 4, 3, True), (8, 128, 4, 3, True), (2, 256, 2, 3, True),
-                                           (16, 64, 4, 3, True), (8, 256, 8, 2, True), (4, 128, 4, 3, False)]]
+# swept: each kernel's default config for the shape, then the tuner's seeds for it
+GEMM_CONFIGS = gemm_seeds() + [{"MAGIC": False}]
+GLU_CONFIGS = gemv_seeds("glu") + [{"MAGIC": False}]
+COMBINE_CONFIGS = gemv_seeds("combine")
 
 
 def bench_moe(rec, copy_bw: float, smoke: bool):
@@ -48,12 +46,12 @@ def bench_moe(rec, copy_bw: float, smoke: bool):
     T = 2048 if not smoke else 32
     _safe(rec, f"moe_prefill{T}_qwen3_30b_a3b", lambda: _bench_prefill(rec, T, shape, gu, dn, dense, dev, smoke))
     # decode: the configs swept at one token; at four, the default against those winners
-    configs = [GEMV_CONFIGS[: (2 if smoke else None)]] * 2
+    configs = [GLU_CONFIGS[: (1 if smoke else None)], COMBINE_CONFIGS[: (1 if smoke else None)]]
     for T in ((1, 4) if not smoke else (1,)):
         case = f"moe_decode{T}_qwen3_30b_a3b"
         best = _safe(rec, case, lambda: _bench_decode(rec, case, T, shape, gu, dn, dense, configs, dev, copy_bw, smoke))
         if best is not None:
-            configs = [[M.gather_qmv_glu.space.default(), best[0]], [M.gather_qmv_combine.space.default(), best[1]]]
+            configs = [[best[0]], [best[1]]]
 
 
 def _safe(rec, case, fn):
@@ -101,17 +99,20 @@ def _rel_err(got, want) -> float:
     return (got.float() - want.float()).abs().max().item() / (want.float().abs().max().item() + 1e-9)
 
 
-def _best(case, fn_of_cfg, configs, sets, check, reps=10):
-    """(seconds, config) of the fastest config whose output passes `check`; wrong or failing ones skip."""
+def _best(case, kernel, args_of, configs, sets, check, reps=10):
+    """(seconds, config) of the fastest of `kernel`'s default config and `configs` (each run on
+    args_of(*set)) whose output passes `check`; wrong or failing configs are skipped."""
+    default = kernel.default_config(*args_of(*sets[0]))
     results = []
-    for cfg in configs:
-        run = fn_of_cfg(cfg)
+    for cfg in [default] + [c for c in configs if kernel.space.validate(c) != default]:
+        def run(*a, cfg=cfg):
+            return kernel(*args_of(*a), config=cfg)
         try:
             err = check(run(*sets[0]))
             if not err < 3e-2:
                 print(f"{case} {cfg}: wrong (rel err {err:.3g}), skipped")
                 continue
-            results.append((time_calls(run, sets, reps=reps), cfg))
+            results.append((time_calls(run, sets, reps=reps), kernel.space.validate(cfg)))
         except Exception as e:  # noqa: BLE001 - a config that fails to compile is skipped
             print(f"{case} {cfg}: {e!r}"[:300])
     return min(results, key=lambda r: r[0])
@@ -133,13 +134,13 @@ def _bench_prefill(rec, T, shape, gu, dn, dense, dev, smoke):
     for bm in ((64, 128) if not smoke else (16,)):
         sorted_ids, block_expert, _ = align(ids, E, bm)
         t_align = time_calls(lambda i: align(i, E, bm), [(ids,)] * 2, reps=10)
-        t_gu, cfg_gu = _best(f"{case} BM={bm} gate_up",
-                             lambda c: lambda x: M.gather_qmm_glu(x, *g, sorted_ids, block_expert, ids, config=c),
-                             GEMM_CONFIGS[: (2 if smoke else None)], sets, lambda h: _rel_err(h, h_ref))
+        t_gu, cfg_gu = _best(f"{case} BM={bm} gate_up", M.gather_qmm_glu,
+                             lambda x: (x, *g, sorted_ids, block_expert, ids),
+                             GEMM_CONFIGS[: (1 if smoke else None)], sets, lambda h: _rel_err(h, h_ref))
         hs = [(M.gather_qmm_glu(x, *g, sorted_ids, block_expert, ids, config=cfg_gu),) for (x,) in sets]
-        t_dn, cfg_dn = _best(f"{case} BM={bm} down",
-                             lambda c: lambda h: M.gather_qmm_combine(h, *d, sorted_ids, block_expert, rw, config=c),
-                             GEMM_CONFIGS[: (2 if smoke else None)], hs, lambda y: _rel_err(y, y_ref))
+        t_dn, cfg_dn = _best(f"{case} BM={bm} down", M.gather_qmm_combine,
+                             lambda h: (h, *d, sorted_ids, block_expert, rw),
+                             GEMM_CONFIGS[: (1 if smoke else None)], hs, lambda y: _rel_err(y, y_ref))
         if best is None or t_align + t_gu + t_dn < best[0]:
             best = (t_align + t_gu + t_dn, bm, t_align, t_gu, cfg_gu, t_dn, cfg_dn)
     _, bm, t_align, t_gu, cfg_gu, t_dn, cfg_dn = best
@@ -192,10 +193,10 @@ def _bench_decode(rec, case, T, shape, gu, dn, dense, configs, dev, copy_bw, smo
 
     t_default = time_calls(lambda x, ids, rw: M.moe(x, gu, dn, ids, rw), sets)
     assert _rel_err(M.moe(x0, gu, dn, ids0, rw0), y_ref) < 3e-2, "kilnx.ops.moe is wrong"
-    t_gu, cfg_gu = _best(f"{case} gate_up", lambda c: lambda x, ids, rw: M.gather_qmv_glu(x, *g, ids, config=c),
+    t_gu, cfg_gu = _best(f"{case} gate_up", M.gather_qmv_glu, lambda x, ids, rw: (x, *g, ids),
                          configs[0], sets, lambda h: _rel_err(h, h_ref))
     hs = [(M.gather_qmv_glu(x, *g, ids, config=cfg_gu), ids, rw) for x, ids, rw in sets]
-    t_dn, cfg_dn = _best(f"{case} down", lambda c: lambda h, ids, rw: M.gather_qmv_combine(h, *d, ids, rw, config=c),
+    t_dn, cfg_dn = _best(f"{case} down", M.gather_qmv_combine, lambda h, ids, rw: (h, *d, ids, rw),
                          configs[1], hs, lambda y: _rel_err(y, y_ref))
 
     def step(x, ids, rw):

@@ -149,6 +149,25 @@ def make_align_args(problem: dict, device: str):
     return (ids, *align_buffers(ids, problem["E"], problem["BM"]))
 
 
+# Where the tuner starts (besides the default). Decode: the GLU kernel has numel x N/2 / BLOCK_N programs
+# and reuses x across its rows, so many rows per program; the combine kernel has only T x N / BLOCK_N
+# programs, so few rows per program keep 132 SMs busy. Prefill: the usual tensor-core tiles.
+GEMV_SEEDS = {
+    "glu": [(8, 128, 4, 3), (16, 128, 4, 3), (32, 128, 4, 3), (16, 64, 2, 3), (32, 64, 4, 3), (4, 256, 4, 3)],
+    "combine": [(4, 128, 4, 3), (8, 128, 4, 3), (2, 128, 2, 3), (16, 128, 4, 3), (8, 64, 2, 3), (1, 128, 1, 3)]}
+GEMM_SEEDS = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3), (128, 128, 8, 3), (32, 64, 4, 4), (64, 64, 8, 4)]
+
+
+def gemv_seeds(kind: str) -> list[dict]:
+    return [{"BLOCK_N": bn, "BLOCK_KW": kw, "num_warps": nw, "num_stages": ns, "MAGIC": True}
+            for bn, kw, nw, ns in GEMV_SEEDS[kind]]
+
+
+def gemm_seeds() -> list[dict]:
+    return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns, "MAGIC": True}
+            for bn, bk, nw, ns in GEMM_SEEDS]
+
+
 def register_tuning():
     """Declare the tuner's inputs and the qwen3-30b-a3b problems on every MoE kernel."""
     from kilnx.kernels import moe
@@ -162,4 +181,6 @@ def register_tuning():
                                         (moe.gather_qmv_combine, False, True, False)]:
         kernel.tuning(make_args=make_args_for(gemm, weighted), problems=problems[kernel.name])
         kernel.tolerance = (lambda g: lambda args: gather_tolerance(args, glu=g))(glu)
+        seeds = gemm_seeds() if gemm else gemv_seeds("combine" if weighted else "glu")
+        kernel.seed_configs = (lambda cs: lambda problem: [dict(c) for c in cs])(seeds)
     moe_align.tuning(make_args=make_align_args, problems=problems["moe_align"])

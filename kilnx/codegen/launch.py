@@ -8,8 +8,10 @@ numba keep their own compiled-binary caches beside them.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
+import math
 import os
 import sys
 import threading
@@ -75,12 +77,16 @@ class Launch:
     def __init__(self, ir: KernelIR, backend: str, source: str | None, fn):
         self.ir, self.backend, self.source, self.fn = ir, backend, source, fn
         self.tensor_params = [p for p in ir.params if isinstance(p, TensorParam)]
+        if backend == "numba":
+            self._numba = _NumbaLaunch(ir, fn)
 
     def host_eval(self, node, tensors: dict, scalars: dict) -> int:
         fake = {k: _ShapeOnly(v.shape) for k, v in tensors.items()}
         return Interpreter(self.ir, fake, scalars).eval_host(node)
 
     def __call__(self, tensors: dict, scalars: dict):
+        if self.backend == "numba":
+            return self._numba(self, tensors, scalars)
         device = next((t.device for t in tensors.values()), torch.device("cpu"))
         outs = {}
         for p, shape_nodes, zero in self.ir.outputs:
@@ -91,6 +97,9 @@ class Launch:
         grid = tuple(self.host_eval(g, allt, scalars) for g in self.ir.grid) or (1,)
         if min(grid) > 0:
             getattr(self, f"_run_{self.backend}")(allt, scalars, grid)
+        return self.returns(outs)
+
+    def returns(self, outs: dict):
         if self.ir.returns is None:
             return None
         if isinstance(self.ir.returns, tuple):
@@ -111,36 +120,6 @@ class Launch:
     def _run_triton(self, allt, scalars, grid):
         args = self._flat_args(allt, scalars, lambda t: t)
         self.fn[grid](*args, num_warps=self.ir.num_warps, num_stages=self.ir.num_stages)
-
-    def _run_numba(self, allt, scalars, grid):
-        back = []
-
-        def convert(t: torch.Tensor):
-            if t.device.type != "cpu":
-                raise DSLError("the numba backend runs on CPU tensors; move them with .cpu() or use backend='triton'")
-            c = t if t.is_contiguous() else t.contiguous()
-            if c is not t:
-                back.append((t, c))
-            if c.dtype == torch.bfloat16:
-                return c.view(torch.int16).numpy().view(np.uint16).reshape(-1)
-            if c.dtype == torch.uint32:
-                return c.view(torch.int32).numpy().view(np.uint32).reshape(-1)
-            return c.numpy().reshape(-1)
-
-        args = []
-        for p in self.ir.params + [o[0] for o in self.ir.outputs]:
-            if isinstance(p, TensorParam):
-                t = allt[p.name]
-                arr = convert(t)
-                c = back[-1][1] if back and back[-1][0] is t else t
-                args.append(arr)
-                args += list(c.shape) + list(c.stride())
-            else:
-                args.append(scalars[p.name])
-        g = tuple(grid) + (1,) * (3 - len(grid))
-        self.fn(*args, *g)
-        for t, c in back:
-            t.copy_(c)
 
     def _run_reference(self, allt, scalars, grid):
         arrays = {name: _to_numpy(t) for name, t in allt.items()}
@@ -164,6 +143,120 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     if a.dtype == torch.uint32:
         return a.view(torch.int32).numpy().view(np.uint32).copy()
     return a.numpy().copy()
+
+
+class _NumbaLaunch:
+    """The CPU launch path, kept lean: a decode step makes hundreds of kernel calls, so output shapes
+    and the grid are evaluated once per distinct input shape, and tensors go to the compiled code as
+    addresses with their shapes and strides (no numpy views)."""
+
+    MAX_SHAPES = 4096
+
+    def __init__(self, ir: KernelIR, module):
+        self.ir = ir
+        self.programs = getattr(module, f"{ir.name}_programs")
+        self.parallel = getattr(module, f"{ir.name}_parallel")
+        self.inputs = [(p.name, isinstance(p, TensorParam), getattr(p, "dtype", None)) for p in ir.params]
+        self.outputs = [(p.name, torch_dtype(p.dtype), zero) for p, _, zero in ir.outputs]
+        self.written = {n.arg[0] for n in ir.walk() if n.op in ("store", "atomic_add")}
+        host_nodes = list(ir.grid) + [s for _, shape, _ in ir.outputs for s in shape]
+        self.host_scalars = sorted({n.arg for n in _reachable(host_nodes) if n.op == "param"})
+        self.shapes: dict = {}
+        self.serial = ir.uses_atomics   # atomics are plain read-modify-writes: one thread, in order
+        _numba()
+
+    def host(self, launch: Launch, tensors: dict, scalars: dict):
+        """(output shapes, their strides, 3-d grid) for these input shapes, evaluated once per key."""
+        key = (tuple([t.shape for t in tensors.values()]), tuple([scalars[k] for k in self.host_scalars]))
+        got = self.shapes.get(key)
+        if got is None:
+            shapes = [[launch.host_eval(s, tensors, scalars) for s in shape] for _, shape, _ in self.ir.outputs]
+            fake = {**tensors, **{name: _ShapeOnly(shape) for (name, _, _), shape in zip(self.outputs, shapes)}}
+            grid = tuple(launch.host_eval(g, fake, scalars) for g in self.ir.grid) or (1,)
+            strides = [[math.prod(shape[d + 1:]) for d in range(len(shape))] for shape in shapes]
+            got = (shapes, strides, grid + (1,) * (3 - len(grid)))
+            if len(self.shapes) >= self.MAX_SHAPES:
+                self.shapes.clear()
+            self.shapes[key] = got
+        return got
+
+    def __call__(self, launch: Launch, tensors: dict, scalars: dict):
+        shapes, strides, grid = self.host(launch, tensors, scalars)
+        args, back = [], None
+        for name, is_tensor, dtype in self.inputs:
+            if not is_tensor:
+                v = scalars[name]
+                args.append(float(v) if dtype == "f32" else int(v))
+                continue
+            t = tensors[name]
+            if t.is_cuda:
+                raise DSLError("the numba backend runs on CPU tensors; move them with .cpu() or use backend='triton'")
+            shape, stride = t.shape, t.stride()
+            if shape and stride[-1] != 1 and shape[-1] != 1:
+                # the generated code assumes unit stride along the last dim (contiguous vector access)
+                c = t.contiguous()
+                if name in self.written:
+                    back = (back or []) + [(t, c)]
+                t, stride = c, c.stride()
+            args.append(t.data_ptr())
+            args += shape
+            args += stride
+        outs = {}
+        for (name, dtype, zero), shape, stride in zip(self.outputs, shapes, strides):
+            o = outs[name] = (torch.zeros if zero else torch.empty)(shape, dtype=dtype)
+            args.append(o.data_ptr())
+            args += shape
+            args += stride
+        total = grid[0] * grid[1] * grid[2]
+        if total > 0:
+            threads = numba_threads() if total > 1 and not self.serial else 1
+            if threads == 1:
+                self.programs(0, total, grid[0], grid[1], *args)
+            else:
+                with _parallel_lock:   # numba's workqueue layer runs one parallel region at a time
+                    self.parallel(min(total, threads), grid[0], grid[1], grid[2], *args)
+        if back:
+            for t, c in back:
+                t.copy_(c)
+        return launch.returns(outs)
+
+
+_parallel_lock = threading.Lock()
+
+
+def numba_threads() -> int:
+    return _numba().get_num_threads()
+
+
+@functools.lru_cache(maxsize=None)
+def _numba():
+    """numba, configured for the generated kernels (before any of them compiles or launches).
+
+    - SLP vectorization on (numba turns it off by default since miscompilations with older LLVMs):
+      tile loops along a short contiguous dim (8-32 elements) are fully unrolled by LLVM and only the
+      SLP vectorizer packs them into vector instructions; without it a 4-bit GEMV ran 3-5x slower.
+      Every kernel is checked against the numpy reference in the tests, which is what guards this.
+    - The workqueue threading layer unless the user chose one: OpenMP's workers spin after every
+      parallel region, and on a few cores that spinning competes with torch's own OpenMP pool and the
+      next kernel (a 3-program attention call ran 5x slower on 2 threads than on 1); workqueue
+      workers sleep. Kernels launch one parallel region at a time (_parallel_lock)."""
+    os.environ.setdefault("NUMBA_SLP_VECTORIZE", "1")
+    if not os.environ.get("NUMBA_THREADING_LAYER"):
+        os.environ["NUMBA_THREADING_LAYER"] = "workqueue"
+    import numba
+    numba.config.SLP_VECTORIZE = int(os.environ["NUMBA_SLP_VECTORIZE"])
+    numba.config.THREADING_LAYER = os.environ["NUMBA_THREADING_LAYER"]
+    return numba
+
+
+def _reachable(nodes):
+    seen, stack = {}, list(nodes)
+    while stack:
+        n = stack.pop()
+        if id(n) not in seen:
+            seen[id(n)] = n
+            stack += [s for s in n.srcs if hasattr(s, "srcs")]
+    return seen.values()
 
 
 class _ShapeOnly:

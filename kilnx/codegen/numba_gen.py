@@ -1,175 +1,448 @@
-"""Lower the IR to a numba function: the CPU backend.
+"""Lower the IR to numba: the CPU backend, as explicit loops over tile elements.
 
-Each program of the grid runs the kernel body with numpy tiles; programs run in parallel (`prange`)
-unless the kernel uses atomics, where they run in order. Tensors arrive flattened with their shapes
-and strides in elements; bf16 tensors arrive as their raw 16-bit words.
+Each tile node becomes loops over its elements with scalar arithmetic inside (numba_plan decides
+which nodes get a buffer and which are recomputed inside their consumers' loops). LLVM compiles such
+loops quickly and vectorizes them, where numpy-array expressions in numba made it spend minutes
+optimising temporaries. Buffers are flat arrays allocated once per chunk of programs; tensors arrive
+as addresses (`tensor.data_ptr()`), with shapes and strides in elements. The innermost dimension of
+every tensor has stride 1 (the launcher makes other tensors contiguous), which lets LLVM see
+contiguous accesses. 16-bit floats are held as fp32 rounded to their precision and stored as their
+raw 16-bit words.
+
+The generated module defines `<name>_programs(first, last, grid0, grid1, ...)`, which runs programs
+first..last-1 in order, and `<name>_parallel(chunks, grid0, grid1, grid2, ...)`, which splits the
+grid into chunks run on numba's threads.
 """
 
 from __future__ import annotations
 
+import math
+import re
+
 from kilnx.dsl import opdefs
-from kilnx.dsl.ir import NUMPY_OF, DSLError, KernelIR, Node
-from kilnx.codegen.source import (Namer, StatementEmitter, const_literal, live_nodes, param_names,
-                                  py_literal)
+from kilnx.dsl.ir import NUMPY_OF, KernelIR, Node, TensorParam
+from kilnx.codegen.numba_plan import ALIAS, BUFFER, INLINED, STATEMENT, Plan
+from kilnx.codegen.source import Namer, const_literal, param_names, py_literal
 
 NP = {d: f"np.{t.__name__}" for d, t in NUMPY_OF.items()}
+STORE_NP = {**NP, "f16": "np.uint16", "bf16": "np.uint16", "bool": "np.uint8"}
+# fp contraction (a*b+c as one fma) only: no reassociation, so sums keep the reference's order, and
+# no finite-math assumptions, since kernels mask with inf and propagate NaN like numpy.
+STACK_BYTES = 256 << 10   # larger tile buffers go on the heap
+JIT_FLAGS = "cache=True, nogil=True, boundscheck=False, error_model='numpy', fastmath={'contract'}"
 
 
 def generate(ir: KernelIR, *, fn_name: str | None = None, header: str = "") -> str:
-    g = _Gen(ir)
-    fn = fn_name or ir.name
-    params = ", ".join(param_names(ir))
-    loop = "range" if ir.uses_atomics else "prange"
-    lines = ["import numpy as np", "from numba import njit, prange",
-             "from kilnx.codegen import numba_rt as _rt", ""]
-    if header:
+    return _Gen(ir, fn_name or ir.name).module(header)
+
+
+def wrap(expr: str, dtype: str) -> str:
+    """An expression of the register type of `dtype` (numba widens small ints; 16-bit floats round)."""
+    if dtype == "bool":
+        return expr
+    if dtype in ("f16", "bf16"):
+        return f"_rt.round_{dtype}(np.float32({expr}))"
+    return f"{NP[dtype]}({expr})"
+
+
+def convert(expr: str, src: str, dst: str) -> str:
+    """A value cast between register types, with the reference's semantics."""
+    if src == dst or (src in ("f16", "bf16") and dst == "f32"):
+        return expr
+    if dst == "bool":
+        return f"({expr} != 0)"
+    return wrap(expr, dst)
+
+
+class Nest:
+    """A loop nest being emitted: `for` loops over index variables, the statements of the innermost
+    body, and named subexpressions ("temps"), each placed at the outermost depth where every loop
+    variable it reads is defined. Identical subexpressions share one temp: index math repeated in
+    a load's offset and mask is computed once, and what does not depend on an inner loop is hoisted
+    out of it. Every expression the lowering builds is pure (loads carry their own mask), so it may
+    run earlier or unconditionally."""
+
+    def __init__(self, gen: "_Gen", loops):
+        self.gen, self.loops = gen, list(loops)        # [(variable, range arguments)]
+        self.level = {v: d + 1 for d, (v, _) in enumerate(self.loops)}
+        self.pre = [[] for _ in range(len(self.loops) + 1)]    # lines at depth d, before loop d
+        self.post = [[] for _ in range(len(self.loops) + 1)]   # lines at depth d, after loop d
+        self.memo: dict[str, str] = {}
+
+    def depth(self, text: str) -> int:
+        return max([self.level.get(w, 0) or self.gen.temp_depth.get(w, 0) for w in _IDENT.findall(text)],
+                   default=0)
+
+    def bind(self, text: str) -> str:
+        if "(" not in text:
+            return text
+        name = self.memo.get(text)
+        if name is None:
+            self.gen.counter += 1
+            name = self.memo[text] = f"_x{self.gen.counter}"
+            d = self.depth(text)
+            self.gen.temp_depth[name] = d
+            self.pre[d].append(f"{name} = {text}")
+        return name
+
+    def lines(self) -> list[str]:
+        out: list[str] = []
+        for d in range(len(self.loops), -1, -1):
+            inner = self.pre[d] + out + self.post[d]
+            if d == 0:
+                return inner
+            v, args = self.loops[d - 1]
+            out = [f"for {v} in range({args}):"] + ["    " + x for x in (inner or ["pass"])]
+        return out
+
+
+class _Gen:
+    def __init__(self, ir: KernelIR, fn: str):
+        self.ir, self.fn = ir, fn
+        self.plan = Plan(ir)
+        self.tensors = {p.name: p for p in ir.params + [o[0] for o in ir.outputs] if isinstance(p, TensorParam)}
+        reserved = set(param_names(ir)) | {f"{t}_mem" for t in self.tensors} | {
+            "np", "njit", "prange", "range", "_rt", "_p", "_first", "_last", "_chunk", "_chunks", "_total",
+            "pid0", "pid1", "pid2", "grid0", "grid1", "grid2", "math"}
+        self.namer = Namer(ir, reserved)
+        self.buffers: dict[str, tuple[int, str]] = {}
+        self.counter = 0
+        self.temp_depth: dict[str, int] = {}
+        self.nest: Nest | None = None
+        self.accesses: list[tuple[str, str]] = []   # (buffer or tensor, index) read while building an expression
+
+    # --- module -------------------------------------------------------------------------------------
+    def module(self, header: str) -> str:
+        body = self.block(self.ir.body, 2)
+        params = ", ".join(param_names(self.ir))
+        lines = ["import math", "import numpy as np", "from numba import njit, prange",
+                 "from kilnx.codegen import numba_rt as _rt", ""]
         lines += [f"# {h}" for h in header.splitlines()]
-    # One program is a plain jitted function (numpy broadcasting works there); the launcher runs
-    # programs in parallel. Parallel array expressions inside prange do not support broadcasting.
-    lines += ["@njit(cache=True, nogil=True)", f"def {fn}_program(pid0, pid1, pid2, {params}):"]
-    lines += g.block(ir.body, 1) or ["    pass"]
-    lines += ["", "", "@njit(parallel=True)  # a parallel launcher cannot be cached (numba holds it in a dynamic global)", f"def {fn}({params}, grid0, grid1, grid2):",
-              f"    for _p in {loop}(grid0 * grid1 * grid2):",
-              f"        {fn}_program(_p % grid0, (_p // grid0) % grid1, _p // (grid0 * grid1), {params})"]
-    return "\n".join(lines) + "\n"
+        lines += [f"@njit({JIT_FLAGS})", f"def {self.fn}_programs(_first, _last, grid0, grid1, {params}):"]
+        lines += [f"    {t}_mem = _rt.ptr_{p.dtype}({t}_ptr)" for t, p in self.tensors.items()]
+        for name, (size, dtype) in self.buffers.items():
+            nbytes = size * NUMPY_OF[dtype]().itemsize
+            lines.append(f"    {name} = _rt.stack_{dtype}({size})" if nbytes <= STACK_BYTES
+                         else f"    {name} = np.empty({size}, {STORE_NP[dtype]})")
+        lines += ["    for _p in range(_first, _last):",
+                  "        pid0 = np.int32(_p % grid0)",
+                  "        pid1 = np.int32((_p // grid0) % grid1)",
+                  "        pid2 = np.int32(_p // (grid0 * grid1))"]
+        lines += body or ["        pass"]
+        lines += ["", "", "@njit(cache=True, nogil=True, parallel=True)",
+                  f"def {self.fn}_parallel(_chunks, grid0, grid1, grid2, {params}):",
+                  "    _total = grid0 * grid1 * grid2",
+                  "    for _chunk in prange(_chunks):",
+                  f"        {self.fn}_programs(_total * _chunk // _chunks, _total * (_chunk + 1) // _chunks, "
+                  f"grid0, grid1, {params})"]
+        return "\n".join(lines) + "\n"
 
+    def block(self, block, depth: int) -> list[str]:
+        out, pad = [], "    " * depth
+        for n in block.nodes:
+            if id(n) not in self.plan.live or self.plan.kind.get(id(n)) in (INLINED, ALIAS):
+                continue
+            if n.op == "range":
+                nest = self.open([])
+                start, stop, step = (self.expr(s, ()) for s in n.srcs)
+                loop = f"_r{self.seq(n)}"
+                out += [pad + x for x in nest.lines()]
+                out.append(f"{pad}for {loop} in range({start}, {stop}, {step}):")
+                out.append(f"{pad}    {self.name(n)} = {NP[n.dtype]}({loop})")
+                out += self.block(n.arg, depth + 1)
+                continue
+            out += [pad + line for line in self.stmts(n)]
+        return out
 
-class _Gen(StatementEmitter):
-    def __init__(self, ir: KernelIR):
-        self.ir = ir
-        self.params = {p.name: p for p in ir.params + [o[0] for o in ir.outputs]}
-        self.live = live_nodes(ir)
-        self.namer = Namer(ir, set(param_names(ir)) | {"np", "njit", "prange", "range", "_rt", "_p",
-                                                      "pid0", "pid1", "pid2", "grid0", "grid1", "grid2"})
+    def open(self, loops) -> Nest:
+        self.nest = Nest(self, loops)
+        return self.nest
 
-    def ref(self, n: Node) -> str:
-        if n.op == "const":
-            return f"{NP[n.dtype]}({const_literal(n)})"
-        if n.op == "dim":
-            return f"{n.arg[0]}_shape{n.arg[1]}"
-        if n.op == "param":
-            return f"{NP[n.dtype]}({n.arg})"
-        if n.op == "program_id":
-            return f"np.int32(pid{n.arg})"
+    def seq(self, n: Node) -> int:
+        return self.plan.seq[id(n)]
+
+    def name(self, n: Node) -> str:
         return self.namer.name(n)
 
-    def _fill(self, expr: str, n: Node, dtype: str) -> str:
-        """Broadcast an expression to the node's tile shape (numba needs explicit shapes)."""
-        if not n.shape:
-            return expr
-        return f"(({expr}) + np.zeros({tuple(n.shape)}, {NP[dtype]}))"
+    def buffer(self, n: Node) -> str:
+        root = self.plan.storage(n)
+        name = self.name(root)
+        self.buffers.setdefault(name, (math.prod(root.shape), _buffer_dtype(root.dtype)))
+        return name
 
+    def temp_buffer(self, size: int, dtype: str) -> str:
+        self.counter += 1
+        name = f"_tmp{self.counter}"
+        self.buffers[name] = (size, _buffer_dtype(dtype))
+        return name
+
+    # --- statements ---------------------------------------------------------------------------------
     def stmts(self, n: Node) -> list[str]:
-        r = [self.ref(s) for s in n.srcs]
-        name, op = self.ref(n), n.op
-        if op in opdefs.OPS:
-            e = opdefs.OPS[op].numba(*r)
-            if n.dtype in ("f16", "bf16"):
-                e = f"_rt.round_{'bf16' if n.dtype == 'bf16' else 'f16'}({e})"
-            elif n.dtype != "bool":
-                e = f"{NP[n.dtype]}({e})" if not n.shape else f"({e}).astype({NP[n.dtype]})"
-            return [f"{name} = {e}"]
-        if op == "arange":
-            return [f"{name} = np.arange({n.arg[0]}, {n.arg[1]}).astype(np.int32)"]
-        if op == "full":
-            return [f"{name} = np.full({tuple(n.shape)}, {py_literal(n.arg)}, {NP[n.dtype]})" if n.shape
-                    else f"{name} = {NP[n.dtype]}({py_literal(n.arg)})"]
-        if op == "cast":
-            if n.dtype in ("f16", "bf16"):
-                e = f"_rt.round_{n.dtype}({r[0]})"
-                return [f"{name} = {e}" if n.shape else f"{name} = {e}.item()"]
-            if not n.shape:
-                return [f"{name} = {NP[n.dtype]}({r[0]})"]
-            return [f"{name} = np.asarray({r[0]}).astype({NP[n.dtype]})"]
-        if op == "bitcast":
-            return [f"{name} = np.ascontiguousarray({r[0]}).view({NP[n.dtype]})"]
-        if op == "var":
-            return [f"{name} = {r[0]}" if not n.shape else f"{name} = {r[0]}.copy()"]
-        if op == "assign":
-            return [f"{r[0]} = {r[1]}"]
-        if op == "where":
-            if not n.shape:
-                return [f"{name} = {r[1]} if {r[0]} else {r[2]}"]
-            c = f"(({r[0]}) & np.ones({tuple(n.shape)}, np.bool_))"
-            return [f"{name} = np.where({c}, {self._fill(r[1], n, n.dtype)}, {self._fill(r[2], n, n.dtype)})"]
-        if op == "reduce":
-            return [self.reduce(n, name, r[0])]
-        if op in ("expand", "reshape"):
-            return [f"{name} = np.ascontiguousarray({r[0]}).reshape({tuple(n.shape)})"]
-        if op == "broadcast":
-            return [f"{name} = {self._fill(r[0], n, n.dtype)}"]
-        if op == "trans":
-            return [f"{name} = np.ascontiguousarray({r[0]}.T)"]
-        if op == "dot":
-            return [f"{name} = _rt.matmul(np.ascontiguousarray({r[0]}).astype(np.float32), "
-                    f"np.ascontiguousarray({r[1]}).astype(np.float32)).astype({NP[n.dtype]})"]
-        if op == "load":
-            return self.load(n, name, r)
+        op = n.op
         if op in ("store", "atomic_add"):
-            return self.store(n, r)
-        raise NotImplementedError(f"no numba lowering for op {op!r}")
+            return self.store(n)
+        if op == "assign":
+            return self.assign(n)
+        if op == "reduce":
+            return self.reduce(n)
+        if op == "dot":
+            return self.dot(n)
+        if not n.shape:
+            nest = self.open([])
+            nest.pre[0].append(f"{self.name(n)} = {self.expr(n.srcs[0], ()) if op == 'var' else self.value(n, ())}")
+            return nest.lines()
+        if op == "var":
+            return self.fill(self.buffer(n), n.shape, lambda idx: self.expr(n.srcs[0], idx))
+        src = n.srcs[0] if n.srcs else None
+        if op in ("reshape", "expand") and self.plan.kind_of(src) in (BUFFER, ALIAS):
+            # a view of an accumulator that must not see its later updates: copy it (same flat layout)
+            srcbuf = self.buffer(src)
+            return self.fill(self.buffer(n), (math.prod(n.shape),), lambda idx: f"{srcbuf}[{idx[0]}]")
+        return self.fill(self.buffer(n), n.shape, lambda idx: self.value(n, idx))
 
-    def reduce(self, n: Node, name: str, x: str) -> str:
+    def fill(self, buf: str, shape, element) -> list[str]:
+        idx, nest = self.loops_over(shape)
+        nest.pre[-1].append(f"{buf}[{_linear(idx, shape)}] = {self.to_buffer(buf, element(idx))}")
+        return nest.lines()
+
+    def to_buffer(self, buf: str, e: str) -> str:
+        return f"np.uint8({e})" if self.buffers[buf][1] == "bool" else e
+
+    def loops_over(self, shape, extra=()):
+        """Index expressions over a tile shape (size-1 dims get index 0 and no loop) and its Nest."""
+        idx, loops = [], []
+        for d, size in enumerate(shape):
+            idx.append("0" if size == 1 else f"_i{d}")
+            if size != 1:
+                loops.append((f"_i{d}", str(size)))
+        return idx, self.open(loops + list(extra))
+
+    def assign(self, n: Node) -> list[str]:
+        var, value = n.srcs
+        if not var.shape:
+            nest = self.open([])
+            nest.pre[0].append(f"{self.name(var)} = {self.expr(value, ())}")
+            return nest.lines()
+        buf = self.buffer(var)
+        idx, nest = self.loops_over(var.shape)
+        self.accesses = []
+        e = self.expr(value, idx)
+        here = _linear(idx, var.shape)
+        if all(i == here for b, i in self.accesses if b == buf):
+            nest.pre[-1].append(f"{buf}[{here}] = {self.to_buffer(buf, e)}")
+            return nest.lines()
+        # the new value reads the accumulator elsewhere than where it writes: compute it first
+        tmp = self.temp_buffer(math.prod(var.shape), var.dtype)
+        nest.pre[-1].append(f"{tmp}[{here}] = {self.to_buffer(tmp, e)}")
+        return nest.lines() + self.fill(buf, var.shape, lambda i: f"{tmp}[{_linear(i, var.shape)}]")
+
+    def store(self, n: Node) -> list[str]:
+        tname = n.arg[0]
+        p = self.tensors[tname]
+        value = n.srcs[0]
+        idx, nest = self.loops_over(n.shape)
+        off, mask = self.address(n, idx, 1)
+        self.accesses = []
+        v = convert(self.expr(value, _bcast(idx, n.shape, value.shape)), value.dtype, n.dtype)
+        lines = []
+        if any(b == f"{tname}_mem" and i != off for b, i in self.accesses):
+            # the value reads the tensor being written at other places: compute all of it first
+            tmp = self.temp_buffer(math.prod(n.shape), n.dtype)
+            nest.pre[-1].append(f"{tmp}[{_linear(idx, n.shape)}] = {self.to_buffer(tmp, v)}")
+            lines = nest.lines()
+            idx, nest = self.loops_over(n.shape)
+            off, mask = self.address(n, idx, 1)
+            v = f"{tmp}[{_linear(idx, n.shape)}]"
+            v = f"({v} != 0)" if n.dtype == "bool" else v
+        mem = f"{tname}_mem[{off}]"
+        if n.op == "store":
+            write = f"{mem} = {_to_storage(v, p.dtype)}"
+        else:
+            write = f"{mem} = {_to_storage(f'{_from_storage(mem, p.dtype)} + {v}', p.dtype)}"
+        nest.pre[-1] += [f"if {mask}:", f"    {write}"] if mask != "True" else [write]
+        return lines + nest.lines()
+
+    def reduce(self, n: Node) -> list[str]:
         kind, axis, keep = n.arg
         src = n.srcs[0]
-        if len(src.shape) > 2:
-            raise DSLError(f"the numba backend reduces 1-d and 2-d tiles only (got {list(src.shape)})\n  at {n.loc}")
-        if kind in ("argmax", "argmin"):
-            sign = "1.0" if kind == "argmax" else "-1.0"
-            e = (f"_rt.argmax1(np.ascontiguousarray({x}), {sign})" if len(src.shape) == 1
-                 else f"_rt.argmax2(np.ascontiguousarray({x}), {sign}, {axis})")
-        else:
-            k = {"sum": 0, "max": 1, "min": 2}[kind]
-            e = (f"_rt.reduce1(np.ascontiguousarray({x}), {k})" if len(src.shape) == 1
-                 else f"_rt.reduce2(np.ascontiguousarray({x}), {k}, {axis})")
-        if keep:
-            e = f"np.asarray({e}).reshape({tuple(n.shape)})"
-        elif not n.shape:
-            e = f"{NP[n.dtype]}({e})"
-        return f"{name} = {e}"
+        R = src.shape[axis]
+        out_idx, nest = self.loops_over(n.shape, [("_red", f"1, {R}" if kind != "sum" else str(R))])
+        kept = [i for d, i in enumerate(out_idx) if not (keep and d == axis)]
+        v = self.expr(src, kept[:axis] + ["_red"] + kept[axis:])
+        k = self.seq(n)
+        acc, best = f"_acc{k}", f"_arg{k}"
+        dt = src.dtype
+        target = self.name(n) if not n.shape else f"{self.buffer(n)}[{_linear(out_idx, n.shape)}]"
+        outer, body = nest.pre[-2], nest.pre[-1]
+        if kind == "sum":
+            outer.append(f"{acc} = {wrap('0', dt)}")
+            body.append(f"{acc} = {wrap(f'{acc} + {v}', dt)}")
+            nest.post[-2].append(f"{target} = {acc}")
+            return nest.lines()
+        first = self.expr(src, kept[:axis] + ["0"] + kept[axis:])
+        outer.append(f"{acc} = {first}")
+        if kind in ("max", "min"):   # NaN wins, as in numpy
+            cmp = ">=" if kind == "max" else "<="
+            body += [f"if not ({acc} {cmp} {v} or {acc} != {acc}):", f"    {acc} = {v}"]
+            nest.post[-2].append(f"{target} = {acc}")
+        else:  # argmax / argmin: the first extreme wins; NaN counts as the extreme, as in numpy
+            cmp = ">" if kind == "argmax" else "<"
+            outer.append(f"{best} = 0")
+            body += [f"if {acc} == {acc} and ({v} {cmp} {acc} or {v} != {v}):", f"    {acc} = {v}",
+                     f"    {best} = _red"]
+            nest.post[-2].append(f"{target} = np.int32({best})")
+        return nest.lines()
 
-    def address(self, n: Node, r: list[str], first: int):
+    def dot(self, n: Node) -> list[str]:
+        a, b = n.srcs
+        M, K = a.shape
+        N = b.shape[1]
+        out = self.buffer(n)
+        acc = out if n.dtype == "f32" else self.temp_buffer(M * N, "f32")
+        self.open([])
+        av = self.expr(a, ["_m", "_k"])
+        bv = self.expr(b, ["_k", "_n"])
+        a_mk = f"_a{self.seq(n)}"
+        lines = [f"for _m in range({M}):",
+                 f"    for _n in range({N}):", f"        {acc}[_m * {N} + _n] = np.float32(0)",
+                 f"    for _k in range({K}):", f"        {a_mk} = np.float32({av})",
+                 f"        for _n in range({N}):",
+                 f"            {acc}[_m * {N} + _n] += {a_mk} * np.float32({bv})"]
+        if acc != out:
+            lines += [f"for _m in range({M * N}):", f"    {out}[_m] = {wrap(f'{acc}[_m]', n.dtype)}"]
+        return lines
+
+    # --- expressions --------------------------------------------------------------------------------
+    def expr(self, n: Node, idx) -> str:
+        """Element idx (one index expression per dim of n) of node n, as a scalar expression."""
+        idx = list(idx)
+        if n.op == "const":
+            return wrap(const_literal(n), n.dtype) if n.dtype != "bool" else const_literal(n)
+        if n.op == "dim":
+            return self.nest.bind(f"np.int32({n.arg[0]}_shape{n.arg[1]})")
+        if n.op == "param":
+            return self.nest.bind(f"{NP[n.dtype]}({n.arg})")
+        if n.op == "program_id":
+            return f"pid{n.arg}"
+        kind = self.plan.kind_of(n)
+        if kind == STATEMENT or (not n.shape and kind != INLINED):
+            return self.name(n)
+        if kind in (BUFFER, ALIAS):
+            buf = self.buffer(n)
+            i = _linear(idx, n.shape)
+            self.accesses.append((buf, i))
+            return f"({buf}[{i}] != 0)" if n.dtype == "bool" else f"{buf}[{i}]"
+        return self.nest.bind(self.value(n, idx))
+
+    def value(self, n: Node, idx) -> str:
+        """The element computed from n's sources (as opposed to read from n's buffer)."""
+        op, srcs = n.op, n.srcs
+
+        def src(k, index=None):
+            s = srcs[k]
+            return self.expr(s, _bcast(idx, n.shape, s.shape) if index is None else index)
+
+        if op in opdefs.OPS:
+            if op == "invert" and n.dtype == "bool":
+                return f"(not {src(0)})"
+            return wrap(opdefs.OPS[op].numba(*(src(k) for k in range(len(srcs)))), n.dtype)
+        if op == "cast":
+            return convert(src(0), srcs[0].dtype, n.dtype)
+        if op == "bitcast":
+            return f"_rt.as_{n.dtype}({src(0)})"
+        if op == "where":
+            return f"({src(1)} if {src(0)} else {src(2)})"
+        if op == "arange":
+            start = n.arg[0]
+            return f"np.int32({idx[0]} + {start})" if start else f"np.int32({idx[0]})"
+        if op == "full":
+            return wrap(py_literal(n.arg), n.dtype) if n.dtype != "bool" else repr(bool(n.arg))
+        if op == "broadcast":
+            return src(0)
+        if op in ("expand", "reshape"):
+            keep = iter([i for i, d in zip(idx, n.shape) if d != 1])
+            return src(0, [next(keep) if d != 1 else "0" for d in srcs[0].shape])
+        if op == "trans":
+            return src(0, idx[::-1])
+        if op == "load":
+            return self.load(n, idx)
+        raise NotImplementedError(f"no numba lowering for op {op!r}")
+
+    def address(self, n: Node, idx, first: int):
+        """(flat offset, mask) expressions of a load/store lane."""
         tname, checks, has_mask = n.arg[:3]
-        idx = r[first:first + len(checks)]
-        nodes = n.srcs[first:first + len(checks)]
-        off = " + ".join((f"np.asarray({i}).astype(np.int64)" if nd.shape else f"np.int64({i})")
-                         + f" * {tname}_stride{d}" for d, (i, nd) in enumerate(zip(idx, nodes)))
-        conds = [f"({i} < {tname}_shape{d})" for d, (i, c) in enumerate(zip(idx, checks)) if c]
+        p = self.tensors[tname]
+        offs, conds = [], []
+        for d in range(p.ndim):
+            s = n.srcs[first + d]
+            i = self.expr(s, _bcast(idx, n.shape, s.shape))
+            stride = "" if d == p.ndim - 1 else f" * {tname}_stride{d}"
+            offs.append(self.nest.bind(f"np.int64({i})") + stride)
+            if checks[d]:
+                conds.append(self.nest.bind(f"(({i} >= 0) & ({i} < {tname}_shape{d}))"))
         if has_mask:
-            conds.append(f"({r[first + len(checks)]})")
-        mask = " & ".join(conds) if conds else "True"
+            m = n.srcs[first + p.ndim]
+            conds.append(self.expr(m, _bcast(idx, n.shape, m.shape)))
+        off = self.nest.bind("(" + " + ".join(offs) + ")") if offs else "0"
+        mask = self.nest.bind("(" + " & ".join(conds) + ")") if conds else "True"
         return off, mask
 
-    def load(self, n: Node, name: str, r) -> list[str]:
+    def load(self, n: Node, idx) -> str:
         tname, other = n.arg[0], n.arg[3]
-        off, mask = self.address(n, r, 0)
-        p = self.params[tname]
-        if not n.shape:
-            if p.dtype == "bf16":
-                get = f"_rt.bf16_bits_to_f32(np.array([{tname}_ptr[{off}]]))[0]"
-            else:
-                get = f"{tname}_ptr[{off}]"
-            return [f"{name} = {NP[n.dtype]}({get}) if ({mask}) else {NP[n.dtype]}({py_literal(other)})"]
-        shape = tuple(n.shape)
-        o = f"(({off}) + np.zeros({shape}, np.int64))"
-        m = f"(({mask}) & np.ones({shape}, np.bool_))"
-        fn = "_rt.gather_bf16" if p.dtype == "bf16" else "_rt.gather"
-        oth = f"np.uint16(0)" if False else f"{NP[p.dtype] if p.dtype != 'bf16' else 'np.float32'}({py_literal(other)})"
-        e = f"{fn}({tname}_ptr, {o}, {m}, {oth})"
-        if p.dtype == "f16":
-            e = f"{e}.astype(np.float32)"
-        return [f"{name} = {e}"]
+        p = self.tensors[tname]
+        off, mask = self.address(n, idx, 0)
+        self.accesses.append((f"{tname}_mem", off))
+        v = _from_storage(f"{tname}_mem[{off}]", p.dtype)
+        if mask == "True":
+            return v
+        o = wrap(py_literal(other), "f32" if n.dtype in ("f16", "bf16") else n.dtype) if n.dtype != "bool" \
+            else repr(bool(other))
+        return f"({v} if {mask} else {o})"
 
-    def store(self, n: Node, r) -> list[str]:
-        tname = n.arg[0]
-        off, mask = self.address(n, r, 1)
-        p = self.params[tname]
-        shape = tuple(n.shape) if n.shape else (1,)
-        o = f"(({off}) + np.zeros({shape}, np.int64))"
-        m = f"(({mask}) & np.ones({shape}, np.bool_))"
-        store_t = "np.float16" if p.dtype == "f16" else ("np.float32" if p.dtype == "bf16" else NP[p.dtype])
-        v = f"(({r[0]}) + np.zeros({shape}, {store_t})).astype({store_t})"
-        fn = {"store": "_rt.scatter", "atomic_add": "_rt.scatter_add"}[n.op]
-        if p.dtype == "bf16":
-            fn += "_bf16"
-        return [f"{fn}({tname}_ptr, {o}, {m}, {v})"]
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _buffer_dtype(dtype: str) -> str:
+    """Tile buffers hold register values: 16-bit floats as fp32, bools as bytes."""
+    return "f32" if dtype in ("f16", "bf16") else dtype
+
+
+def _from_storage(expr: str, dtype: str) -> str:
+    if dtype in ("f16", "bf16"):
+        return f"_rt.{dtype}_bits_to_f32({expr})"
+    if dtype == "bool":
+        return f"({expr} != 0)"
+    return expr
+
+
+def _to_storage(expr: str, dtype: str) -> str:
+    if dtype in ("f16", "bf16"):
+        return f"_rt.f32_to_{dtype}_bits({expr})"
+    return f"{STORE_NP[dtype]}({expr})"
+
+
+def _linear(idx, shape) -> str:
+    terms = []
+    for d, i in enumerate(idx):
+        if i == "0" or shape[d] == 1:
+            continue
+        stride = math.prod(shape[d + 1:])
+        terms.append(i if stride == 1 else f"{i} * {stride}")
+    return " + ".join(terms) or "0"
+
+
+def _bcast(idx, shape, src_shape):
+    """Index of a source element under right-aligned broadcasting."""
+    if not src_shape:
+        return []
+    lead = len(shape) - len(src_shape)
+    return [("0" if s == 1 else idx[lead + d]) for d, s in enumerate(src_shape)]
+
+
+def _delinearize(flat: str, shape):
+    out = []
+    for d in range(len(shape)):
+        stride = math.prod(shape[d + 1:])
+        out.append(f"(({flat}) // {stride}) % {shape[d]}" if shape[d] != 1 else "0")
+    return out

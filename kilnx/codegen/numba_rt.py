@@ -1,175 +1,168 @@
-"""Helpers the generated numba code calls: memory access with masks, 16-bit float conversion,
-reductions by axis (numba's numpy subset lacks several axis/keepdims forms)."""
+"""Scalar helpers the generated numba code calls, one element at a time: raw pointers from addresses,
+16-bit float conversions, bit reinterpretation, erf.
+
+The lowering (numba_gen) emits explicit loops over tile elements, so every helper here takes and
+returns scalars; LLVM inlines them into those loops. Intrinsics are single LLVM instructions (a
+pointer cast, a bitcast, an fpext/fptrunc through `half`), which numba's Python-level API cannot say.
+"""
 
 from __future__ import annotations
 
 import math
 
 import numpy as np
-from numba import njit
+from llvmlite import ir as llvm_ir
+from numba import njit, types
+from numba.extending import intrinsic
 
-_NJ = dict(cache=True, nogil=True)
+_NJ = dict(cache=True, nogil=True, inline="always")
+
+def _pointer_from_address(elem):
+    @intrinsic
+    def pointer(typingctx, address):
+        sig = types.CPointer(elem)(types.int64)
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(types.CPointer(elem)))
+        return sig, codegen
+    return pointer
+
+
+# ptr_<dtype>(tensor.data_ptr()) -> a typed pointer indexed like a flat array (no bounds, no refcount)
+ptr_f16 = ptr_bf16 = ptr_u16 = _pointer_from_address(types.uint16)
+ptr_f32 = _pointer_from_address(types.float32)
+ptr_f64 = _pointer_from_address(types.float64)
+ptr_i8 = _pointer_from_address(types.int8)
+ptr_u8 = ptr_bool = _pointer_from_address(types.uint8)
+ptr_i16 = _pointer_from_address(types.int16)
+ptr_i32 = _pointer_from_address(types.int32)
+ptr_u32 = _pointer_from_address(types.uint32)
+ptr_i64 = _pointer_from_address(types.int64)
+
+
+def _stack_array(elem):
+    @intrinsic(prefer_literal=True)
+    def stack(typingctx, count):
+        if not isinstance(count, types.IntegerLiteral):
+            return None
+        n = count.literal_value
+        sig = types.CPointer(elem)(count)
+
+        def codegen(context, builder, signature, args):
+            with builder.goto_entry_block():
+                ptr = builder.alloca(context.get_data_type(elem), size=llvm_ir.Constant(llvm_ir.IntType(64), n))
+                ptr.align = 32
+            return ptr
+        return sig, codegen
+    return stack
+
+
+# stack_<dtype>(N): a tile buffer of N elements on the stack, as a pointer. LLVM knows a stack slot
+# whose address never escapes aliases no tensor, so loops that read tensors and write tiles vectorize
+# without runtime overlap checks (which it refuses for the short loops tiles make).
+stack_f32 = _stack_array(types.float32)
+stack_f64 = _stack_array(types.float64)
+stack_i8 = _stack_array(types.int8)
+stack_u8 = stack_bool = _stack_array(types.uint8)
+stack_i16 = _stack_array(types.int16)
+stack_i32 = _stack_array(types.int32)
+stack_u32 = _stack_array(types.uint32)
+stack_i64 = _stack_array(types.int64)
+
+
+@intrinsic
+def opaque(typingctx, x):
+    """x, through an empty inline-asm statement: free at run time, but LLVM cannot see through it.
+    Placed in an outer loop over tile rows, it stops the loop vectorizer from vectorizing across
+    rows (strided, gathered accesses) once the short inner loop along the contiguous dim has been
+    unrolled, so the SLP vectorizer packs that inner loop into vector instructions instead."""
+    if not isinstance(x, types.Integer):
+        return None
+    sig = x(x)
+
+    def codegen(context, builder, signature, args):
+        ty = args[0].type
+        fn = llvm_ir.InlineAsm(llvm_ir.FunctionType(ty, [ty]), "", "=r,0", side_effect=True)
+        return builder.call(fn, [args[0]])
+    return sig, codegen
+
+
+def _bitcast_to(dst, llvm_dst):
+    @intrinsic
+    def bitcast(typingctx, x):
+        if not isinstance(x, (types.Integer, types.Float)) or x.bitwidth != 32:
+            return None
+        sig = dst(x)
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], llvm_dst)
+        return sig, codegen
+    return bitcast
+
+
+# the same 32 bits read as another type (kd.bitcast)
+as_f32 = _bitcast_to(types.float32, llvm_ir.FloatType())
+as_i32 = _bitcast_to(types.int32, llvm_ir.IntType(32))
+as_u32 = _bitcast_to(types.uint32, llvm_ir.IntType(32))
+
+
+@intrinsic
+def _f16_bits_to_f32(typingctx, u):
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], llvm_ir.HalfType()), llvm_ir.FloatType())
+    return sig, codegen
+
+
+@intrinsic
+def _f32_to_f16_bits(typingctx, x):
+    """IEEE fptrunc: round to nearest even, overflow to inf, NaN stays NaN (numpy's astype(float16))."""
+    sig = types.uint16(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], llvm_ir.HalfType()), llvm_ir.IntType(16))
+    return sig, codegen
 
 
 @njit(**_NJ)
-def bf16_bits_to_f32(u):
-    return (u.astype(np.uint32) << np.uint32(16)).view(np.float32)
+def f16_bits_to_f32(u):
+    return _f16_bits_to_f32(np.uint16(u))
 
 
 @njit(**_NJ)
-def f32_to_bf16_bits(x):
-    b = np.ascontiguousarray(x).view(np.uint32).astype(np.uint64)
-    r = (b + np.uint64(0x7FFF) + ((b >> np.uint64(16)) & np.uint64(1))) >> np.uint64(16)
-    return r.astype(np.uint16)
-
-
-@njit(**_NJ)
-def round_bf16(x):
-    a = np.ascontiguousarray(np.asarray(x, dtype=np.float32))
-    flat = a.ravel()
-    return bf16_bits_to_f32(f32_to_bf16_bits(flat)).reshape(a.shape)
+def f32_to_f16_bits(x):
+    return _f32_to_f16_bits(np.float32(x))
 
 
 @njit(**_NJ)
 def round_f16(x):
-    return np.asarray(x).astype(np.float16).astype(np.float32)
+    return _f16_bits_to_f32(_f32_to_f16_bits(np.float32(x)))
+
+
+@njit(**_NJ)
+def bf16_bits_to_f32(u):
+    return as_f32(np.uint32(np.uint32(u) << np.uint32(16)))   # numba widens uint32 shifts to 64 bits
+
+
+@njit(**_NJ)
+def f32_to_bf16_bits(x):
+    """Round to nearest even on the upper 16 bits; NaN stays a (quiet) NaN."""
+    f = np.float32(x)
+    b = as_u32(f)
+    if f != f:
+        return np.uint16((b >> np.uint32(16)) | np.uint32(0x40))
+    return np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+@njit(**_NJ)
+def round_bf16(x):
+    f = np.float32(x)
+    if f != f:
+        return f
+    return bf16_bits_to_f32(f32_to_bf16_bits(f))
 
 
 @njit(**_NJ)
 def erf(x):
-    a = np.ascontiguousarray(np.asarray(x, dtype=np.float32))
-    flat = a.ravel().copy()
-    for i in range(flat.size):
-        flat[i] = math.erf(flat[i])
-    return flat.reshape(a.shape)
-
-
-@njit(**_NJ)
-def gather(flat, off, mask, other):
-    """flat[off] where mask, else other; off/mask already broadcast to the tile shape."""
-    o = off.ravel()
-    m = mask.ravel()
-    out = np.empty(o.size, dtype=flat.dtype)
-    for i in range(o.size):
-        out[i] = flat[o[i]] if m[i] else other
-    return out.reshape(off.shape)
-
-
-@njit(**_NJ)
-def gather_bf16(flat, off, mask, other):
-    bits = gather(flat, off, mask, np.uint16(0))
-    vals = bf16_bits_to_f32(np.ascontiguousarray(bits).ravel()).reshape(off.shape)
-    return np.where(mask, vals, np.float32(other))
-
-
-@njit(**_NJ)
-def scatter(flat, off, mask, value):
-    o = off.ravel()
-    m = mask.ravel()
-    v = value.ravel()
-    for i in range(o.size):
-        if m[i]:
-            flat[o[i]] = v[i]
-
-
-@njit(**_NJ)
-def scatter_bf16(flat, off, mask, value):
-    o = off.ravel()
-    m = mask.ravel()
-    bits = f32_to_bf16_bits(np.ascontiguousarray(value.ravel()).astype(np.float32))
-    for i in range(o.size):
-        if m[i]:
-            flat[o[i]] = bits[i]
-
-
-@njit(**_NJ)
-def scatter_add(flat, off, mask, value):
-    o = off.ravel()
-    m = mask.ravel()
-    v = value.ravel()
-    for i in range(o.size):
-        if m[i]:
-            flat[o[i]] += v[i]
-
-
-@njit(**_NJ)
-def scatter_add_bf16(flat, off, mask, value):
-    o = off.ravel()
-    m = mask.ravel()
-    v = value.ravel()
-    for i in range(o.size):
-        if m[i]:
-            cur = np.array([np.uint32(flat[o[i]]) << np.uint32(16)]).view(np.float32)
-            cur[0] += np.float32(v[i])
-            flat[o[i]] = f32_to_bf16_bits(cur)[0]
-
-
-@njit(**_NJ)
-def matmul(a, b):
-    """(M, K) @ (K, N) fp32 tiles by loops: numba's np.dot needs scipy's BLAS, not a kilnx dependency."""
-    out = np.zeros((a.shape[0], b.shape[1]), dtype=np.float32)
-    for i in range(a.shape[0]):
-        for k in range(a.shape[1]):
-            aik = a[i, k]
-            for j in range(b.shape[1]):
-                out[i, j] += aik * b[k, j]
-    return out
-
-
-# Reductions of 1-d and 2-d tiles. `kind`: 0 sum, 1 max, 2 min.
-@njit(**_NJ)
-def _combine(kind, a, b):
-    if kind == 0:
-        return a + b
-    if kind == 1:
-        return a if a >= b or a != a else b
-    return a if a <= b or a != a else b
-
-
-@njit(**_NJ)
-def reduce1(x, kind):
-    acc = x[0]
-    for i in range(1, x.shape[0]):
-        acc = _combine(kind, acc, x[i])
-    return acc
-
-
-@njit(**_NJ)
-def reduce2(x, kind, axis):
-    if axis == 1:
-        out = np.empty(x.shape[0], dtype=x.dtype)
-        for i in range(x.shape[0]):
-            acc = x[i, 0]
-            for j in range(1, x.shape[1]):
-                acc = _combine(kind, acc, x[i, j])
-            out[i] = acc
-        return out
-    out = np.empty(x.shape[1], dtype=x.dtype)
-    for j in range(x.shape[1]):
-        acc = x[0, j]
-        for i in range(1, x.shape[0]):
-            acc = _combine(kind, acc, x[i, j])
-        out[j] = acc
-    return out
-
-
-@njit(**_NJ)
-def argmax1(x, sign):
-    best, bi = x[0] * sign, 0
-    for i in range(1, x.shape[0]):
-        if x[i] * sign > best:
-            best, bi = x[i] * sign, i
-    return np.int32(bi)
-
-
-@njit(**_NJ)
-def argmax2(x, sign, axis):
-    if axis == 1:
-        out = np.empty(x.shape[0], dtype=np.int32)
-        for i in range(x.shape[0]):
-            out[i] = argmax1(x[i], sign)
-        return out
-    out = np.empty(x.shape[1], dtype=np.int32)
-    for j in range(x.shape[1]):
-        out[j] = argmax1(np.ascontiguousarray(x[:, j]), sign)
-    return out
+    return math.erf(np.float64(x))   # in float64, as the reference; the caller rounds to its dtype

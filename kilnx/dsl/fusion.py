@@ -117,6 +117,7 @@ class FusionKernel(KernelBase):
         self.positional = [p.name for p in sig.parameters.values()
                            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         self.keyword = {p.name: p for p in sig.parameters.values() if p.kind == p.KEYWORD_ONLY}
+        self._constexprs = {k for k in self.keyword if self._is_constexpr(k)}
 
     def default_config(self, *args, **kw) -> dict:
         rows = [a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2]
@@ -286,7 +287,7 @@ class FusionKernel(KernelBase):
             fn = getattr(L.load_module(generate(ir, header=header, interpret=L.interpreting()), self.name), self.name)
         elif backend == "numba":
             from kilnx.codegen.numba_gen import generate
-            fn = getattr(L.load_module(generate(ir, header=header), self.name + "_numba"), self.name)
+            fn = L.load_module(generate(ir, header=header), self.name + "_numba")
         elif backend == "reference":
             fn = None
         else:
@@ -294,15 +295,21 @@ class FusionKernel(KernelBase):
         return L.Launch(ir, backend, None, fn)
 
     def _run(self, launch, args, kw):
-        lead = next(a for a in args if a.dim() >= 2) if any(a.dim() >= 2 for a in args) else args[0]
-        lead_shape = lead.shape[:-1]
-        tensors = {n: (a.reshape(-1, a.shape[-1]) if a.dim() >= 2 else a) for n, a in zip(self.positional, args)}
-        n_rows = next(iter(t for t in tensors.values() if t.dim() == 2), None)
+        lead = next((a for a in args if a.dim() >= 2), args[0])
+        # rows are the flattened leading dims; 2-d operands (the common case) pass through as they are
+        tensors = {n: (a.reshape(-1, a.shape[-1]) if a.dim() > 2 else a) for n, a in zip(self.positional, args)}
+        n_rows = None
         for n, t in tensors.items():
-            if t.dim() == 2 and n_rows is not None and t.shape[0] != n_rows.shape[0]:
-                raise DSLError(f"{self.name}: operand {n} has {t.shape[0]} rows, expected {n_rows.shape[0]}")
-        scalars = {k: v for k, v in kw.items() if not self._is_constexpr(k)}
+            if t.dim() == 2:
+                if n_rows is None:
+                    n_rows = t.shape[0]
+                elif t.shape[0] != n_rows:
+                    raise DSLError(f"{self.name}: operand {n} has {t.shape[0]} rows, expected {n_rows}")
+        scalars = {k: v for k, v in kw.items() if k not in self._constexprs}
         res = launch(tensors, scalars)
+        if lead.dim() == 2:
+            return res
+        lead_shape = lead.shape[:-1]
         res_t = res if isinstance(res, tuple) else (res,)
         shaped = tuple(r.reshape(*lead_shape, r.shape[-1]) if r.dim() == 2 else r.reshape(lead_shape) for r in res_t)
         return shaped if isinstance(res, tuple) else shaped[0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import os
 import sys
 from typing import Any, Callable
 
@@ -22,6 +23,34 @@ from kilnx.dsl.tunables import Space, Tunable
 
 CODEGEN_VERSION = "1"  # bump when a lowering changes what a kernel computes or how fast it runs
 LAUNCH_KNOBS = ("num_warps", "num_stages")
+
+
+MAX_REMEMBERED_CALLS = 1024
+_SIMPLE = (int, float, str, bool, type(None))
+_tuning_generation = [0]
+"""Bumped when the runtime reloads tuned configs: kernels then forget which launch each call got."""
+
+
+def forget_remembered_configs() -> None:
+    _tuning_generation[0] += 1
+
+
+def _call_key(args, backend, kw):
+    """What decides a call's config and specialization, or None when an argument is not hashable."""
+    # the default backend follows TRITON_INTERPRET, which tests flip at run time
+    key = [backend or os.environ.get("TRITON_INTERPRET")]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.shape, a.dtype, a.get_device()))   # get_device: -1 on the CPU, cheap
+        elif isinstance(a, _SIMPLE):
+            key.append(a)
+        else:
+            return None
+    for k, v in kw.items():
+        if not isinstance(v, _SIMPLE):
+            return None
+        key.append((k, v))
+    return tuple(key)
 
 
 def format_key(d: dict) -> str:
@@ -40,6 +69,7 @@ class KernelBase:
         self._key_fn, self._default_fn, self._spec_fn = key_fn, default_fn, spec_fn
         self.source_hash = hashlib.sha256((CODEGEN_VERSION + source).encode()).hexdigest()
         self._compiled: dict = {}
+        self._calls: dict = {}
         self.make_args: Callable | None = None
         self._problems: list[dict] = []
         self.peer: Callable | None = None
@@ -74,6 +104,10 @@ class KernelBase:
         return self
 
     def compile(self, config: dict | None, *args, backend: str | None = None, **kw):
+        launch = self._launch(config, args, kw, backend)
+        return lambda *a, **k: self._run(launch, a, self._with_specialization(a, k))
+
+    def _launch(self, config: dict | None, args, kw, backend):
         from kilnx.codegen.launch import default_backend
         kw = self._with_specialization(args, kw)
         config = self.space.validate(config or {}) if config is not None else self.default_config(*args, **kw)
@@ -81,13 +115,25 @@ class KernelBase:
         spec = self._spec(config, args, kw, backend)
         if spec not in self._compiled:
             self._compiled[spec] = self._build(config, args, kw, backend)
-        launch = self._compiled[spec]
-        return lambda *a, **k: self._run(launch, a, self._with_specialization(a, k))
+        return self._compiled[spec]
 
     def __call__(self, *args, backend: str | None = None, config: dict | None = None, **kw):
-        if config is None and backend != "reference":
-            config = self._tuned_config(args, kw)
-        return self.compile(config, *args, backend=backend, **kw)(*args, **kw)
+        if config is not None or backend == "reference":
+            return self.compile(config, *args, backend=backend, **kw)(*args, **kw)
+        # A decode step calls each kernel hundreds of times with the same shapes: remember, per
+        # (shapes, dtypes, devices, keyword values), the launch its tuned config chose, until the
+        # runtime reloads tuned configs.
+        key = _call_key(args, backend, kw)
+        hit = self._calls.get(key) if key is not None else None
+        generation = _tuning_generation[0]
+        if hit is None or hit[0] != generation:
+            launch = self._launch(self._tuned_config(args, kw), args, kw, backend)
+            hit = (generation, launch, self._specialize(*args) if self._specialize else {})
+            if key is not None:
+                if len(self._calls) >= MAX_REMEMBERED_CALLS:
+                    self._calls.clear()
+                self._calls[key] = hit
+        return self._run(hit[1], args, {**hit[2], **kw} if hit[2] else kw)
 
     def reference(self, *args, **kw):
         """The numpy-defined result: the kernel's spec function, else the IR interpreted in numpy."""
@@ -126,6 +172,7 @@ class TileKernel(KernelBase):
         self.positional = [p.name for p in self.sig.parameters.values()
                            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         self.keyword = {p.name: p for p in self.sig.parameters.values() if p.kind == p.KEYWORD_ONLY}
+        self._constexprs = {k for k in self.keyword if self._is_constexpr(k)}
         for t in space.params:
             if t not in self.keyword and t not in LAUNCH_KNOBS:
                 raise dsl_error(f"@kd.kernel {self.name}: tunable {t!r} is not a keyword-only parameter of "
@@ -192,7 +239,7 @@ class TileKernel(KernelBase):
         elif backend == "numba":
             from kilnx.codegen.numba_gen import generate
             src = generate(ir, header=header)
-            fn = getattr(L.load_module(src, self.name + "_numba"), self.name)
+            fn = L.load_module(src, self.name + "_numba")   # the Launch picks its entry points
         elif backend == "reference":
             src, fn = None, None
         else:
@@ -201,7 +248,7 @@ class TileKernel(KernelBase):
 
     def _run(self, launch, args, kw):
         tensors = {n: a for n, a in zip(self.positional, args) if a is not None}
-        scalars = {k: v for k, v in kw.items() if not self._is_constexpr(k)}
+        scalars = {k: v for k, v in kw.items() if k not in self._constexprs}
         return launch(tensors, scalars)
 
     def triton_source(self, *args, config: dict | None = None, **kw) -> str:

@@ -144,9 +144,11 @@ def get_tuned(device: DeviceInfo | None = None, db: TuningDB | None = None) -> T
 
 def reset() -> None:
     """Forget loaded configs (and warnings given), e.g. after tuning wrote new results."""
+    from kilnx.dsl.kernel import forget_remembered_configs
     with _cache_lock:
         _cache.clear()
         _warned.clear()
+    forget_remembered_configs()   # kernels remember which config each call shape got
 
 
 def _warn_once(message: str) -> None:

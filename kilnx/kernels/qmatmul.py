@@ -318,8 +318,9 @@ def dequant_mm(x, wq, scales, biases, *, config=None, dequant_config=None):
     return mm(x, w.to(x.dtype), config=config)
 
 
-# Rows up to which the one-pass GEMV beats the swapped tile GEMM (H200, llama-3.1-8b shapes: qmv wins at
-# M=4, qmm-swap at M=8). A stored tuner crossover should replace this constant.
+# Rows up to which the one-pass GEMV beats the swapped tile GEMM where nothing was tuned (H200, llama-3.1-8b
+# shapes: qmv won at M=4, qmm-swap at M=8); `kilnx tune` stores the measured crossover per device and
+# weight shape (kilnx/kernels/routing.py).
 QMV_MAX_ROWS = 4
 
 
@@ -340,14 +341,11 @@ def qmatmul(x: torch.Tensor, w) -> torch.Tensor:
     if x2.shape[0] == 0:
         return x.new_empty(*lead, w.shape[0])
     args = (x2, w.packed, w.scales, w.biases)
-    # numba compiles qmv's per-row loop very slowly, so on the CPU only single rows take qmv
-    max_rows = QMV_MAX_ROWS if x.is_cuda else 1
-    if x2.shape[0] <= max_rows and 32 % w.bits == 0:
-        y = run_qmv(*args)
-        y = y if y.dtype == x.dtype else y.to(x.dtype)
-    else:
-        y = qmm(*args)
-    return y.reshape(*lead, w.shape[0])
+    from kilnx.kernels.routing import qmatmul_rows
+    # on the GPU the crossover is the tuned choice of this device (kilnx tune stores it); numba
+    # compiles qmv's per-row loop very slowly, so on the CPU only single rows take qmv
+    limit = qmatmul_rows.limit_for(*args) if x.is_cuda else 1
+    return qmatmul_rows.serve(x2, *args[1:], limit).reshape(*lead, w.shape[0])
 
 
 def make_qmatmul_args(problem: dict, device: str):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-MODULES = ("norms", "activations", "rope", "attention", "qmatmul", "moe_align", "moe")
+MODULES = ("norms", "activations", "rope", "attention", "qmatmul", "routing", "moe_align", "moe")
 
 
 def all() -> list:  # noqa: A001 - the registry's natural verb
@@ -48,6 +48,7 @@ def problems_for_model(model: str) -> list[tuple[str, dict]]:
             out.append(("qmv", {"M": m, "N": g["N"], "K": g["K"], "bits": 4, "gs": 64}))
         for m in (16, 512, 2048):
             out.append(("qmm", {"M": m, "N": g["N"], "K": g["K"], "bits": 4, "gs": 64}))
+        out.append(("qmatmul_rows_crossover", {"N": g["N"], "K": g["K"], "bits": 4, "gs": 64}))
     if cfg.is_moe:
         from kilnx.kernels.moe_specs import moe_problems
         out += moe_problems(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size)

@@ -1,0 +1,84 @@
+"""The qmv/qmm crossover is a tuned, stored choice: the route serves each row count with the kernel
+its choice names, the tuner can measure it like a kernel, and the runtime reads it from the DB."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kilnx.cache import TuningDB
+from kilnx.kernels import qmatmul as Q
+from kilnx.kernels.routing import QmatmulRowsRoute, qmatmul_rows
+from kilnx.runtime import dispatch
+from kilnx.runtime.device import cpu_info
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="Triton kernels run on CPU only under TRITON_INTERPRET=1")
+PROBLEM = {"N": 24, "K": 128, "bits": 4, "gs": 64}
+# the same route over a shorter sweep, for a tune that fits in a test (workers import it by this name)
+short_route = QmatmulRowsRoute()
+short_route.ROWS = (1, 2)
+
+
+@pytest.mark.parametrize("limit", [0, 2, 16])
+def test_every_choice_gives_the_reference_sweep(limit):
+    args = qmatmul_rows.make_args(PROBLEM, "cpu")
+    got = qmatmul_rows.compile({"QMV_MAX_ROWS": limit}, *args, backend="triton")(*args)
+    want = qmatmul_rows.reference(*args)
+    assert got.shape == (sum(qmatmul_rows.ROWS), 24)
+    rtol, atol = qmatmul_rows.tolerance(args)
+    torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol)
+
+
+def test_rows_up_to_the_limit_take_the_gemv(monkeypatch):
+    used = []
+    monkeypatch.setattr(Q, "run_qmv", lambda *a, **k: used.append("qmv") or Q.qmm(*a[:4], **k))
+    monkeypatch.setattr(Q, "qmm", (lambda f: lambda *a, **k: used.append("qmm") or f(*a, **k))(Q.qmm))
+    x, wq, s, b = qmatmul_rows.make_args(PROBLEM, "cpu")
+    for m in (1, 4, 5):
+        qmatmul_rows.serve(x[:m], wq, s, b, limit=4, backend="reference")
+    assert used == ["qmv", "qmm", "qmv", "qmm", "qmm"]   # qmv's stand-in calls qmm itself
+
+
+def test_the_stored_choice_is_what_the_runtime_reads(tmp_path, monkeypatch):
+    url = f"sqlite:///{tmp_path}/tuned.db"
+    monkeypatch.setenv("KILNX_DB", url)
+    dispatch.reset()
+    args = qmatmul_rows.make_args(PROBLEM, "cpu")
+    assert qmatmul_rows.limit_for(*args) == Q.QMV_MAX_ROWS          # nothing tuned: the default
+    with TuningDB(url) as db:
+        db.record_result(kernel=qmatmul_rows.name, source_hash=qmatmul_rows.source_hash, device=cpu_info(),
+                         bucket=qmatmul_rows.key(*args), config={"QMV_MAX_ROWS": 16}, time_s=1e-5)
+    dispatch.reset()
+    assert qmatmul_rows.limit_for(*args) == 16
+    # a choice recorded for other kernel sources is stale and not served
+    with TuningDB(url) as db:
+        db.record_result(kernel=qmatmul_rows.name, source_hash="0" * 64, device=cpu_info(),
+                         bucket="N=8,K=64,bits=4,gs=64", config={"QMV_MAX_ROWS": 0}, time_s=1e-6)
+    dispatch.reset()
+    assert qmatmul_rows.limit_for(*args) == 16
+    dispatch.reset()
+
+
+def test_the_route_is_tunable_by_name_for_a_model():
+    from kilnx.kernels import registry
+    assert registry.get("qmatmul_rows_crossover") is qmatmul_rows
+    routes = [p for name, p in registry.problems_for_model("llama-3.2-1b") if name == "qmatmul_rows_crossover"]
+    assert {"N": 2048, "K": 8192, "bits": 4, "gs": 64} in routes
+
+
+def test_a_tune_records_a_choice(tmp_path):
+    from kilnx.tuner.budget import Budget
+    from kilnx.tuner.session import TargetSpec, tune_session
+    from kilnx.tuner.study import TuneSettings
+    url = f"sqlite:///{tmp_path}/tune.db"
+    with TuningDB(url) as db:
+        results = tune_session(cpu_info(), [TargetSpec("tests.kernels.test_routing:short_route", PROBLEM)], db,
+                               Budget(120, 1), TuneSettings(trials=2, trial_timeout_s=60, rerank_rounds=1),
+                               workers=1)
+        stored = db.valid_results(cpu_info())
+    assert not results[0].error, results[0].error
+    assert [(r.kernel, r.bucket) for r in stored] == [("qmatmul_rows_crossover", "N=24,K=128,bits=4,gs=64")]
+    assert stored[0].config["QMV_MAX_ROWS"] in (0, 1, 2, 4, 8, 16)

@@ -57,10 +57,14 @@ def _fmt(v):
 
 
 def _commit() -> str:
+    # the device machine's copy of the tree keeps the git metadata of an older checkout: the commit
+    # the driver script names (KILNX_COMMIT) wins over `git rev-parse`
+    if os.environ.get("KILNX_COMMIT", "unknown") != "unknown":
+        return os.environ["KILNX_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except Exception:  # noqa: BLE001 - the device copy may have no git metadata
-        return os.environ.get("KILNX_COMMIT", "unknown")
+    except Exception:  # noqa: BLE001 - a copy without git metadata
+        return "unknown"
 
 
 def time_calls(fn, arg_sets, reps: int = 20) -> float:

@@ -333,8 +333,11 @@ def qmatmul(x: torch.Tensor, w) -> torch.Tensor:
         if w.dim() != 2 or w.shape[1] != k:
             raise ValueError(f"qmatmul: weight shape {tuple(w.shape)} does not match x's last dim {k}")
         return mm(x2, w).reshape(*lead, w.shape[0])
+    if w.mode in ("mxfp4", "nvfp4"):
+        from kilnx.kernels.qmatmul_fp4 import fp4_qmatmul
+        return fp4_qmatmul(x, w)
     if w.mode != "affine":
-        raise NotImplementedError(f"qmatmul has no kernel for mode {w.mode!r} yet (affine only); "
+        raise NotImplementedError(f"qmatmul has no kernel for mode {w.mode!r} yet (affine, mxfp4, nvfp4); "
                                   "use w.dequantize() for a dense weight")
     if w.shape[-1] != k or len(w.shape) != 2:
         raise ValueError(f"qmatmul: weight {w.shape} does not match x's last dim {k}")

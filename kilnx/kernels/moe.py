@@ -3,14 +3,18 @@
 Every (token, slot) pair i = t * top_k + k multiplies a row of x by the weight of expert
 expert_ids[t, k]. Two layouts of that work:
 
-- Grouped GEMM (`gather_qmm*`, any number of tokens): `moe_align` groups the slots by expert into
+- Grouped GEMM (`gather_qmm*`, any number of tokens): the align step groups the slots by expert into
   blocks of BLOCK_M rows of one expert. A program takes one such block and BLOCK_N output columns,
   dequantizes the expert's weight tile in registers (whole packed words along K expanded by a
   broadcast shift, scale and bias per group, as qmm does) and multiplies with kd.dot. Blocks past the
   last expert's run do no K iterations at all.
-- Per-slot GEMV (`gather_qmv*`, decode): one program per (slot, BLOCK_N rows), the packed words
-  loaded whole along K, the codes of each word position unrolled, scale and bias applied once per
-  group to partial sums (as qmv does). No align step, no padding.
+- Per-slot GEMV (`gather_qmv*`, decode): one program per (token, BLOCK_N output rows) holding all of
+  the token's top_k slots: tile row r is (slot r // BLOCK_N, row r % BLOCK_N), so every slot's expert
+  weights stream in the same pass (no serial loop over slots) and a per-token x is loaded once for
+  all of them. Packed words are loaded whole along K, the codes of each word position unrolled, scale
+  and bias applied once per group to partial sums (as qmv does). No align step, no padding. (H200,
+  qwen3-30b-a3b at one token: a program per slot, and a serial loop over the slots in the combine,
+  took 15 + 18 us.)
 
 Epilogues, each its own kernel so that the tuner can time and key them apart:
   *_glu      SwiGLU / GeGLU on a [gate | up] weight (N = 2F): act(x W_gate^T) * (x W_up^T), (.., F).
@@ -108,38 +112,42 @@ def _gather_gemm(x, wq, scales, biases, sorted_ids, block_expert, routing, *, ac
     return out
 
 
-def _gemv_partial_sums(x, x_row, wq, scales, biases, expert, row_tiles, BITS, GROUP, BLOCK_KW, MAGIC, check):
-    """[sum_k W[expert][rows, k] * x[x_row, k] for rows in row_tiles], fp32 (BLOCK_N,) tiles. All row
-    tiles share one pass over x. sum_k w_k x_k = sum_g s_g sum_{k in g} q_k x_k + b_g sum_{k in g} x_k.
-    `check`: bounds checks on the (row, K) dims; x_row and the expert exist."""
+def _slot_rows_dot(x, x_row, wq, scales, biases, expert, row_tiles, valid, BITS, GROUP, BLOCK_KW, MAGIC, check):
+    """For each tile row r and each tile of weight rows: sum_k W[expert[r]][rows[r], k] * x[x_row[r], k],
+    fp32 (R,) tiles, over rows where `valid`. One pass over K serves every row tile; code j of every
+    packed word is consumed as soon as x's plane j arrives, so few tiles are live at once.
+    sum_k w_k x_k = sum_g s_g sum_{k in g} q_k x_k + b_g sum_{k in g} x_k (scale, bias once per group).
+    `check`: bounds checks on the (row, K) dims; experts and x rows of valid rows exist."""
     PER = 32 // BITS
     WPG = GROUP // PER               # words per group
     G = max(BLOCK_KW // WPG, 1)      # whole groups per chunk
     CHUNK = G * WPG
     MASK = (1 << BITS) - 1
-    BN = row_tiles[0].shape[0]
+    R = row_tiles[0].shape[0]
     chk = (False, *check)
-    accs = [kd.zeros((BN,), kd.f32) for _ in row_tiles]
+    live = valid[:, None]
+    accs = [kd.zeros((R,), kd.f32) for _ in row_tiles]
     for w0 in kd.range(0, wq.shape[2], CHUNK):
-        # x as (BLOCK_N, CHUNK) tiles (rows repeat the same addresses): they arrive in the packed
-        # words' register layout, where a 1-d tile would be re-laid out for every code position
-        word = w0 + kd.arange(0, CHUNK)[None, :] + kd.arange(0, BN)[:, None] * 0
-        xs = [kd.load(x, x_row, word * PER + j, check=(False, check[1])).f32() for j in kd.static_range(PER)]
-        x_all = xs[0]
-        for xv in xs[1:]:
-            x_all = x_all + xv
-        x_group = kd.reshape(kd.sum(kd.reshape(x_all, (BN * G, WPG)), axis=1), (BN, G))
+        word = w0 + kd.arange(0, CHUNK)[None, :] + kd.full((R, 1), 0, kd.i32)
+        words = [kd.load(wq, expert[:, None], rows[:, None], word, mask=live, hint="stream", check=chk)
+                 for rows in row_tiles]
+        qx = [None] * len(row_tiles)
+        x_all = None
+        for j in kd.static_range(PER):
+            # x as an (R, CHUNK) tile: it arrives in the packed words' register layout (a 1-d tile
+            # would be re-laid out for every code position); rows of one token share addresses
+            xj = kd.load(x, x_row, word * PER + j, mask=live, check=(False, check[1])).f32()
+            x_all = xj if x_all is None else x_all + xj
+            for t in range(len(row_tiles)):
+                term = _code_f32((words[t] >> (j * BITS)) & MASK, MAGIC) * xj
+                qx[t] = term if qx[t] is None else qx[t] + term
+        x_group = kd.reshape(kd.sum(kd.reshape(x_all, (R * G, WPG)), axis=1), (R, G))
         group = (w0 // WPG + kd.arange(0, G))[None, :]
-        for acc, rows in zip(accs, row_tiles):
-            words = kd.load(wq, expert, rows[:, None], word, hint="stream", check=chk)
-            qx = None
-            for j in kd.static_range(PER):
-                term = _code_f32((words >> (j * BITS)) & MASK, MAGIC) * xs[j]
-                qx = term if qx is None else qx + term
-            qx_group = kd.reshape(kd.sum(kd.reshape(qx, (BN * G, WPG)), axis=1), (BN, G))
-            s = kd.load(scales, expert, rows[:, None], group, check=chk).f32()
-            b = kd.load(biases, expert, rows[:, None], group, check=chk).f32()
-            acc += kd.sum(qx_group * s + b * x_group, axis=1)
+        for acc, rows, q in zip(accs, row_tiles, qx):
+            s = kd.load(scales, expert[:, None], rows[:, None], group, mask=live, check=chk).f32()
+            b = kd.load(biases, expert[:, None], rows[:, None], group, mask=live, check=chk).f32()
+            q_group = kd.reshape(kd.sum(kd.reshape(q, (R * G, WPG)), axis=1), (R, G))
+            acc += kd.sum(q_group * s + b * x_group, axis=1)
     return accs
 
 
@@ -149,22 +157,33 @@ def _gemv_checks(DIVS, BITS, GROUP, BLOCK_N, BLOCK_KW):
     return DIVS[0] % BLOCK_N != 0, (DIVS[1] * BITS // 32) % (max(BLOCK_KW // WPG, 1) * WPG) != 0
 
 
-def _gather_gemv(x, wq, scales, biases, expert_ids, *, act, BITS, GROUP, X_BY_TOKEN, DIVS, BLOCK_N, BLOCK_KW,
-                 MAGIC):
+def _gather_gemv(x, wq, scales, biases, expert_ids, routing_weights, *, act, BITS, GROUP, X_BY_TOKEN, DIVS, SLOTS,
+                 BLOCK_N, BLOCK_KW, MAGIC):
+    """A program: one token, BLOCK_N output rows, all its top_k slots at once. Tile row r is slot
+    r // BLOCK_N and output row r % BLOCK_N: every slot's expert is read in the same pass (no serial
+    loop over slots), and when x is per token all rows share its loads."""
     T, TOP_K = expert_ids.shape
-    numel = T * TOP_K
     n_out = wq.shape[1] // 2 if act else wq.shape[1]
     check = _gemv_checks(DIVS, BITS, GROUP, BLOCK_N, BLOCK_KW)
-    slot, pid_n = kd.grid(numel, kd.cdiv(n_out, BLOCK_N))
-    token = slot // TOP_K
-    expert = kd.load(expert_ids, token, slot % TOP_K)
-    rows = pid_n * BLOCK_N + kd.arange(0, BLOCK_N)
-    tiles = [rows, rows + n_out] if act else [rows]
-    accs = _gemv_partial_sums(x, token if X_BY_TOKEN else slot, wq, scales, biases, expert, tiles,
-                              BITS, GROUP, BLOCK_KW, MAGIC, check)
+    token, pid_n = kd.grid(T, kd.cdiv(n_out, BLOCK_N))
+    r = kd.arange(0, SLOTS * BLOCK_N)
+    k = r // BLOCK_N
+    n = pid_n * BLOCK_N + r % BLOCK_N
+    valid = k < TOP_K
+    expert = kd.load(expert_ids, token, k)
+    x_row = token if X_BY_TOKEN else (token * TOP_K + k)[:, None]
+    tiles = [n, n + n_out] if act else [n]
+    accs = _slot_rows_dot(x, x_row, wq, scales, biases, expert, tiles, valid, BITS, GROUP, BLOCK_KW, MAGIC, check)
     y = ACTIVATIONS[act](accs[0]) * accs[1] if act else accs[0]
-    out = kd.output((numel, n_out), x.dtype)
-    kd.store(out, slot, rows, y, check=(False, check[0]))
+    if routing_weights is None:
+        out = kd.output((T * TOP_K, n_out), x.dtype)
+        kd.store(out, token * TOP_K + k, n, y, mask=valid, check=(False, check[0]))
+    else:
+        # weighted, then summed over the slots: rows (slot, n) -> (n,)
+        y = y * kd.load(routing_weights, token, k).f32()
+        out = kd.output((T, n_out), x.dtype)
+        kd.store(out, token, pid_n * BLOCK_N + kd.arange(0, BLOCK_N), kd.sum(kd.reshape(y, (SLOTS, BLOCK_N)), axis=0),
+                 check=(False, check[0]))
     return out
 
 
@@ -191,25 +210,30 @@ def _gemm_specialize(x, wq, scales, biases, sorted_ids, block_expert, routing):
 
 
 def _gemv_specialize(x, wq, scales, biases, expert_ids, routing_weights=None):
-    return {**_format(x, wq, scales), "X_BY_TOKEN": x.shape[0] != expert_ids.numel(), "DIVS": _divs(x, wq)}
+    return {**_format(x, wq, scales), "X_BY_TOKEN": x.shape[0] != expert_ids.numel(), "DIVS": _divs(x, wq),
+            "SLOTS": _next_pow2(expert_ids.shape[1])}
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def _gemm_default(x, wq, scales, biases, sorted_ids, block_expert, routing, *, BLOCK_M, **_):
     return {"BLOCK_N": 128 if BLOCK_M >= 64 else 64, "BLOCK_K": 64, "num_warps": 8 if BLOCK_M >= 64 else 4}
 
 
-def _gemv_default(x, wq, scales, biases, expert_ids, *rest, **_):
-    # a short row (the down projection's K = F is often < 1024) is one chunk; on the CPU backends a
-    # program costs far more than its arithmetic: fewer, wider ones
-    return {"BLOCK_KW": min(max(1 << max(wq.shape[2] - 1, 0).bit_length(), 8), 128),
-            **({} if x.is_cuda else {"BLOCK_N": 32})}
+def _gemv_default(x, wq, scales, biases, expert_ids, *rest, SLOTS, **_):
+    # about 8 rows x 128 words per program, as qmv's measured default (a program's rows are its
+    # token's SLOTS slots times BLOCK_N); a short row (the down projection's K = F is often < 1024)
+    # is one chunk. On the CPU backends a program costs far more than its arithmetic: wider ones.
+    return {"BLOCK_KW": min(max(_next_pow2(wq.shape[2]), 8), 128),
+            "BLOCK_N": max(8 // SLOTS, 1) if x.is_cuda else 16}
 
 
 GEMM_TUNE = {"BLOCK_N": kd.pow2(16, 256, default=64), "BLOCK_K": kd.pow2(32, 256, default=64),
              "MAGIC": kd.boolean(default=True),
              "num_warps": kd.choice(2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=3)}
-# GEMV defaults as qmv's, measured on the H200 (8 rows x 128 words per program)
-GEMV_TUNE = {"BLOCK_N": kd.pow2(1, 64, default=8), "BLOCK_KW": kd.pow2(8, 512, default=128),
+GEMV_TUNE = {"BLOCK_N": kd.pow2(1, 64, default=1), "BLOCK_KW": kd.pow2(8, 512, default=128),
              "MAGIC": kd.boolean(default=True),
              "num_warps": kd.choice(1, 2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=3)}
 
@@ -270,42 +294,32 @@ def gather_qmm_combine(x, wq, scales, biases, sorted_ids, block_expert, routing_
 
 @kd.kernel(**_hooks(gemm=False))
 def gather_qmv(x, wq, scales, biases, expert_ids, *, BITS: kd.constexpr, GROUP: kd.constexpr,
-               X_BY_TOKEN: kd.constexpr, DIVS: kd.constexpr, BLOCK_N, BLOCK_KW, MAGIC):
-    """(T * top_k, N): slot i = x[row of i] @ W[expert_ids.flat[i]]^T, one GEMV per slot."""
-    return _gather_gemv(x, wq, scales, biases, expert_ids, act=None, BITS=BITS, GROUP=GROUP,
-                        X_BY_TOKEN=X_BY_TOKEN, DIVS=DIVS, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW, MAGIC=MAGIC)
+               X_BY_TOKEN: kd.constexpr, DIVS: kd.constexpr, SLOTS: kd.constexpr, BLOCK_N, BLOCK_KW, MAGIC):
+    """(T * top_k, N): slot i = x[row of i] @ W[expert_ids.flat[i]]^T, a GEMV per slot."""
+    return _gather_gemv(x, wq, scales, biases, expert_ids, None, act=None, BITS=BITS, GROUP=GROUP,
+                        X_BY_TOKEN=X_BY_TOKEN, DIVS=DIVS, SLOTS=SLOTS, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW,
+                        MAGIC=MAGIC)
 
 
 @kd.kernel(**_hooks(gemm=False, glu=True))
 def gather_qmv_glu(x, wq, scales, biases, expert_ids, *, BITS: kd.constexpr, GROUP: kd.constexpr,
-                   X_BY_TOKEN: kd.constexpr, ACT: kd.constexpr = "silu", DIVS: kd.constexpr, BLOCK_N, BLOCK_KW,
-                   MAGIC):
+                   X_BY_TOKEN: kd.constexpr, ACT: kd.constexpr = "silu", DIVS: kd.constexpr, SLOTS: kd.constexpr,
+                   BLOCK_N, BLOCK_KW, MAGIC):
     """(T * top_k, N / 2): act(gate) * up per slot, one pass over x for both halves."""
-    return _gather_gemv(x, wq, scales, biases, expert_ids, act=ACT, BITS=BITS, GROUP=GROUP,
-                        X_BY_TOKEN=X_BY_TOKEN, DIVS=DIVS, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW, MAGIC=MAGIC)
+    return _gather_gemv(x, wq, scales, biases, expert_ids, None, act=ACT, BITS=BITS, GROUP=GROUP,
+                        X_BY_TOKEN=X_BY_TOKEN, DIVS=DIVS, SLOTS=SLOTS, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW,
+                        MAGIC=MAGIC)
 
 
 @kd.kernel(**_hooks(gemm=False, combine=True))
 def gather_qmv_combine(x, wq, scales, biases, expert_ids, routing_weights, *, BITS: kd.constexpr,
-                       GROUP: kd.constexpr, X_BY_TOKEN: kd.constexpr, DIVS: kd.constexpr, BLOCK_N, BLOCK_KW,
-                       MAGIC):
-    """(T, N) in x.dtype = sum_k routing_weights[t, k] * (x[row of (t, k)] @ W[expert_ids[t, k]]^T).
-    A program owns BLOCK_N outputs of one token and loops over its slots: no atomics."""
-    T, TOP_K = expert_ids.shape
-    N = wq.shape[1]
-    check = _gemv_checks(DIVS, BITS, GROUP, BLOCK_N, BLOCK_KW)
-    token, pid_n = kd.grid(T, kd.cdiv(N, BLOCK_N))
-    rows = pid_n * BLOCK_N + kd.arange(0, BLOCK_N)
-    total = kd.zeros((BLOCK_N,), kd.f32)
-    for k in kd.range(0, TOP_K):
-        expert = kd.load(expert_ids, token, k)
-        weight = kd.load(routing_weights, token, k).f32()
-        (part,) = _gemv_partial_sums(x, token if X_BY_TOKEN else token * TOP_K + k, wq, scales, biases,
-                                     expert, [rows], BITS, GROUP, BLOCK_KW, MAGIC, check)
-        total += weight * part
-    out = kd.output((T, N), x.dtype)
-    kd.store(out, token, rows, total, check=(False, check[0]))
-    return out
+                       GROUP: kd.constexpr, X_BY_TOKEN: kd.constexpr, DIVS: kd.constexpr, SLOTS: kd.constexpr,
+                       BLOCK_N, BLOCK_KW, MAGIC):
+    """(T, N) in x.dtype = sum_k routing_weights[t, k] * (x[row of (t, k)] @ W[expert_ids[t, k]]^T),
+    summed inside the program (no atomics)."""
+    return _gather_gemv(x, wq, scales, biases, expert_ids, routing_weights, act=None, BITS=BITS, GROUP=GROUP,
+                        X_BY_TOKEN=X_BY_TOKEN, DIVS=DIVS, SLOTS=SLOTS, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW,
+                        MAGIC=MAGIC)
 
 
 def _hash_with_helpers(kernel, *helpers):
@@ -318,9 +332,8 @@ def _hash_with_helpers(kernel, *helpers):
 
 for _k in (gather_qmm, gather_qmm_glu, gather_qmm_combine):
     _hash_with_helpers(_k, _gather_gemm, _dequantized_tile_t, _code_f32)
-for _k in (gather_qmv, gather_qmv_glu):
-    _hash_with_helpers(_k, _gather_gemv, _gemv_partial_sums, _gemv_checks, _code_f32)
-_hash_with_helpers(gather_qmv_combine, _gemv_partial_sums, _gemv_checks, _code_f32)
+for _k in (gather_qmv, gather_qmv_glu, gather_qmv_combine):
+    _hash_with_helpers(_k, _gather_gemv, _slot_rows_dot, _gemv_checks, _code_f32)
 
 
 # ---- public ops -----------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from kilnx.kernels.moe_align import align_block_m, align_buffers, align_formula
+from kilnx.kernels.moe_align import (align_block_m, align_buffers, align_chunk, align_formula,
+                                     chunk_counts_formula)
 
 TORCH_ACTIVATIONS = {"silu": torch.nn.functional.silu,
                      "gelu_tanh": lambda g: torch.nn.functional.gelu(g, approximate="tanh")}
@@ -100,7 +101,8 @@ def moe_problems(E: int, top_k: int, hidden: int, width: int, *, bits: int = 4, 
     out.append(("gather_qmv", {**gate_up, "T": decode[0]}))
     for T in prefill:
         bm = align_block_m(T * top_k, E)
-        out += [("moe_align", {"T": T, "top_k": top_k, "E": E, "BM": bm}),
+        out += [("moe_align_count", {"T": T, "top_k": top_k, "E": E}),
+                ("moe_align_scatter", {"T": T, "top_k": top_k, "E": E, "BM": bm}),
                 ("gather_qmm_glu", {**gate_up, "T": T, "BM": bm}),
                 ("gather_qmm_combine", {**down, "T": T, "BM": bm})]
     out.append(("gather_qmm", {**gate_up, "T": prefill[-1], "BM": align_block_m(prefill[-1] * top_k, E)}))
@@ -143,18 +145,25 @@ def make_args_for(gemm: bool, weighted: bool):
     return make
 
 
-def make_align_args(problem: dict, device: str):
-    """{T, top_k, E, BM} -> (expert_ids, the empty buffers moe_align fills)."""
-    ids = routed_experts(problem["T"], problem["top_k"], problem["E"]).to(device)
-    return (ids, *align_buffers(ids, problem["E"], problem["BM"]))
+def make_align_args(scatter: bool):
+    """{T, top_k, E, [BM]} -> (expert_ids, chunk counts) for moe_align_count (the counts empty), and
+    for moe_align_scatter the counts filled plus the empty buffers it fills."""
+    def make(problem: dict, device: str):
+        ids = routed_experts(problem["T"], problem["top_k"], problem["E"])
+        counts = chunk_counts_formula(ids, problem["E"], align_chunk(ids.numel()))
+        if not scatter:
+            return ids.to(device), torch.empty_like(counts).to(device)
+        return (ids.to(device), counts.to(device), *align_buffers(ids.to(device), problem["E"], problem["BM"]))
+    return make
 
 
-# Where the tuner starts (besides the default). Decode: the GLU kernel has numel x N/2 / BLOCK_N programs
-# and reuses x across its rows, so many rows per program; the combine kernel has only T x N / BLOCK_N
-# programs, so few rows per program keep 132 SMs busy. Prefill: the usual tensor-core tiles.
+# Where the tuner starts (besides the default). Decode: a program holds a token's top_k slots times
+# BLOCK_N rows (top-8: 8 to 64 rows), and a tile is rows x BLOCK_KW words: about 1-2k words keeps
+# the registers in check. Prefill: the usual tensor-core tiles.
 GEMV_SEEDS = {
-    "glu": [(8, 128, 4, 3), (16, 128, 4, 3), (32, 128, 4, 3), (16, 64, 2, 3), (32, 64, 4, 3), (4, 256, 4, 3)],
-    "combine": [(4, 128, 4, 3), (8, 128, 4, 3), (2, 128, 2, 3), (16, 128, 4, 3), (8, 64, 2, 3), (1, 128, 1, 3)]}
+    "glu": [(1, 128, 4, 3), (2, 128, 4, 3), (1, 256, 4, 3), (2, 64, 4, 3), (4, 64, 4, 3), (4, 32, 2, 3),
+            (8, 32, 4, 3)],
+    "combine": [(1, 128, 4, 3), (2, 64, 4, 3), (4, 32, 4, 3), (1, 64, 2, 3), (2, 128, 4, 3), (8, 16, 4, 3)]}
 GEMM_SEEDS = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3), (128, 128, 8, 3), (32, 64, 4, 4), (64, 64, 8, 4)]
 
 
@@ -171,7 +180,7 @@ def gemm_seeds() -> list[dict]:
 def register_tuning():
     """Declare the tuner's inputs and the qwen3-30b-a3b problems on every MoE kernel."""
     from kilnx.kernels import moe
-    from kilnx.kernels.moe_align import moe_align
+    from kilnx.kernels.moe_align import moe_align_count, moe_align_scatter
     problems: dict[str, list[dict]] = {}
     for name, problem in moe_problems(**QWEN3_30B_A3B):
         problems.setdefault(name, []).append(problem)
@@ -183,4 +192,5 @@ def register_tuning():
         kernel.tolerance = (lambda g: lambda args: gather_tolerance(args, glu=g))(glu)
         seeds = gemm_seeds() if gemm else gemv_seeds("combine" if weighted else "glu")
         kernel.seed_configs = (lambda cs: lambda problem: [dict(c) for c in cs])(seeds)
-    moe_align.tuning(make_args=make_align_args, problems=problems["moe_align"])
+    moe_align_count.tuning(make_args=make_align_args(False), problems=problems["moe_align_count"])
+    moe_align_scatter.tuning(make_args=make_align_args(True), problems=problems["moe_align_scatter"])

@@ -15,14 +15,17 @@ CASES = """
 import torch
 from kilnx.codegen.aot import compile_for_target
 from kilnx.kernels import moe as M
-from kilnx.kernels.moe_align import align_buffers, align_formula, moe_align
+from kilnx.kernels.moe_align import (align_buffers, align_formula, chunk_counts_formula, moe_align_count,
+                                     moe_align_scatter)
 from kilnx.kernels.moe_specs import random_expert_weights
 T, k, E, H, F = 5, 2, 4, 256, 128
 x, h = torch.randn(T, H).bfloat16(), torch.randn(T * k, F).bfloat16()
 ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
 rw = torch.softmax(torch.randn(T, k), -1).bfloat16()
 sorted_ids, block_expert, _ = align_formula(ids, E, 16)
-compile_for_target(moe_align.kernel, (ids, *align_buffers(ids, E, 16)), {})
+counts = chunk_counts_formula(ids, E, 64)
+compile_for_target(moe_align_count.kernel, (ids, counts), {})
+compile_for_target(moe_align_scatter.kernel, (ids, counts, *align_buffers(ids, E, 16)), {})
 for bits in (2, 4, 8):
     gu, dn = random_expert_weights(E, 2 * F, H, bits, 64), random_expert_weights(E, H, F, bits, 64)
     cases = [(M.gather_qmm_glu, (x, *gu, sorted_ids, block_expert, ids)),

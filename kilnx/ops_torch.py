@@ -112,6 +112,41 @@ def qmatmul(x: torch.Tensor, w) -> torch.Tensor:
     return F.linear(x, dense_weight(w, x.dtype))
 
 
+def _expert_rows(xs: torch.Tensor, w, flat_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Row i of the result = xs[rows[i]] @ W[flat_ids[i]].T, one GEMM per expert used (eager: the
+    loop reads the routing on the host)."""
+    dt = torch.float32 if xs.dtype != torch.float32 and xs.device.type == "cpu" else xs.dtype
+    W = dense_weight(w, dt)
+    out = torch.empty(flat_ids.numel(), W.shape[1], dtype=dt, device=xs.device)
+    for e in flat_ids.unique().tolist():
+        sel = (flat_ids == e).nonzero().flatten()
+        out[sel] = F.linear(xs[rows[sel]].to(dt), W[e])
+    return out.to(xs.dtype)
+
+
+def gather_qmatmul(x: torch.Tensor, w, expert_ids: torch.Tensor) -> torch.Tensor:
+    """x (..., K), w an expert stack (E, N, K), expert_ids (..., top_k) -> (..., top_k, N):
+    out[..., k, :] = x[...] @ w[expert_ids[..., k]].T."""
+    top_k = expert_ids.shape[-1]
+    flat = expert_ids.reshape(-1)
+    y = _expert_rows(x.reshape(-1, x.shape[-1]), w, flat, torch.arange(flat.numel(), device=x.device) // top_k)
+    return y.reshape(*expert_ids.shape, -1)
+
+
+def moe(x: torch.Tensor, w_gate_up, w_down, expert_ids: torch.Tensor, routing_weights: torch.Tensor,
+        activation: str = "silu") -> torch.Tensor:
+    """sum_k routing_weights[.., k] * down_e(act(gate_e x) * up_e x) with e = expert_ids[.., k];
+    w_gate_up (E, 2F, H) laid out [gate | up], w_down (E, H, F). The activation product is rounded to
+    x.dtype before the down projection (as kilnx.ops.moe does); the weighted sum is in fp32."""
+    gate, up = gather_qmatmul(x, w_gate_up, expert_ids).float().chunk(2, dim=-1)
+    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    h = (act * up).to(x.dtype).reshape(-1, gate.shape[-1])
+    flat = expert_ids.reshape(-1)
+    y = _expert_rows(h, w_down, flat, torch.arange(flat.numel(), device=x.device))
+    y = y.float().reshape(*expert_ids.shape, -1) * routing_weights.float()[..., None]
+    return y.sum(-2).to(x.dtype)
+
+
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
               scale: float, *, softcap: float | None = None, window: int | None = None) -> torch.Tensor:
     """Causal attention of new queries over a KV cache.

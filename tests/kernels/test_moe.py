@@ -222,6 +222,19 @@ def test_moe_equals_the_composition(T, dtype, act):
     close(y, want, H + F, rel=1e-4 if dtype == torch.float32 else 4e-3)
 
 
+def test_torch_peer_ops_equal_the_composition():
+    """kilnx.ops_torch's gather_qmatmul and moe (the eager peer models fall back to) mean the same."""
+    from kilnx import ops_torch
+    E, k, H, F, T = 6, 2, 64, 64, 9
+    mw, gu = experts(E, 2 * F, H, 4, 32, seed=11)
+    _, dn = experts(E, H, F, 8, 64, seed=12)
+    ids, rw = routing(T, k, E, seed=4)
+    x = torch.randn(T, H)
+    close(ops_torch.gather_qmatmul(x, gu, ids).reshape(T * k, -1), mlx_gather(x, mw, ids, 4, 32), H)
+    close(ops_torch.moe(x, gu, dn, ids, rw, activation="gelu_tanh"), moe_formula(x, gu, dn, ids, rw, "gelu_tanh"),
+          H + F)
+
+
 def test_moe_paths_agree_at_the_crossover():
     """The decode path and the align + grouped GEMM path compute the same thing."""
     E, k, H, F = 5, 3, 64, 32

@@ -18,7 +18,7 @@ import torch
 
 from kilnx.dsl import lang
 from kilnx.dsl.ir import DSLError, dsl_error, dtype_of
-from kilnx.dsl.kernel import KernelBase, _call_capturing_locals, _name_nodes
+from kilnx.dsl.kernel import traced_source, KernelBase, _call_capturing_locals, _name_nodes
 from kilnx.dsl.tunables import Space, choice, pow2
 
 NEUTRAL = {"sum": 0.0, "max": float("-inf"), "min": float("inf"), "argmax": float("-inf")}
@@ -111,7 +111,7 @@ class FusionKernel(KernelBase):
     def __init__(self, fn):
         space = Space({"ROWS": pow2(1, 64, default=1), "BLOCK_D": pow2(64, 16384, default=1024),
                        "num_warps": choice(1, 2, 4, 8, 16, default=4)})
-        super().__init__(fn.__name__, space, _fusion_key, None, None, inspect.getsource(fn))
+        super().__init__(fn.__name__, space, _fusion_key, None, None, traced_source(fn))
         self.fn = fn
         sig = inspect.signature(fn)
         self.positional = [p.name for p in sig.parameters.values()

@@ -57,6 +57,38 @@ def format_key(d: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in d.items())
 
 
+def _names_used(code) -> set[str]:
+    names = set(code.co_names)
+    for c in code.co_consts:   # comprehensions and nested functions are code objects of their own
+        if inspect.iscode(c):
+            names |= _names_used(c)
+    return names
+
+
+def traced_source(fn) -> str:
+    """The source of `fn` and of every helper function it calls from its own module or the kernel
+    library, recursively. Tuned configs are keyed by this text's hash: a change in a helper that a
+    kernel traces (e.g. how codes are decoded) must make its stored configs stale."""
+    own = fn.__module__
+    seen: set = set()
+    parts: list[str] = []
+
+    def visit(f):
+        if f in seen:
+            return
+        seen.add(f)
+        parts.append(inspect.getsource(f))
+        for name in sorted(_names_used(f.__code__)):
+            obj = f.__globals__.get(name)
+            if inspect.isfunction(obj) and (obj.__module__ == own or obj.__module__.startswith("kilnx.kernels")):
+                try:
+                    visit(obj)
+                except (OSError, TypeError):   # no source to read (e.g. made by exec): nothing to add
+                    pass
+    visit(fn)
+    return "\n".join(parts)
+
+
 class KernelBase:
     """What tile kernels and fusions share: tunables, keys, dispatch, the compiled-spec cache."""
 
@@ -166,7 +198,7 @@ class KernelBase:
 
 class TileKernel(KernelBase):
     def __init__(self, fn, space: Space, key_fn, default_fn, spec_fn, specialize=None):
-        super().__init__(fn.__name__, space, key_fn, default_fn, spec_fn, inspect.getsource(fn), specialize)
+        super().__init__(fn.__name__, space, key_fn, default_fn, spec_fn, traced_source(fn), specialize)
         self.fn = fn
         self.sig = inspect.signature(fn)
         self.positional = [p.name for p in self.sig.parameters.values()

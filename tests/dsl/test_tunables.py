@@ -162,3 +162,38 @@ def test_kernel_spaces_validate_configs_passed_to_compile():
     assert torch.equal(copy(x, backend="reference", config={"B": 16}), x)
     with pytest.raises(SpaceError, match="B=24 is not one of"):
         copy(x, backend="reference", config={"B": 24})
+
+
+KERNEL_WITH_HELPER = """
+import kilnx.dsl as kd
+
+
+def decode(v):
+    return v * {factor}
+
+
+@kd.kernel(tune={{"BLOCK": kd.choice(16)}})
+def scaled(x, *, BLOCK):
+    r = kd.arange(0, BLOCK)
+    out = kd.output((16,), kd.f32)
+    kd.store(out, r, [decode(v) for v in [kd.load(x, r).f32()]][0])
+    return out
+"""
+
+
+def _kernel_from(tmp_path, name, factor):
+    import importlib.util
+    path = tmp_path / f"{name}.py"
+    path.write_text(KERNEL_WITH_HELPER.format(factor=factor))
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.scaled
+
+
+def test_a_change_in_a_traced_helper_changes_the_source_hash(tmp_path):
+    """Tuned configs are keyed by the source hash: editing a helper the kernel calls (here from inside
+    a comprehension) must make them stale, although the kernel's own text is the same."""
+    a, b, a2 = (_kernel_from(tmp_path, n, f) for n, f in (("mod_a", 2.0), ("mod_b", 3.0), ("mod_a2", 2.0)))
+    assert a.source_hash != b.source_hash
+    assert a.source_hash == a2.source_hash

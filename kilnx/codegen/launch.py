@@ -228,6 +228,12 @@ def numba_threads() -> int:
     return _numba().get_num_threads()
 
 
+def numba_threads_set(n: int) -> None:
+    """Threads the CPU kernels split their programs over (at most numba's NUMBA_NUM_THREADS)."""
+    numba = _numba()
+    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+
+
 @functools.lru_cache(maxsize=None)
 def _numba():
     """numba, configured for the generated kernels (before any of them compiles or launches).

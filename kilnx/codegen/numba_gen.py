@@ -21,6 +21,7 @@ import re
 
 from kilnx.dsl import opdefs
 from kilnx.dsl.ir import NUMPY_OF, KernelIR, Node, TensorParam
+from kilnx.codegen.numba_bounds import always_true, in_bounds, interval
 from kilnx.codegen.numba_plan import ALIAS, BUFFER, INLINED, STATEMENT, Plan
 from kilnx.codegen.source import Namer, const_literal, param_names, py_literal
 
@@ -28,6 +29,7 @@ NP = {d: f"np.{t.__name__}" for d, t in NUMPY_OF.items()}
 STORE_NP = {**NP, "f16": "np.uint16", "bf16": "np.uint16", "bool": "np.uint8"}
 # fp contraction (a*b+c as one fma) only: no reassociation, so sums keep the reference's order, and
 # no finite-math assumptions, since kernels mask with inf and propagate NaN like numpy.
+F32_CLOSED = {"add", "sub", "mul", "truediv", "neg", "abs", "maximum", "minimum"}
 STACK_BYTES = 256 << 10   # larger tile buffers go on the heap
 JIT_FLAGS = "cache=True, nogil=True, boundscheck=False, error_model='numpy', fastmath={'contract'}"
 
@@ -101,7 +103,9 @@ class _Gen:
         self.ir, self.fn = ir, fn
         self.plan = Plan(ir)
         self.tensors = {p.name: p for p in ir.params + [o[0] for o in ir.outputs] if isinstance(p, TensorParam)}
-        reserved = set(param_names(ir)) | {f"{t}_mem" for t in self.tensors} | {
+        scalars = [p.name for p in ir.params if not isinstance(p, TensorParam)]
+        reserved = set(param_names(ir)) | {f"{t}_mem" for t in self.tensors} | {f"{s}_val" for s in scalars} | {
+            f"{t}_dim{d}" for t, p in self.tensors.items() for d in range(p.ndim)} | {
             "np", "njit", "prange", "range", "_rt", "_p", "_first", "_last", "_chunk", "_chunks", "_total",
             "pid0", "pid1", "pid2", "grid0", "grid1", "grid2", "math"}
         self.namer = Namer(ir, reserved)
@@ -110,6 +114,9 @@ class _Gen:
         self.temp_depth: dict[str, int] = {}
         self.nest: Nest | None = None
         self.accesses: list[tuple[str, str]] = []   # (buffer or tensor, index) read while building an expression
+        self.constants: dict[str, str] = {}   # "np.float32(2.0)" -> module-level name
+        self.assume: set = set()        # checks and masks taken as passing (the unmasked fast path)
+        self.candidates: dict = {}      # checks and masks met, with the test that they pass tile-wide
 
     # --- module -------------------------------------------------------------------------------------
     def module(self, header: str) -> str:
@@ -118,8 +125,12 @@ class _Gen:
         lines = ["import math", "import numpy as np", "from numba import njit, prange",
                  "from kilnx.codegen import numba_rt as _rt", ""]
         lines += [f"# {h}" for h in header.splitlines()]
+        # constants as typed module globals: numba freezes them, where a call would be typed per use
+        lines += [f"{name} = {value}" for value, name in self.constants.items()] + [""]
         lines += [f"@njit({JIT_FLAGS})", f"def {self.fn}_programs(_first, _last, grid0, grid1, {params}):"]
         lines += [f"    {t}_mem = _rt.ptr_{p.dtype}({t}_ptr)" for t, p in self.tensors.items()]
+        lines += [f"    {t}_dim{d} = np.int32({t}_shape{d})" for t, p in self.tensors.items() for d in range(p.ndim)]
+        lines += [f"    {p.name}_val = {NP[p.dtype]}({p.name})" for p in self.ir.params if not isinstance(p, TensorParam)]
         for name, (size, dtype) in self.buffers.items():
             nbytes = size * NUMPY_OF[dtype]().itemsize
             lines.append(f"    {name} = _rt.stack_{dtype}({size})" if nbytes <= STACK_BYTES
@@ -178,6 +189,42 @@ class _Gen:
 
     # --- statements ---------------------------------------------------------------------------------
     def stmts(self, n: Node) -> list[str]:
+        """A statement's lines; when its bounds checks and masks can be shown to pass for the whole
+        tile by one scalar test (numba_bounds), the nest is emitted twice: unmasked behind the test,
+        masked otherwise. Whole tiles are the common case and their loads become plain vector loads."""
+        self.assume, self.candidates = set(), {}
+        slow = self._stmts(n)
+        if not n.shape and n.op != "reduce":
+            return slow
+        conds = {k: c for k, c in self.candidates.items() if c is not None and c != "True"}
+        if not conds:
+            return slow
+        self.assume = set(conds)
+        fast = self._stmts(n)
+        self.assume = set()
+        test = " & ".join(f"({c})" for c in dict.fromkeys(conds.values()))
+        return [f"if {test}:"] + ["    " + x for x in fast] + ["else:"] + ["    " + x for x in slow]
+
+    def scalar_text(self, n: Node) -> str:
+        """A scalar node's value as an expression valid before any loop nest (no temps)."""
+        if n.op == "const":
+            return const_literal(n)
+        if n.op == "dim":
+            return f"np.int64({n.arg[0]}_shape{n.arg[1]})"
+        if n.op == "param":
+            return f"{NP[n.dtype]}({n.arg})"
+        if n.op == "program_id":
+            return f"np.int64(pid{n.arg})"
+        return self.name(n)
+
+    def candidate(self, key, condition: str | None) -> bool:
+        """Whether the check `key` is assumed to pass in this emission (else it is recorded)."""
+        if key in self.assume:
+            return True
+        self.candidates[key] = condition
+        return False
+
+    def _stmts(self, n: Node) -> list[str]:
         op = n.op
         if op in ("store", "atomic_add"):
             return self.store(n)
@@ -205,8 +252,23 @@ class _Gen:
         nest.pre[-1].append(f"{buf}[{_linear(idx, shape)}] = {self.to_buffer(buf, element(idx))}")
         return nest.lines()
 
+    def constant(self, literal: str, dtype: str) -> str:
+        value = f"{NP[dtype]}({literal})"
+        if value not in self.constants:
+            self.constants[value] = f"_K{len(self.constants)}"
+        return self.constants[value]
+
     def to_buffer(self, buf: str, e: str) -> str:
-        return f"np.uint8({e})" if self.buffers[buf][1] == "bool" else e
+        dtype = self.buffers[buf][1]
+        return f"np.uint8({e})" if dtype == "bool" else wrap(e, dtype)
+
+    def no_wrap(self, n: Node) -> bool:
+        """In the fast path, i32 index arithmetic whose tile-wide range fits in 32 bits stays in 64-bit
+        registers without re-truncation: the value is the same, and LLVM then sees consecutive
+        lanes as consecutive addresses (sext(trunc(i + c)) hides that; a GEMV ran 5x slower)."""
+        iv = interval(n, self.scalar_text)
+        return iv is not None and self.candidate(
+            ("nowrap", id(n)), f"({iv[0]} >= -2147483648) & ({iv[1]} <= 2147483647)")
 
     def loops_over(self, shape, extra=()):
         """Index expressions over a tile shape (size-1 dims get index 0 and no loop) and its Nest."""
@@ -275,7 +337,7 @@ class _Gen:
         target = self.name(n) if not n.shape else f"{self.buffer(n)}[{_linear(out_idx, n.shape)}]"
         outer, body = nest.pre[-2], nest.pre[-1]
         if kind == "sum":
-            outer.append(f"{acc} = {wrap('0', dt)}")
+            outer.append(f"{acc} = {self.constant('0', dt)}")
             body.append(f"{acc} = {wrap(f'{acc} + {v}', dt)}")
             nest.post[-2].append(f"{target} = {acc}")
             return nest.lines()
@@ -317,11 +379,11 @@ class _Gen:
         """Element idx (one index expression per dim of n) of node n, as a scalar expression."""
         idx = list(idx)
         if n.op == "const":
-            return wrap(const_literal(n), n.dtype) if n.dtype != "bool" else const_literal(n)
+            return self.constant(const_literal(n), n.dtype)
         if n.op == "dim":
-            return self.nest.bind(f"np.int32({n.arg[0]}_shape{n.arg[1]})")
+            return f"{n.arg[0]}_dim{n.arg[1]}"
         if n.op == "param":
-            return self.nest.bind(f"{NP[n.dtype]}({n.arg})")
+            return f"{n.arg}_val"
         if n.op == "program_id":
             return f"pid{n.arg}"
         kind = self.plan.kind_of(n)
@@ -345,18 +407,26 @@ class _Gen:
         if op in opdefs.OPS:
             if op == "invert" and n.dtype == "bool":
                 return f"(not {src(0)})"
-            return wrap(opdefs.OPS[op].numba(*(src(k) for k in range(len(srcs)))), n.dtype)
+            e = opdefs.OPS[op].numba(*(src(k) for k in range(len(srcs))))
+            if n.dtype == "i32" and op in ("add", "sub", "mul") and self.no_wrap(n):
+                return e
+            if n.dtype == "f32" and op in F32_CLOSED and all(x.dtype == "f32" for x in srcs):
+                return e   # numba keeps float32 op float32 in float32
+            return wrap(e, n.dtype)
         if op == "cast":
             return convert(src(0), srcs[0].dtype, n.dtype)
         if op == "bitcast":
-            return f"_rt.as_{n.dtype}({src(0)})"
+            return f"_rt.as_{n.dtype}({wrap(src(0), srcs[0].dtype)})"   # a 32-bit value, as numba types go
         if op == "where":
+            if self.candidate(("mask", id(srcs[0])), always_true(srcs[0], self.scalar_text)):
+                return src(1)
             return f"({src(1)} if {src(0)} else {src(2)})"
         if op == "arange":
             start = n.arg[0]
-            return f"np.int32({idx[0]} + {start})" if start else f"np.int32({idx[0]})"
+            # a loop index (int64) plus a small constant: no i32 wrap can happen
+            return f"({idx[0]} + {start})" if start else idx[0]
         if op == "full":
-            return wrap(py_literal(n.arg), n.dtype) if n.dtype != "bool" else repr(bool(n.arg))
+            return self.constant(py_literal(n.arg), n.dtype)
         if op == "broadcast":
             return src(0)
         if op in ("expand", "reshape"):
@@ -377,12 +447,14 @@ class _Gen:
             s = n.srcs[first + d]
             i = self.expr(s, _bcast(idx, n.shape, s.shape))
             stride = "" if d == p.ndim - 1 else f" * {tname}_stride{d}"
-            offs.append(self.nest.bind(f"np.int64({i})") + stride)
-            if checks[d]:
+            offs.append(i + stride)   # times an int64 stride (or added to such terms): int64
+            if checks[d] and not self.candidate(("check", tname, d, id(s)),
+                                                in_bounds(s, f"{tname}_shape{d}", self.scalar_text)):
                 conds.append(self.nest.bind(f"(({i} >= 0) & ({i} < {tname}_shape{d}))"))
         if has_mask:
             m = n.srcs[first + p.ndim]
-            conds.append(self.expr(m, _bcast(idx, n.shape, m.shape)))
+            if not self.candidate(("mask", id(m)), always_true(m, self.scalar_text)):
+                conds.append(self.expr(m, _bcast(idx, n.shape, m.shape)))
         off = self.nest.bind("(" + " + ".join(offs) + ")") if offs else "0"
         mask = self.nest.bind("(" + " & ".join(conds) + ")") if conds else "True"
         return off, mask
@@ -395,8 +467,7 @@ class _Gen:
         v = _from_storage(f"{tname}_mem[{off}]", p.dtype)
         if mask == "True":
             return v
-        o = wrap(py_literal(other), "f32" if n.dtype in ("f16", "bf16") else n.dtype) if n.dtype != "bool" \
-            else repr(bool(other))
+        o = self.constant(py_literal(other), "f32" if n.dtype in ("f16", "bf16") else n.dtype)
         return f"({v} if {mask} else {o})"
 
 

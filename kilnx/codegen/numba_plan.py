@@ -41,6 +41,7 @@ class Plan:
         self.live = live_nodes(ir)
         self.order = [n for n in ir.walk() if id(n) in self.live or n.op in INLINE]
         self.seq = {id(n): i for i, n in enumerate(self.order)}
+        self.by_id = {id(n): n for n in self.order}
         self.users: dict[int, list[Node]] = {}
         for n in self.order:
             for s in n.srcs:
@@ -57,8 +58,15 @@ class Plan:
         self.reads: dict[int, frozenset] = {}
         self.cost: dict[int, float] = {}
         self.alias_root: dict[int, Node] = {}
+        self.roots: dict[int, set] = {}
+        for n in self.order:            # sources first: what each value would read if inlined
+            self._fixed_kind_and_reads(n)
+        for n in reversed(self.order):  # consumers first: where each value would be evaluated
+            if id(n) not in self.kind:
+                self._decide(n)
         for n in self.order:
-            self._decide(n)
+            if self.kind[id(n)] == ALIAS:
+                self.alias_root[id(n)] = self.storage(n.srcs[0])
 
     # --- queries ------------------------------------------------------------------------------------
     def kind_of(self, n: Node) -> str:
@@ -69,7 +77,9 @@ class Plan:
         return self.alias_root.get(id(n), n)
 
     # --- decisions ----------------------------------------------------------------------------------
-    def _decide(self, n: Node):
+    def _fixed_kind_and_reads(self, n: Node):
+        """Kinds that do not depend on consumers, and for the others an upper bound of what they read
+        (accumulators, tensors) if every inlinable source were inlined, with a cost estimate."""
         i = id(n)
         if n.op in INLINE:
             self.kind[i], self.reads[i], self.cost[i] = INLINED, frozenset(), 0
@@ -81,13 +91,11 @@ class Plan:
         if n.op in ("var", "reduce", "dot"):
             self.kind[i], self.reads[i], self.cost[i] = BUFFER, frozenset(), 0
             return
-        reads = set()
-        cost = 1.0
+        reads, cost = set(), 1.0
         for s in n.srcs:
             if s.op == "var":
                 reads.add(("var", id(s)))
-            elif self.kind[id(s)] in (INLINED, ALIAS):
-                reads |= self.reads[id(s)]
+            reads |= self.reads[id(s)]
             cost += self.cost[id(s)]
         if n.op == "load":
             reads.add(("mem", n.arg[0]))
@@ -95,35 +103,48 @@ class Plan:
         elif n.op in opdefs.OPS and n.op not in CHEAP_OPS:
             cost = float("inf")
         self.reads[i], self.cost[i] = frozenset(reads), cost
+
+    def _roots(self, n: Node) -> set:
+        """The statements whose loops would evaluate n if it were inlined."""
+        out = set()
+        for u in self.users.get(id(n), []):
+            out |= self.roots[id(u)] if self.kind[id(u)] in (INLINED, ALIAS) else {id(u)}
+        return out
+
+    def _decide(self, n: Node):
+        i = id(n)
+        roots = self.roots[i] = self._roots(n)
         if n.op in ("reshape", "expand") and not is_trivial_reshape(n):
-            src = n.srcs[0]
-            self.alias_root[i] = self.storage(src)
-            # a view of an accumulator must not see later updates of it
-            self.kind[i] = BUFFER if self._hazard(n) else ALIAS
-            if self.kind[i] == BUFFER:
-                del self.alias_root[i]
+            # a view of a buffer; of an accumulator, only until the accumulator is next updated
+            self.kind[i] = BUFFER if self._hazard(n, roots) else ALIAS
             return
-        keep = i in self.needs_buffer or self._hazard(n)
-        if not keep and cost > CHEAP_COST:
-            users = self.users.get(i, [])
-            keep = (len(users) > 1 or any(u.block is not n.block for u in users)
+        users = self.users.get(i, [])
+        if i in self.needs_buffer or self._hazard(n, roots):
+            keep = True
+        elif self.cost[i] <= CHEAP_COST:
+            # index math and masks: recomputed wherever used, except across loop levels when it
+            # reads something a loop updates
+            keep = bool(self.reads[i]) and any(u.block is not n.block for u in users)
+        else:
+            # an expensive value is computed once: inlined only into the one loop nest that needs
+            # it (several uses there share one evaluation), and not where that nest repeats it
+            keep = (len(roots) != 1 or any(u.block is not n.block for u in users)
                     or any(_broadcasts(n, u) for u in users))
-        elif not keep:
-            keep = bool(reads) and any(u.block is not n.block for u in self.users.get(i, []))
         self.kind[i] = BUFFER if keep else INLINED
         if keep:
-            self.reads[i], self.cost[i] = frozenset(), 0
+            self.roots[i] = set()
 
-    def _hazard(self, n: Node) -> bool:
-        """Would evaluating n at a consumer's place read something written since n's own place?"""
+    def _hazard(self, n: Node, roots: set) -> bool:
+        """Would evaluating n where its roots run read something written since n's own place?"""
         reads = self.reads[id(n)]
         if not reads:
             return False
         here = self.seq[id(n)]
-        for u in self.users.get(id(n), []):
-            there = self.seq[id(u)]
-            if u.block is not n.block:
+        for r in roots:
+            root = self.by_id[r]
+            if root.block is not n.block:
                 return True
+            there = self.seq[r]
             if any(here < at < there and target in reads for at, target in self.writes):
                 return True
         return False

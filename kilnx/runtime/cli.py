@@ -89,6 +89,10 @@ def bench(
     csv: Annotated[Optional[str], typer.Option(help="Append result rows to this CSV file.")] = None,
     weights: Annotated[str, typer.Option(help="Random weight format: q4 (MLX 4-bit, groups of 64) or bf16.")] = "q4",
     ops: Annotated[Optional[str], typer.Option(help=_OPS_HELP)] = None,
+    peer: Annotated[Optional[str], typer.Option(
+        help="Also time a peer in the same run: hf (HF transformers on the same checkpoint, CPU).")] = None,
+    threads: Annotated[Optional[int], typer.Option(
+        help="CPU threads for torch and numba (kilnx and the peer alike); default: as configured.")] = None,
 ) -> None:
     """Measure TTFT, prefill and decode throughput, and % of the memory-bandwidth roofline."""
     from rich.console import Console
@@ -103,6 +107,12 @@ def bench(
         _fail("--gen must be at least 1.")
     if weights not in ("q4", "bf16"):
         _fail(f"--weights {weights!r}: use q4 or bf16.")
+    if peer not in (None, "hf"):
+        _fail(f"--peer {peer!r}: the only peer is hf.")
+    if threads is not None:
+        if threads < 1:
+            _fail("--threads must be at least 1.")
+        _set_threads(threads)
     try:
         info = detect(device)
         lm = load_model(model, device=info.torch_device, ops=ops or os.environ.get("KILNX_OPS", "auto"),
@@ -110,18 +120,35 @@ def bench(
         rows = run_bench(lm, prompt_lens=lens, gen=gen, model_name=model,
                          weights=weights_label(lm, random, weights), ops_name=ops_name(lm.model.ops),
                          bandwidth_gbps=info.copy_bandwidth_gbps)
+        if peer == "hf":
+            if random:
+                _fail("--peer hf needs a real checkpoint (not --random).")
+            from kilnx.runtime.hf_peer import run_hf_bench
+            rows += run_hf_bench(lm.source, vocab_size=lm.config.vocab_size, prompt_lens=lens, gen=gen,
+                                 model_name=model, weights=rows[0].weights,
+                                 bandwidth_gbps=rows[0].copy_bandwidth_gbps)
     except _user_errors() as e:
         _fail(str(e))
     table = Table(title=f"{model} on {info.name} ({rows[0].ops} ops, {rows[0].weights}, "
                         f"{rows[0].weight_bytes / 1e6:.0f} MB weights, copy {rows[0].copy_bandwidth_gbps:.0f} GB/s)")
-    for col in ("prompt", "gen", "TTFT ms", "prefill tok/s", "decode tok/s", "roofline %"):
+    for col in ("ops", "prompt", "gen", "TTFT ms", "prefill tok/s", "decode tok/s", "roofline %"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(str(r.prompt_len), str(r.gen), f"{r.ttft_ms:.1f}", f"{r.prefill_tok_s:.1f}",
+        table.add_row(r.ops, str(r.prompt_len), str(r.gen), f"{r.ttft_ms:.1f}", f"{r.prefill_tok_s:.1f}",
                       f"{r.decode_tok_s:.1f}", f"{r.roofline_pct:.1f}")
     Console().print(table)
+    for ours, theirs in zip(rows, [r for r in rows if r.ops == "hf-transformers"]):
+        print(f"decode at prompt {ours.prompt_len}: {ours.ops} {ours.decode_tok_s:.1f} tok/s = "
+              f"{ours.decode_tok_s / theirs.decode_tok_s:.2f}x hf-transformers ({theirs.decode_tok_s:.1f} tok/s)")
     if csv:
         append_csv(csv, rows)
+
+
+def _set_threads(n: int) -> None:
+    import torch
+    torch.set_num_threads(n)
+    from kilnx.codegen.launch import numba_threads_set
+    numba_threads_set(n)
 
 
 app.command()(generate)

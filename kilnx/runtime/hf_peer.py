@@ -37,10 +37,17 @@ def _greedy(model, ids: list[int], gen: int) -> tuple[float, float]:
     ttft = time.perf_counter() - t0
     start = time.perf_counter()
     for _ in range(gen - 1):
-        out = model(tok.view(1, 1), past_key_values=out.past_key_values, use_cache=True)
+        out = _step(model, tok, out)
         tok = out.logits[0, -1].argmax()
     end = time.perf_counter()
     return ttft, (gen - 1) / (end - start) if gen > 1 else 0.0
+
+
+def _step(model, tok, out):
+    """One decode step on the previous output's KV cache (`cache` since transformers 5)."""
+    if "cache" in out:
+        return model(tok.view(1, 1), cache=out["cache"], use_cache=True)
+    return model(tok.view(1, 1), past_key_values=out.past_key_values, use_cache=True)
 
 
 def run_hf_bench(source: str, *, vocab_size: int, prompt_lens: list[int], gen: int, model_name: str,

@@ -178,11 +178,12 @@ def test_default_config_is_persistent_and_space_has_looped_configs():
 
 # ---- numba = reference = torch ----------------------------------------------------------------------
 # Each numba specialisation (kernel x dtype x config) compiles once per machine (it is cached on disk)
-# and that compile is slow, so every kernel gets ONE: together they cover both lowerings. fp16 is left
-# out: numba has no float16 on CPU (its f16 loads, stores and rounding do not compile).
+# and that compile takes seconds, so every kernel gets one or two: together they cover both lowerings
+# and the three float types (16-bit floats travel as their raw bits and are converted in registers).
 # The gemma cases differ only in runtime scalars, so they reuse their kernel's specialisation.
 NUMBA_SPECS = [
-    ("rms_norm", "bf16", "looped"), ("rms_norm_gemma", "bf16", "looped"),
+    ("rms_norm", "bf16", "looped"), ("rms_norm_gemma", "bf16", "looped"), ("rms_norm", "f16", "persistent"),
+    ("silu_mul", "f16", "looped"),
     ("add_rms_norm", "f32", "persistent"), ("add_rms_norm_gemma", "f32", "persistent"),
     ("layer_norm", "bf16", "looped"), ("silu_mul", "bf16", "persistent"),
     ("gelu_tanh_mul", "f32", "looped"), ("softcap", "f32", "persistent"),

@@ -225,8 +225,7 @@ def softmax(x, *, BLOCK_M, BLOCK_D):
 def test_softmax_keepdims_reductions_and_where(dtype, m, d, seed):
     x = randn(m, d, dtype=dtype, seed=seed, scale=3.0)
     want = torch.softmax(x.float(), -1).to(dtype)
-    # numba has no float16 on CPU: it runs the fp32 case
-    check_all(run_all(softmax, (x,), [{"BLOCK_M": 2}, {"BLOCK_M": 4}], numba=dtype == torch.float32), want)
+    check_all(run_all(softmax, (x,), [{"BLOCK_M": 2}, {"BLOCK_M": 4}]), want)
 
 
 # ---- kd.reshape and kd.trans ------------------------------------------------------------------------
@@ -301,7 +300,7 @@ def test_casts(backend):
             assert_close(g, w, ulps=0, atol=0, what=f"{backend} {what}")    # exact
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])   # numba has no float16 on CPU
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_cast_to_f16_rounds_to_nearest_even(backend):
     x = CAST_INPUT
     assert_close(to_f16(x, backend=backend, config={}), x.to(torch.float16), ulps=0, atol=0, what=backend)

@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -150,75 +151,129 @@ class _NumbaLaunch:
     and the grid are evaluated once per distinct input shape, and tensors go to the compiled code as
     addresses with their shapes and strides (no numpy views)."""
 
-    MAX_SHAPES = 4096
+    MAX_LAYOUTS = 4096
 
     def __init__(self, ir: KernelIR, module):
         self.ir = ir
         self.programs = getattr(module, f"{ir.name}_programs")
         self.parallel = getattr(module, f"{ir.name}_parallel")
-        self.inputs = [(p.name, isinstance(p, TensorParam), getattr(p, "dtype", None)) for p in ir.params]
+        self.params = [(p.name, isinstance(p, TensorParam), getattr(p, "dtype", None)) for p in ir.params]
+        self.tensor_names = [p.name for p in ir.params if isinstance(p, TensorParam)]
         self.outputs = [(p.name, torch_dtype(p.dtype), zero) for p, _, zero in ir.outputs]
         self.written = {n.arg[0] for n in ir.walk() if n.op in ("store", "atomic_add")}
         host_nodes = list(ir.grid) + [s for _, shape, _ in ir.outputs for s in shape]
         self.host_scalars = sorted({n.arg for n in _reachable(host_nodes) if n.op == "param"})
-        self.shapes: dict = {}
+        self.layouts: dict = {}
         self.serial = ir.uses_atomics   # atomics are plain read-modify-writes: one thread, in order
         _numba()
 
-    def host(self, launch: Launch, tensors: dict, scalars: dict):
-        """(output shapes, their strides, 3-d grid) for these input shapes, evaluated once per key."""
-        key = (tuple([t.shape for t in tensors.values()]), tuple([scalars[k] for k in self.host_scalars]))
-        got = self.shapes.get(key)
-        if got is None:
-            shapes = [[launch.host_eval(s, tensors, scalars) for s in shape] for _, shape, _ in self.ir.outputs]
-            fake = {**tensors, **{name: _ShapeOnly(shape) for (name, _, _), shape in zip(self.outputs, shapes)}}
-            grid = tuple(launch.host_eval(g, fake, scalars) for g in self.ir.grid) or (1,)
-            strides = [[math.prod(shape[d + 1:]) for d in range(len(shape))] for shape in shapes]
-            got = (shapes, strides, grid + (1,) * (3 - len(grid)))
-            if len(self.shapes) >= self.MAX_SHAPES:
-                self.shapes.clear()
-            self.shapes[key] = got
-        return got
+    def layout(self, launch: Launch, tensors: dict, scalars: dict, key) -> "_Layout":
+        """Everything about a call that its input shapes and strides decide, computed once per key:
+        output shapes, the grid, and the argument list with only addresses and scalars left to fill."""
+        shapes = [[launch.host_eval(s, tensors, scalars) for s in shape] for _, shape, _ in self.ir.outputs]
+        fake = {**tensors, **{name: _ShapeOnly(shape) for (name, _, _), shape in zip(self.outputs, shapes)}}
+        grid = tuple(launch.host_eval(g, fake, scalars) for g in self.ir.grid) or (1,)
+        lay = _Layout(grid + (1,) * (3 - len(grid)))
+        for name, is_tensor, dtype in self.params:
+            if not is_tensor:
+                lay.scalars.append((len(lay.args), name, float if dtype == "f32" else int))
+                lay.args.append(0)
+                continue
+            t = tensors[name]
+            shape, stride = list(t.shape), list(t.stride())
+            if shape and stride[-1] != 1 and shape[-1] != 1:
+                # the generated code assumes unit stride along the last dim (contiguous vector access)
+                lay.copies.append(name)
+                stride = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+            lay.inputs.append((len(lay.args), name))
+            lay.args += [0] + shape + stride
+        for (name, dtype, zero), shape in zip(self.outputs, shapes):
+            lay.outs.append((len(lay.args), name, shape, dtype, torch.zeros if zero else torch.empty))
+            lay.args += [0] + shape + [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        if len(self.layouts) >= self.MAX_LAYOUTS:
+            self.layouts.clear()
+        self.layouts[key] = lay
+        return lay
 
     def __call__(self, launch: Launch, tensors: dict, scalars: dict):
-        shapes, strides, grid = self.host(launch, tensors, scalars)
-        args, back = [], None
-        for name, is_tensor, dtype in self.inputs:
-            if not is_tensor:
-                v = scalars[name]
-                args.append(float(v) if dtype == "f32" else int(v))
-                continue
+        key = (tuple([(t.shape, t.stride()) for t in tensors.values()]),
+               tuple([scalars[k] for k in self.host_scalars]))
+        lay = self.layouts.get(key) or self.layout(launch, tensors, scalars, key)
+        args = lay.args.copy()
+        back = []
+        for slot, name in lay.inputs:
             t = tensors[name]
             if t.is_cuda:
                 raise DSLError("the numba backend runs on CPU tensors; move them with .cpu() or use backend='triton'")
-            shape, stride = t.shape, t.stride()
-            if shape and stride[-1] != 1 and shape[-1] != 1:
-                # the generated code assumes unit stride along the last dim (contiguous vector access)
+            if lay.copies and name in lay.copies:
                 c = t.contiguous()
                 if name in self.written:
-                    back = (back or []) + [(t, c)]
-                t, stride = c, c.stride()
-            args.append(t.data_ptr())
-            args += shape
-            args += stride
+                    back.append((t, c))
+                t = c
+            args[slot] = t.data_ptr()
+        for slot, name, kind in lay.scalars:
+            args[slot] = kind(scalars[name])
         outs = {}
-        for (name, dtype, zero), shape, stride in zip(self.outputs, shapes, strides):
-            o = outs[name] = (torch.zeros if zero else torch.empty)(shape, dtype=dtype)
-            args.append(o.data_ptr())
-            args += shape
-            args += stride
-        total = grid[0] * grid[1] * grid[2]
+        for slot, name, shape, dtype, alloc in lay.outs:
+            o = outs[name] = alloc(shape, dtype=dtype)
+            args[slot] = o.data_ptr()
+        g0, g1, g2 = lay.grid
+        total = g0 * g1 * g2
         if total > 0:
             threads = numba_threads() if total > 1 and not self.serial else 1
             if threads == 1:
-                self.programs(0, total, grid[0], grid[1], *args)
+                self.programs(0, total, g0, g1, *args)
+            elif lay.mode.choose() == 0:
+                self.programs(0, total, g0, g1, *args)
+                lay.mode.done()
             else:
                 with _parallel_lock:   # numba's workqueue layer runs one parallel region at a time
-                    self.parallel(min(total, threads), grid[0], grid[1], grid[2], *args)
-        if back:
-            for t, c in back:
-                t.copy_(c)
+                    self.parallel(min(total, threads), g0, g1, g2, *args)
+                lay.mode.done()
+        for t, c in back:
+            t.copy_(c)
         return launch.returns(outs)
+
+
+class _LaunchMode:
+    """Serial or parallel, chosen per call layout by timing both.
+
+    Waking numba's workers costs tens of microseconds, and on a machine whose other core is busy a
+    parallel region waits for the slower thread, so only some kernels gain from threads (a GEMV over
+    3072 rows does, a 1-row norm never does). Each layout runs PROBES calls each way, keeps the faster,
+    and probes again every REPROBE calls, since what other processes run changes."""
+
+    PROBES, REPROBE = 3, 2000
+
+    def __init__(self):
+        self.calls, self.best, self.mode, self.current, self.t0 = 0, [float("inf")] * 2, 0, 0, 0.0
+
+    def choose(self) -> int:
+        """0 serial, 1 parallel."""
+        probing = self.calls % self.REPROBE < 2 * self.PROBES
+        self.current = self.calls % 2 if probing else self.mode
+        if probing and self.calls % self.REPROBE == 0:
+            self.best = [float("inf"), float("inf")]
+        self.t0 = time.perf_counter() if probing else 0.0
+        return self.current
+
+    def done(self):
+        if self.t0:
+            self.best[self.current] = min(self.best[self.current], time.perf_counter() - self.t0)
+            if self.calls % self.REPROBE == 2 * self.PROBES - 1:
+                self.mode = 0 if self.best[0] <= self.best[1] else 1
+        self.calls += 1
+
+
+class _Layout:
+    def __init__(self, grid):
+        self.grid = grid
+        self.mode = _LaunchMode()
+        self.args: list = []          # the kernel's arguments, addresses and scalars as 0
+        self.inputs: list = []        # (slot, tensor name)
+        self.scalars: list = []       # (slot, name, float | int)
+        self.outs: list = []          # (slot, name, shape, torch dtype, torch.empty | torch.zeros)
+        self.copies: list = []        # inputs passed as contiguous copies (last stride not 1)
 
 
 _parallel_lock = threading.Lock()

@@ -70,23 +70,6 @@ stack_u32 = _stack_array(types.uint32)
 stack_i64 = _stack_array(types.int64)
 
 
-@intrinsic
-def opaque(typingctx, x):
-    """x, through an empty inline-asm statement: free at run time, but LLVM cannot see through it.
-    Placed in an outer loop over tile rows, it stops the loop vectorizer from vectorizing across
-    rows (strided, gathered accesses) once the short inner loop along the contiguous dim has been
-    unrolled, so the SLP vectorizer packs that inner loop into vector instructions instead."""
-    if not isinstance(x, types.Integer):
-        return None
-    sig = x(x)
-
-    def codegen(context, builder, signature, args):
-        ty = args[0].type
-        fn = llvm_ir.InlineAsm(llvm_ir.FunctionType(ty, [ty]), "", "=r,0", side_effect=True)
-        return builder.call(fn, [args[0]])
-    return sig, codegen
-
-
 def _bitcast_to(dst, llvm_dst):
     @intrinsic
     def bitcast(typingctx, x):

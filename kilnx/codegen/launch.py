@@ -81,6 +81,13 @@ class Launch:
         if backend == "numba":
             self._numba = _NumbaLaunch(ir, fn)
 
+    def prepared(self, tensors: dict, scalars: dict, arg_index: dict):
+        """A call for these exact shapes, strides and scalars taking only the positional arguments
+        (their addresses change from call to call), or None where the backend has none."""
+        if self.backend != "numba":
+            return None
+        return self._numba.prepared(self, tensors, scalars, arg_index)
+
     def host_eval(self, node, tensors: dict, scalars: dict) -> int:
         fake = {k: _ShapeOnly(v.shape) for k, v in tensors.items()}
         return Interpreter(self.ir, fake, scalars).eval_host(node)
@@ -190,9 +197,10 @@ class _NumbaLaunch:
         for (name, dtype, zero), shape in zip(self.outputs, shapes):
             lay.outs.append((len(lay.args), name, shape, dtype, torch.zeros if zero else torch.empty))
             lay.args += [0] + shape + [math.prod(shape[d + 1:]) for d in range(len(shape))]
-        if len(self.layouts) >= self.MAX_LAYOUTS:
-            self.layouts.clear()
-        self.layouts[key] = lay
+        if key is not None:
+            if len(self.layouts) >= self.MAX_LAYOUTS:
+                self.layouts.clear()
+            self.layouts[key] = lay
         return lay
 
     def __call__(self, launch: Launch, tensors: dict, scalars: dict):
@@ -217,22 +225,75 @@ class _NumbaLaunch:
         for slot, name, shape, dtype, alloc in lay.outs:
             o = outs[name] = alloc(shape, dtype=dtype)
             args[slot] = o.data_ptr()
-        g0, g1, g2 = lay.grid
-        total = g0 * g1 * g2
-        if total > 0:
-            threads = numba_threads() if total > 1 and not self.serial else 1
-            if threads == 1:
-                self.programs(0, total, g0, g1, *args)
-            elif lay.mode.choose() == 0:
-                self.programs(0, total, g0, g1, *args)
-                lay.mode.done()
-            else:
-                with _parallel_lock:   # numba's workqueue layer runs one parallel region at a time
-                    self.parallel(min(total, threads), g0, g1, g2, *args)
-                lay.mode.done()
+        self.run(lay, args)
         for t, c in back:
             t.copy_(c)
         return launch.returns(outs)
+
+    def run(self, lay: "_Layout", args: list):
+        g0, g1, g2 = lay.grid
+        total = g0 * g1 * g2
+        if total <= 0:
+            return
+        threads = numba_threads() if total > 1 and not self.serial else 1
+        if threads == 1:
+            self.programs(0, total, g0, g1, *args)
+        elif lay.mode.choose() == 0:
+            self.programs(0, total, g0, g1, *args)
+            lay.mode.done()
+        else:
+            with _parallel_lock:   # numba's workqueue layer runs one parallel region at a time
+                self.parallel(min(total, threads), g0, g1, g2, *args)
+            lay.mode.done()
+
+    def prepared(self, launch: Launch, tensors: dict, scalars: dict, arg_index: dict):
+        ts = [t for t in tensors.values() if t is not None]
+        if any(t.is_cuda for t in ts) or any(t.dim() and t.stride(-1) != 1 and t.shape[-1] != 1 for t in ts):
+            return None   # the general path checks the device and copies strided operands
+        if any(o[1] not in _NUMPY_STORAGE for o in self.outputs):
+            return None
+        tensors = {k: t for k, t in tensors.items() if t is not None}
+        lay = self.layout(launch, tensors, scalars, key=None)
+        for slot, name, kind in lay.scalars:
+            lay.args[slot] = kind(scalars[name])
+        return _PreparedCall(self, lay, arg_index, self.ir.returns)
+
+
+# outputs are numpy allocations seen by torch: in a decode step, where the weights streamed through
+# the caches evict the host code between kernels, np.empty + from_numpy cost half of torch.empty
+_NUMPY_STORAGE = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64,
+                  torch.int32: np.int32, torch.int64: np.int64, torch.int16: np.int16, torch.int8: np.int8,
+                  torch.uint8: np.uint8, torch.bool: np.bool_, torch.bfloat16: np.uint16,
+                  torch.uint32: np.uint32}
+
+
+class _PreparedCall:
+    """One kernel call with everything but the input addresses decided (see Launch.prepared)."""
+
+    def __init__(self, numba_launch: "_NumbaLaunch", lay: "_Layout", arg_index: dict, returns):
+        self.launch, self.lay = numba_launch, lay
+        self.template = list(lay.args)
+        self.ptrs = [(slot, arg_index[name]) for slot, name in lay.inputs]
+        self.outs = [(slot, name, tuple(shape), _NUMPY_STORAGE[dtype], dtype if dtype == torch.bfloat16 else None,
+                      alloc is torch.zeros) for slot, name, shape, dtype, alloc in lay.outs]
+        self.returns = returns
+
+    def __call__(self, args):
+        a = self.template.copy()
+        for slot, i in self.ptrs:
+            a[slot] = args[i].data_ptr()
+        outs = {}
+        for slot, name, shape, np_dtype, view, zero in self.outs:
+            o = torch.from_numpy((np.zeros if zero else np.empty)(shape, np_dtype))
+            if view is not None:
+                o = o.view(view)
+            outs[name] = o
+            a[slot] = o.data_ptr()
+        self.launch.run(self.lay, a)
+        r = self.returns
+        if r is None:
+            return None
+        return tuple(outs[n] for n in r) if isinstance(r, tuple) else outs[r]
 
 
 class _LaunchMode:

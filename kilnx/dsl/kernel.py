@@ -41,7 +41,7 @@ def _call_key(args, backend, kw):
     key = [backend or os.environ.get("TRITON_INTERPRET")]
     for a in args:
         if isinstance(a, torch.Tensor):
-            key.append((a.shape, a.dtype, a.get_device()))   # get_device: -1 on the CPU, cheap
+            key.append((a.shape, a.stride(), a.dtype, a.get_device()))   # get_device: -1 on the CPU
         elif isinstance(a, _SIMPLE):
             key.append(a)
         else:
@@ -153,19 +153,28 @@ class KernelBase:
         if config is not None or backend == "reference":
             return self.compile(config, *args, backend=backend, **kw)(*args, **kw)
         # A decode step calls each kernel hundreds of times with the same shapes: remember, per
-        # (shapes, dtypes, devices, keyword values), the launch its tuned config chose, until the
-        # runtime reloads tuned configs.
+        # (shapes, strides, dtypes, devices, keyword values), the launch its tuned config chose, and
+        # where the backend allows, a call with everything but the tensors' addresses prepared. Until
+        # the runtime reloads tuned configs.
         key = _call_key(args, backend, kw)
         hit = self._calls.get(key) if key is not None else None
-        generation = _tuning_generation[0]
-        if hit is None or hit[0] != generation:
+        if hit is None or hit[0] != _tuning_generation[0]:
             launch = self._launch(self._tuned_config(args, kw), args, kw, backend)
-            hit = (generation, launch, self._specialize(*args) if self._specialize else {})
+            spec = self._specialize(*args) if self._specialize else {}
+            fast = self._prepared(launch, args, {**spec, **kw}) if key is not None else None
+            hit = (_tuning_generation[0], launch, spec, fast)
             if key is not None:
                 if len(self._calls) >= MAX_REMEMBERED_CALLS:
                     self._calls.clear()
                 self._calls[key] = hit
+        if hit[3] is not None:
+            return hit[3](args)
         return self._run(hit[1], args, {**hit[2], **kw} if hit[2] else kw)
+
+    def _prepared(self, launch, args, kw):
+        """A function of the positional tensors alone for calls of this key, or None (backend
+        without one, or arguments that need the general path)."""
+        return None
 
     def reference(self, *args, **kw):
         """The numpy-defined result: the kernel's spec function, else the IR interpreted in numpy."""
@@ -282,6 +291,11 @@ class TileKernel(KernelBase):
         tensors = {n: a for n, a in zip(self.positional, args) if a is not None}
         scalars = {k: v for k, v in kw.items() if k not in self._constexprs}
         return launch(tensors, scalars)
+
+    def _prepared(self, launch, args, kw):
+        tensors = {n: a for n, a in zip(self.positional, args) if a is not None}
+        scalars = {k: v for k, v in kw.items() if k not in self._constexprs}
+        return launch.prepared(tensors, scalars, {n: i for i, n in enumerate(self.positional)})
 
     def triton_source(self, *args, config: dict | None = None, **kw) -> str:
         from kilnx.codegen.triton_gen import generate

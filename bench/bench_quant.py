@@ -14,7 +14,7 @@ import traceback
 import torch
 
 from bench_kernels import copies_for, time_calls
-from kilnx.kernels import qmatmul
+from kilnx.kernels import qmatmul, qmv_h2
 
 LLAMA8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 QMV_CONFIGS = [dict(BLOCK_N=bn, BLOCK_KW=kw, SPLIT_K=sk, num_warps=nw, num_stages=ns, MAGIC=mg)
@@ -34,6 +34,11 @@ QMM_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages
                    (64, 256, 64, 8, 3, True, True), (128, 256, 64, 8, 3, True, True),
                    (128, 128, 32, 4, 4, True, False), (64, 128, 128, 4, 3, True, False),
                    (256, 128, 64, 8, 3, True, False), (256, 128, 32, 8, 4, True, False)]]
+H2_CONFIGS = [dict(BLOCK_N=bn, BLOCK_KW=kw, SPLIT_K=sk, num_warps=nw, num_stages=ns)
+              for bn, kw, sk, nw, ns in [
+                  (16, 128, 1, 2, 3), (32, 128, 1, 4, 3), (16, 64, 1, 1, 3), (8, 256, 1, 4, 3), (4, 512, 1, 4, 2),
+                  (64, 64, 1, 4, 3), (32, 64, 1, 2, 4), (8, 128, 1, 2, 3), (16, 128, 1, 4, 4), (32, 128, 1, 8, 3),
+                  (16, 256, 1, 4, 3), (8, 64, 1, 1, 4), (4, 256, 2, 2, 3), (64, 128, 1, 8, 3)]]
 MM_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
               for bm, bn, bk, nw, ns in [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
                                          (128, 256, 32, 8, 4), (64, 256, 64, 4, 4)]]
@@ -43,7 +48,8 @@ def bench_quant(rec, copy_bw: float, smoke: bool):
     """$KILNX_BENCH_ONLY=qmm limits the run to the qmm cases."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = LLAMA8B if not smoke else {"o": (64, 256)}
-    only_qmm = os.environ.get("KILNX_BENCH_ONLY") == "qmm"
+    only = os.environ.get("KILNX_BENCH_ONLY", "")
+    only_qmm = only == "qmm"
     for label, (n, k) in ({} if only_qmm else shapes).items():
         for m in ((1, 4, 8) if not smoke else (1, 3)):
             _safe(rec, f"qmv_b4_M{m}_{label}", lambda: _bench_qmv(rec, label, n, k, m, 4, dev, copy_bw, smoke))
@@ -51,7 +57,7 @@ def bench_quant(rec, copy_bw: float, smoke: bool):
     n, k = shapes[label]
     if not only_qmm:
         _safe(rec, f"qmv_b8_M1_{label}", lambda: _bench_qmv(rec, label, n, k, 1, 8, dev, copy_bw, smoke))
-    for m in ((512, 4096) if not smoke else (32,)):
+    for m in ((512, 4096) if not smoke and only != "qmv" else (32,) if smoke else ()):
         _safe(rec, f"qmm_b4_M{m}_{label}", lambda: _bench_qmm(rec, label, n, k, m, dev, smoke))
 
 
@@ -94,6 +100,13 @@ def _bench_qmv(rec, label, n, k, m, bits, dev, copy_bw, smoke):
         t = _measure(f"{case} qmv {cfg}", run, sets, ref)
         if t is not None:
             results.append((t, "qmv", cfg))
+    if bits in qmv_h2.BITS_SERVED:
+        for cfg in [qmv_h2.qmv_h2.space.default()] + H2_CONFIGS[: (2 if smoke else None)]:
+            def run(x, wq, s, b, cfg=cfg):
+                return qmv_h2.run_qmv_h2(x, wq, s, b, config=cfg).to(x.dtype)
+            t = _measure(f"{case} qmv_h2 {cfg}", run, sets, ref)
+            if t is not None:
+                results.append((t, "qmv_h2", cfg))
     if m > 1 or not smoke:
         for cfg in WIDE_CONFIGS[: (2 if smoke else None)]:
             run = lambda x, wq, s, b, cfg=cfg: qmatmul.qmm(x, wq, s, b, config=cfg)  # noqa: E731
@@ -115,6 +128,14 @@ def _bench_qmv(rec, label, n, k, m, bits, dev, copy_bw, smoke):
             f"{best[1]} {best[2]}")
     rec.add("quant", case, "us", best[0] * 1e6, "cublas_bf16_us", t_cublas * 1e6)
     rec.add("quant", case, "us_gemv_only", t_gemv * 1e6, "us_qmv_path_best", qmv_best[0] * 1e6)
+    h2 = [r for r in results if r[1] == "qmv_h2"]
+    if h2:
+        h2_best = min(h2, key=lambda r: r[0])
+        prepared = [qmv_h2.make_qmv_h2_args({"M": m, "N": n, "K": k, "bits": bits, "gs": 64}, dev)
+                    for _ in range(len(sets))]
+        t_h2 = time_calls(lambda *a: qmv_h2.qmv_h2(*a, config=h2_best[2]), prepared)
+        rec.add("quant", case, "us_qmv_h2_path_best", h2_best[0] * 1e6, "config", str(h2_best[2]))
+        rec.add("quant", case, "us_gemv_h2_only", t_h2 * 1e6, "us_qmv_h2_path_default", h2[0][0] * 1e6)
     wide = [r for r in results if r[1] == "qmm"]
     if wide:
         rec.add("quant", case, "us_qmm_swap_best", min(wide, key=lambda r: r[0])[0] * 1e6)

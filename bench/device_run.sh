@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU-machine driver: bash bench/device_run.sh STEP...   (needs .whl carried; everything lands in $OUT)
-# Steps: gputests quant fusions moe e2e1b e2e8b tune8b   -- each has its own time limit and log.
+# Steps: gputests quant qmv qmm ncu fusions moe e2e1b e2e8b tune8b cold8b   -- each has its own time limit and log.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -14,8 +14,11 @@ step() {  # name seconds command...
   echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"; grep -v "^  " $OUT/$name.log | tail -${TAIL:-25}
 }
 for s in "$@"; do case $s in
-  gputests) step gputests 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/kernels/test_qmatmul_gpu.py tests/tuner/test_tuner_gpu.py ;;
+  gputests) step gputests 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/kernels/test_qmatmul_gpu.py tests/dsl/test_half2.py tests/tuner/test_tuner_gpu.py ;;
   quant) step quant 330 python3 bench/bench_kernels.py --suite quant --out $OUT ;;
+  qmv) KILNX_BENCH_ONLY=qmv step qmv ${QMV_SECS:-400} python3 bench/bench_kernels.py --suite quant --out $OUT/qmv ;;
+  ncu) step ncu 240 ncu --clock-control none --set detailed -k regex:qmv --launch-skip 4 --launch-count 2 \
+         python3 bench/profile_qmv.py ${PROFILE_CONFIGS:-} ;;
   qmm) KILNX_BENCH_ONLY=qmm step qmm ${QMM_SECS:-200} python3 bench/bench_kernels.py --suite quant --out $OUT/qmm ;;
   cold8b) python3 bench/cold_first_token.py --model llama-3.1-8b > $OUT/cold_warmup.log 2>&1
           step cold8b 120 python3 bench/cold_first_token.py --model llama-3.1-8b --csv $OUT/cold.csv ;;

@@ -16,8 +16,10 @@ grid into chunks run on numba's threads.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
+from pathlib import Path
 
 from kilnx.dsl import opdefs
 from kilnx.dsl.ir import NUMPY_OF, KernelIR, Node, TensorParam
@@ -123,7 +125,10 @@ class _Gen:
         body = self.block(self.ir.body, 2)
         params = ", ".join(param_names(self.ir))
         lines = ["import math", "import numpy as np", "from numba import njit, prange",
-                 "from kilnx.codegen import numba_rt as _rt", ""]
+                 "from kilnx.codegen import numba_rt as _rt", "",
+                 # numba's disk cache checks only this module's own file, and the helpers get compiled
+                 # into it: naming their version here gives a new module (and binary) when they change
+                 f"# numba_rt {_RT_HASH}"]
         lines += [f"# {h}" for h in header.splitlines()]
         # constants as typed module globals: numba freezes them, where a call would be typed per use
         lines += [f"{name} = {value}" for value, name in self.constants.items()] + [""]
@@ -472,6 +477,9 @@ class _Gen:
 
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+_RT_HASH = hashlib.sha256(Path(__file__).with_name("numba_rt.py").read_bytes()).hexdigest()[:16]
 
 
 def _buffer_dtype(dtype: str) -> str:

@@ -147,5 +147,43 @@ def round_bf16(x):
 
 
 @njit(**_NJ)
+def _f64_to_f16_bits(x):
+    """float64 -> fp16 bits with one rounding. LLVM lowers a direct double->half truncation to a
+    library call that numba's JIT does not link, so go through fp32 rounded to odd (truncate, then
+    set the last bit if anything was dropped): with 13 spare bits the fp16 rounding stays exact."""
+    r = np.float32(x)
+    if np.float64(r) != x:
+        bits = as_u32(r)
+        if abs(np.float64(r)) > abs(x):
+            bits = np.uint32(bits - np.uint32(1))      # toward zero: same sign, smaller magnitude
+        r = as_f32(np.uint32(bits | np.uint32(1)))
+    return _f32_to_f16_bits(r)
+
+
+@njit(**_NJ)
+def _h2_half(a, shift):
+    return np.float64(_f16_bits_to_f32(np.uint16((np.uint32(a) >> np.uint32(shift)) & np.uint32(0xFFFF))))
+
+
+@njit(**_NJ)
+def h2_pack(lo, hi):
+    """Packed half2 (kilnx/dsl/opdefs.py): two floats rounded to fp16, `lo` in the low half."""
+    return np.uint32(_f32_to_f16_bits(np.float32(lo))) | (np.uint32(_f32_to_f16_bits(np.float32(hi))) << np.uint32(16))
+
+
+@njit(**_NJ)
+def h2_fma(a, b, c):
+    # fp16 products and their sums with an fp16 value are exact in float64: one rounding, as on the GPU
+    lo = _h2_half(a, 0) * _h2_half(b, 0) + _h2_half(c, 0)
+    hi = _h2_half(a, 16) * _h2_half(b, 16) + _h2_half(c, 16)
+    return np.uint32(_f64_to_f16_bits(lo)) | (np.uint32(_f64_to_f16_bits(hi)) << np.uint32(16))
+
+
+@njit(**_NJ)
+def h2_sum(a):
+    return np.float32(_h2_half(a, 0)) + np.float32(_h2_half(a, 16))
+
+
+@njit(**_NJ)
 def erf(x):
     return math.erf(np.float64(x))   # in float64, as the reference; the caller rounds to its dtype

@@ -26,6 +26,8 @@ def generate(ir: KernelIR, *, fn_name: str | None = None, interpret: bool = Fals
         lines += [f"# {h}" for h in header.splitlines()]
     lines += ["@triton.jit", f"def {fn}({', '.join(param_names(ir))}):"]
     body = g.block(ir.body, 1)
+    if any("_rt." in line for line in body):
+        lines.insert(2, "from kilnx.codegen import triton_rt as _rt")
     lines += body or ["    pass"]
     return "\n".join(lines) + "\n"
 
@@ -34,7 +36,7 @@ class _Gen(StatementEmitter):
     def __init__(self, ir: KernelIR, interpret: bool):
         self.ir, self.interpret = ir, interpret
         self.live = live_nodes(ir)
-        self.namer = Namer(ir, set(param_names(ir)) | {"tl", "triton", "range"})
+        self.namer = Namer(ir, set(param_names(ir)) | {"tl", "triton", "range", "_rt"})
 
     def ref(self, n: Node) -> str:
         if n.op == "const":

@@ -10,6 +10,7 @@ from kilnx.dsl.lang import (abs, arange, argmax, assign, atomic_add, bf16, bitca
                             log, max, maximum, mean, min, minimum, output, program_id, range, reshape,
                             rsqrt, sigmoid, silu, softplus, sqrt, static_range, store, sum, tanh, trans,
                             u8, u32, var, where, zeros)
+from kilnx.dsl.lang import h2_fma, h2_pack, h2_sum
 from kilnx.dsl.lang import cos, sin
 from kilnx.dsl.fusion import fusion, split
 from kilnx.dsl.kernel import kernel

@@ -1,7 +1,8 @@
 """Every IR op, defined once with all its faces side by side.
 
 An `OpDef` gives, for one op: `infer` (result dtype from source dtypes), `reference` (numpy; this IS
-the op's meaning), `triton` and `numba` (source-expression templates over the sources' names).
+the op's meaning), `triton` and `numba` (source-expression templates over the sources' names; the
+numba lowering loops over tile elements, so its template sees and returns scalars).
 Structural ops (load, store, range, var, ...) are handled by each backend directly; they are listed
 in `STRUCTURAL` so a backend can check it covers every op.
 
@@ -25,7 +26,7 @@ class OpDef:
     infer: Callable[..., str]          # (src dtypes...) -> result dtype
     reference: Callable[..., np.ndarray]
     triton: Callable[..., str]         # (src exprs...) -> Triton expression
-    numba: Callable[..., str]          # (src exprs...) -> numba/numpy expression
+    numba: Callable[..., str]          # (one element of each src...) -> numba scalar expression
 
 
 OPS: dict[str, OpDef] = {}
@@ -115,3 +116,44 @@ def reduce_reference(kind: str, x: np.ndarray, axis: int, keepdims: bool) -> np.
 
 def reduce_dtype(kind: str, d: str) -> str:
     return "i32" if kind in ("argmax", "argmin") else d
+
+
+# Packed half2: a u32 holds two fp16 values, the low 16 bits first. Dequantization and dot products
+# in this form do two codes per instruction (HFMA2), where fp32 math does one; the GEMV is
+# instruction-bound in fp32 (kilnx/kernels/qmv_h2.py). Each op's reference is bit-exact with the
+# GPU's instruction: one rounding to fp16 per fma (round to nearest even), sums in fp32.
+def _h2_split(a):
+    a = np.asarray(a).astype(np.uint32)
+    lo = (a & 0xFFFF).astype(np.uint16).view(np.float16)
+    hi = (a >> 16).astype(np.uint16).view(np.float16)
+    return lo.astype(np.float64), hi.astype(np.float64)
+
+
+def _h2_join(lo, hi):
+    lo = np.asarray(lo, np.float64).astype(np.float16).view(np.uint16).astype(np.uint32)
+    hi = np.asarray(hi, np.float64).astype(np.float16).view(np.uint16).astype(np.uint32)
+    return lo | (hi << 16)
+
+
+def _h2_fma_reference(a, b, c):
+    # products of fp16 values are exact in float64, and so is their sum with an fp16 value (the lost
+    # bits lie below any fp16 rounding decision): one rounding, as fma.rn.f16x2
+    (al, ah), (bl, bh), (cl, ch) = _h2_split(a), _h2_split(b), _h2_split(c)
+    return _h2_join(al * bl + cl, ah * bh + ch)
+
+
+def _h2_sum_reference(a):
+    lo, hi = _h2_split(a)
+    return lo.astype(np.float32) + hi.astype(np.float32)
+
+
+def _u32(*_):
+    return "u32"
+
+
+register("h2_pack", 2, _u32, lambda lo, hi: _h2_join(np.asarray(lo, np.float32), np.asarray(hi, np.float32)),
+         lambda lo, hi: f"_rt.h2_pack({lo}, {hi})", lambda lo, hi: f"_rt.h2_pack({lo}, {hi})")
+register("h2_fma", 3, _u32, _h2_fma_reference,
+         lambda a, b, c: f"_rt.h2_fma({a}, {b}, {c})", lambda a, b, c: f"_rt.h2_fma({a}, {b}, {c})")
+register("h2_sum", 1, lambda *_: "f32", _h2_sum_reference,
+         lambda a: f"_rt.h2_sum({a})", lambda a: f"_rt.h2_sum({a})")

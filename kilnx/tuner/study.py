@@ -280,6 +280,10 @@ def run_study(target: Target, storage: Any, device_key: str, pool: WorkerPool, s
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 study.sampler = optuna.samplers.PartialFixedSampler(first.pop(0), tpe)
         try:
+            # the trial is born owned: a kill between creating a trial and naming its owner would leave a
+            # RUNNING trial that no later run can tell is dead. Enqueued with the owner, then taken by ask
+            # (should another process take it first, each names itself owner below)
+            study.enqueue_trial({}, user_attrs={"owner": _OWNER})
             trial = study.ask()
             return trial, space.suggest(trial)
         finally:

@@ -15,6 +15,7 @@ CASES = """
 import torch
 from kilnx.codegen.aot import compile_for_target
 from kilnx.kernels import qmatmul as Q
+from kilnx.kernels import qmv_h2 as H
 from kilnx.quant import QWeight
 x = torch.randn(4, 256).bfloat16()
 for bits in (3, 4, 8):
@@ -33,6 +34,14 @@ for bits in (3, 4, 8):
             pargs = (planes[:rows], sums[:rows], *args[1:])
             for cfg in ({"MAGIC": True}, {"MAGIC": False, "SPLIT_K": 2, "BLOCK_KW": 64}):
                 compile_for_target(Q.qmv, pargs, cfg)
+    if bits in H.BITS_SERVED:
+        compile_for_target(H.qmv_h2_prep, (x,), {}, kw={"PER": 32 // bits, "GROUP": 64})
+        prepared = H._prep_spec(x, PER=32 // bits, GROUP=64)
+        for rows in (1, 4):
+            pargs = (*(t[:rows] for t in prepared), *args[1:])
+            for cfg in ({}, {"SPLIT_K": 2, "BLOCK_KW": 64, "BLOCK_N": 4}):
+                ck = compile_for_target(H.qmv_h2, pargs, cfg)
+                assert ck.asm["ptx"].count("fma.rn.f16x2") >= 2, "qmv_h2 without packed fp16 math"
 print("ok")
 """
 

@@ -35,6 +35,17 @@ def test_qmv_on_gpu(bits, m, cfg):
     close(Q.run_qmv(x, wq, s, b, config=cfg), want, 1024)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("cfg", [{}, {"SPLIT_K": 4, "BLOCK_KW": 64, "BLOCK_N": 8}, {"BLOCK_N": 4, "BLOCK_KW": 512}])
+def test_qmv_h2_on_gpu(bits, m, cfg):
+    from kilnx.kernels import qmv_h2 as H
+    x, wq, s, b, want = case(m, 200, 1024, bits)
+    close(H.run_qmv_h2(x, wq, s, b, config=cfg), want, 1024)
+    big = x * 3e4                                   # beyond fp16's range: the per-group scaling holds it
+    close(H.run_qmv_h2(big, wq, s, b, config=cfg), want * 3e4, 1024)
+
+
 @pytest.mark.parametrize("bits", [3, 4, 8])
 @pytest.mark.parametrize("m", [5, 130])
 @pytest.mark.parametrize("cfg", [{"MAGIC": True, "SWAP": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128},

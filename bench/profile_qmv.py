@@ -1,0 +1,29 @@
+"""One launch of each GEMV variant on llama-3.1-8b gate_up (M=1, 4-bit gs64), for `ncu` to profile.
+
+    ncu --clock-control none --set detailed -k regex:qmv python3 bench/profile_qmv.py
+The configs are the best each variant reached in bench/results (passed as JSON to override).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from kilnx.kernels import qmatmul, qmv_h2
+
+P = {"M": 1, "N": 28672, "K": 4096, "bits": 4, "gs": 64}
+CONFIGS = {"qmv": {"BLOCK_KW": 128, "BLOCK_N": 16, "MAGIC": True, "SPLIT_K": 1, "num_stages": 3, "num_warps": 2},
+           "qmv_h2": {"BLOCK_KW": 128, "BLOCK_N": 16, "SPLIT_K": 1, "num_stages": 3, "num_warps": 2}}
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1:
+        CONFIGS.update(json.loads(sys.argv[1]))
+    a = qmatmul.make_qmv_args(P, "cuda")
+    b = qmv_h2.make_qmv_h2_args(P, "cuda")
+    for _ in range(3):   # compile and warm, then the profiled launches
+        qmatmul.qmv(*a, config=CONFIGS["qmv"])
+        qmv_h2.qmv_h2(*b, config=CONFIGS["qmv_h2"])
+    torch.cuda.synchronize()
+    print("done")

@@ -1,0 +1,222 @@
+"""The 4- and 8-bit GEMV in packed fp16 arithmetic: two codes per instruction.
+
+Why: on the H200 the fp32 GEMV (`qmatmul.qmv`) issues ~5.5 instructions per 4-bit code (decode,
+offset fma, product fma, reductions), and at 4 TB/s the SMs can issue ~5 per code: the kernel was
+instruction-bound at 40% of the copy ceiling. Here a code pair costs about one instruction each for
+its decode and its product:
+
+- decode: `(word & 0x000F000F) | 0x64006400` is the fp16 pair (1024 + q_0, 1024 + q_4); one HFMA2
+  (kd.h2_fma) subtracts 1024 and gives (q_0, q_4) exactly. The mask 0x00F000F0 gives 1024 + 16 q_1,
+  fixed by * 1/16 - 64 in the same instruction; `word >> 8` serves codes 2, 3, 6, 7. 8-bit codes use
+  0x00FF00FF on the word and on `word >> 8`. Pair p holds codes (p, p + PER/2).
+- dot: the prep kernel stores x as fp16 pairs in the same order (`planes[m, p, w]` = x[w*PER + p]
+  with x[w*PER + p + PER/2]), so a word's partial dot is PER/2 HFMA2s, widened to fp32 once.
+- range: each quantization group of x is divided by a power of two above its largest magnitude
+  (exact), so |x'| < 1 in fp16 and a word's fp16 partial sum stays below 8 * 255; the group's fp32
+  result is multiplied back: y = sum_g s_g * xs_g * dot_g + b_g * sum_g(x).
+
+The error is that of fp16 products and 4-term fp16 sums (relative 2^-11 of a word's partial), well
+inside the bf16 rounding of the output. Scales and biases are applied in fp32 as in `qmv`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import kilnx.dsl as kd
+from kilnx.kernels.qmatmul import _dense_spec, _format_of, _pow2_at_least, _pow2_dividing, make_qmatmul_args
+
+MAGIC = 0x64006400            # fp16 1024.0 in both halves
+ONE, NEG_1024 = 0x3C003C00, 0xE400E400
+SIXTEENTH, NEG_64 = 0x2C002C00, 0xD400D400
+BITS_SERVED = (4, 8)
+
+
+def _exact_pairs(words, bits: int):
+    """The PER/2 code pairs of each word as exact fp16 halves (pair p = codes p and p + PER/2)."""
+    w8 = words >> 8      # arithmetic shift: the sign bits land above every mask below
+    if bits == 4:
+        parts = [(words & 0x000F000F, False), (words & 0x00F000F0, True),
+                 (w8 & 0x000F000F, False), (w8 & 0x00F000F0, True)]
+    else:
+        parts = [(words & 0x00FF00FF, False), (w8 & 0x00FF00FF, False)]
+    out = []
+    for code, times16 in parts:
+        h = (code | MAGIC).bitcast(kd.u32)
+        out.append(kd.h2_fma(h, SIXTEENTH, NEG_64) if times16 else kd.h2_fma(h, ONE, NEG_1024))
+    return out
+
+
+def _group_scale(amax):
+    """(xs, 1/xs): the power of two just above each group's largest |x|, and its inverse, by exponent
+    arithmetic (exact; a group of zeros gets 2^-126)."""
+    e = kd.minimum((amax.bitcast(kd.i32) >> 23) & 0xFF, 253)
+    return ((e + 1) << 23).bitcast(kd.f32), ((253 - e) << 23).bitcast(kd.f32)
+
+
+def _pairs_of(x, per):
+    """torch meaning of the prep (before scaling): (M, PER/2, KW, 2) floats, pair p of word w."""
+    m, k = x.shape
+    v = x.float().reshape(m, k // per, 2, per // 2)           # [w, half, p]: half 0 = codes p, 1 = p+PER/2
+    return v.permute(0, 3, 1, 2)
+
+
+def _prep_spec(x, *, PER, GROUP, **_):
+    m, k = x.shape
+    g = x.float().reshape(m, k // GROUP, GROUP)
+    amax = g.abs().amax(-1)
+    e = torch.clamp((amax.view(torch.int32) >> 23) & 0xFF, max=253)
+    xs = ((e + 1) << 23).view(torch.float32)
+    scaled = (g / xs[..., None]).reshape(m, k)
+    h = _pairs_of(scaled, PER).to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+    planes = (h[..., 0] | (h[..., 1] << 16)).contiguous().view(torch.uint32)
+    return planes, g.sum(-1), xs
+
+
+@kd.kernel(tune={"BLOCK_KW": kd.pow2(16, 512, default=128), "num_warps": kd.choice(1, 2, 4, default=4)},
+           key=lambda x, **kw: {"M": x.shape[0], "K": x.shape[1]}, spec=_prep_spec)
+def qmv_h2_prep(x, *, PER: kd.constexpr, GROUP: kd.constexpr, BLOCK_KW):
+    M, K = x.shape
+    HALF = PER // 2
+    WPG = GROUP // PER                    # words per group
+    BW = max(BLOCK_KW, WPG)               # whole groups per program
+    NG = BW // WPG
+    row, pw = kd.grid(M, kd.cdiv(kd.cdiv(K, PER), BW))
+    w = pw * BW + kd.arange(0, BW)
+    p = kd.arange(0, HALF)
+    lo = kd.load(x, row, w[:, None] * PER + p[None, :]).f32()            # (BW, HALF)
+    hi = kd.load(x, row, w[:, None] * PER + (p[None, :] + HALF)).f32()
+    amax = kd.maximum(kd.max(kd.reshape(kd.abs(lo), (NG, WPG * HALF)), axis=1),
+                      kd.max(kd.reshape(kd.abs(hi), (NG, WPG * HALF)), axis=1))
+    xs, inv = _group_scale(amax)
+    inv_w = kd.reshape(kd.broadcast_to(inv[:, None], (NG, WPG)), (BW,))[:, None]
+    planes = kd.output((M, HALF, K // PER), kd.u32, name="planes")
+    kd.store(planes, row, p[:, None], w[None, :], kd.trans(kd.h2_pack(lo * inv_w, hi * inv_w)))
+    g = pw * NG + kd.arange(0, NG)
+    sums = kd.output((M, K // GROUP), kd.f32, name="group_sums")
+    kd.store(sums, row, g, kd.sum(kd.reshape(lo, (NG, WPG * HALF)), axis=1)
+             + kd.sum(kd.reshape(hi, (NG, WPG * HALF)), axis=1))
+    scale = kd.output((M, K // GROUP), kd.f32, name="group_scales")
+    kd.store(scale, row, g, xs)
+    return planes, sums, scale
+
+
+def _x_of(planes, xs):
+    """x back from the prepared planes (exact: the fp16 values times their group's power of two)."""
+    m, half, kw = planes.shape
+    u = planes.view(torch.int32)
+    lo = (u & 0xFFFF).to(torch.int16).view(torch.float16).float()
+    hi = ((u >> 16) & 0xFFFF).to(torch.int16).view(torch.float16).float()
+    v = torch.stack([lo, hi], dim=-1).permute(0, 2, 3, 1).reshape(m, kw * 2 * half)
+    return (v.reshape(m, xs.shape[1], -1) * xs[..., None]).reshape(m, -1)
+
+
+def _format(planes, sums, xs, wq, scales, biases):
+    per = 2 * planes.shape[1]
+    return {"BITS": 32 // per, "GROUP": per * planes.shape[2] // scales.shape[1]}
+
+
+def _key(planes, sums, xs, wq, scales, biases, **_):
+    f = _format(planes, sums, xs, wq, scales, biases)
+    return {"M": planes.shape[0], "N": wq.shape[0], "K": 2 * planes.shape[1] * planes.shape[2],
+            "bits": f["BITS"], "gs": f["GROUP"]}
+
+
+def _spec(planes, sums, xs, wq, scales, biases, *, BITS, GROUP, **_):
+    return _dense_spec(_x_of(planes, xs), wq, scales, biases, BITS, GROUP, dtype=scales.dtype)
+
+
+@kd.kernel(
+    tune={"BLOCK_N": kd.pow2(1, 64, default=16), "BLOCK_KW": kd.pow2(8, 512, default=128),
+          "SPLIT_K": kd.choice(1, 2, 4, 8, default=1),
+          "num_warps": kd.choice(1, 2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=3)},
+    key=_key, spec=_spec,
+    specialize=lambda p, su, xs, wq, sc, b: {**_format(p, su, xs, wq, sc, b), "BLOCK_M": _pow2_at_least(p.shape[0]),
+                                             "N_DIV": _pow2_dividing(wq.shape[0]),
+                                             "KW_DIV": _pow2_dividing(wq.shape[1])})
+def qmv_h2(planes, sums, xs, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr,
+           BLOCK_M: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr, BLOCK_N, BLOCK_KW, SPLIT_K):
+    M = planes.shape[0]
+    N, KW = wq.shape
+    PER = 32 // BITS                 # codes per word
+    WPG = GROUP // PER               # words per group
+    G = max(BLOCK_KW // WPG, 1)      # groups per chunk of words
+    CHUNK = G * WPG                  # whole groups per chunk
+    ROWS_IN = N_DIV % BLOCK_N == 0   # every row of every block exists: no row masks
+    K_IN = KW_DIV % CHUNK == 0       # every chunk is whole: no masks along K
+    pid_n, pid_k = kd.grid(kd.cdiv(N, BLOCK_N), SPLIT_K)
+    n = pid_n * BLOCK_N + kd.arange(0, BLOCK_N)
+    rows = kd.arange(0, BLOCK_M)
+    words_per_split = kd.cdiv(kd.cdiv(KW, SPLIT_K), CHUNK) * CHUNK
+    w_start = pid_k * words_per_split
+    w_stop = kd.minimum(w_start + words_per_split, KW)
+    acc = kd.zeros((BLOCK_M, BLOCK_N), kd.f32)
+    for w0 in kd.range(w_start, w_stop, CHUNK):
+        wc = w0 + kd.arange(0, CHUNK)
+        words = kd.load(wq, n[:, None], wc[None, :], hint="stream", check=(not ROWS_IN, not K_IN))
+        g = w0 // WPG + kd.arange(0, G)
+        s = kd.load(scales, n[:, None], g[None, :], check=(not ROWS_IN, not K_IN)).f32()
+        b = kd.load(biases, n[:, None], g[None, :], check=(not ROWS_IN, not K_IN)).f32()
+        pairs = _exact_pairs(words, BITS)
+        # every row reuses the decoded pairs; one row needs no loop at all
+        for m in (kd.static_range(1) if BLOCK_M == 1 else kd.range(0, M)):
+            d = None
+            for p in kd.static_range(PER // 2):
+                # x as a (BLOCK_N, CHUNK) tile (rows repeat the same addresses): it arrives in the
+                # words' register layout, with no shuffle through shared memory
+                xp = kd.load(planes, m, p, wc[None, :] + n[:, None] * 0, check=(False, False, not K_IN))
+                d = kd.h2_fma(pairs[p], xp, 0) if d is None else kd.h2_fma(pairs[p], xp, d)
+            qx = kd.h2_sum(d)                                                    # (BLOCK_N, CHUNK) fp32
+            qx_g = kd.reshape(kd.sum(kd.reshape(qx, (BLOCK_N * G, WPG)), axis=1), (BLOCK_N, G))
+            xs_g = kd.load(xs, m, g, check=(False, not K_IN))
+            row = kd.sum(qx_g * s * xs_g[None, :] + b * kd.load(sums, m, g, check=(False, not K_IN))[None, :],
+                         axis=1)
+            acc += row[None, :] if BLOCK_M == 1 else kd.where(rows[:, None] == m, row[None, :], 0.0)
+    if SPLIT_K == 1:
+        out = kd.output((M, N), scales.dtype)
+        kd.store(out, rows[:, None], n[None, :], acc)
+    else:
+        out = kd.output((M, N), kd.f32, zero=True)
+        kd.atomic_add(out, rows[:, None], n[None, :], acc)
+    return out
+
+
+def serves(x, wq, scales, biases) -> bool:
+    return _format_of(x, wq, scales, biases)["BITS"] in BITS_SERVED
+
+
+def run_qmv_h2(x, wq, scales, biases, *, backend=None, config=None, prep_config=None):
+    """x (M, K) -> (M, N) in scales' dtype (fp32 with split-K): prep then the GEMV."""
+    f = _format_of(x, wq, scales, biases)
+    if f["BITS"] not in BITS_SERVED:
+        raise ValueError(f"qmv_h2 serves {BITS_SERVED}-bit codes, got {f['BITS']}-bit; use qmatmul.run_qmv")
+    planes, sums, xs = qmv_h2_prep(x, PER=32 // f["BITS"], GROUP=f["GROUP"], backend=backend, config=prep_config)
+    return qmv_h2(planes, sums, xs, wq, scales, biases, backend=backend, config=config)
+
+
+def make_qmv_h2_args(problem: dict, device: str):
+    """qmv_h2's own inputs: the prepared activations (what qmv_h2_prep makes) with the packed weight."""
+    x, wq, scales, biases = make_qmatmul_args(problem, device)
+    f = _format_of(x, wq, scales, biases)
+    planes, sums, xs = _prep_spec(x.cpu(), PER=32 // f["BITS"], GROUP=f["GROUP"])
+    return planes.to(device), sums.to(device), xs.to(device), wq, scales, biases
+
+
+def _dense_peer(planes, sums, xs, wq, scales, biases):
+    from kilnx.kernels.qmatmul import _dense_peer as peer
+    return peer(_x_of(planes, xs).to(scales.dtype), wq, scales, biases)
+
+
+def _tolerance(args):
+    from kilnx.kernels.qmatmul import _matmul_tolerance
+    planes, sums, xs, wq, scales, biases = args
+    return _matmul_tolerance((_x_of(planes, xs), wq, scales, biases))
+
+
+qmv_h2.tuning(make_args=make_qmv_h2_args, peer=_dense_peer,
+              problems=[{"M": m, "N": 4096, "K": 4096, "bits": 4, "gs": 64} for m in (1, 4)])
+qmv_h2.tolerance = _tolerance
+qmv_h2.seed_configs = lambda problem: [
+    {"BLOCK_N": bn, "BLOCK_KW": kw, "num_warps": nw, "num_stages": ns, "SPLIT_K": 1}
+    for bn, kw, nw, ns in [(16, 128, 2, 3), (32, 128, 4, 3), (16, 64, 1, 3), (8, 256, 4, 3), (4, 512, 4, 2),
+                           (64, 64, 4, 3), (32, 64, 2, 4)]]

@@ -319,9 +319,9 @@ def dequant_mm(x, wq, scales, biases, *, config=None, dequant_config=None):
 
 
 # Rows up to which the one-pass GEMV beats the swapped tile GEMM where nothing was tuned (H200, llama-3.1-8b
-# shapes: qmv won at M=4, qmm-swap at M=8); `kilnx tune` stores the measured crossover per device and
-# weight shape (kilnx/kernels/routing.py).
-QMV_MAX_ROWS = 4
+# shapes: the packed-fp16 qmv_h2 won at M=8 on all four, 19-95 us against 23-104 us; the fp32 qmv had lost
+# at 8); `kilnx tune` stores the measured crossover per device and weight shape (kilnx/kernels/routing.py).
+QMV_MAX_ROWS = 8
 
 
 def qmatmul(x: torch.Tensor, w) -> torch.Tensor:

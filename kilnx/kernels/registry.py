@@ -44,8 +44,8 @@ def problems_for_model(model: str) -> list[tuple[str, dict]]:
     cfg = get_preset(model)
     out: list[tuple[str, dict]] = []
     for g in problems(cfg):
-        for m in (1, 4):
-            out.append(("qmv", {"M": m, "N": g["N"], "K": g["K"], "bits": 4, "gs": 64}))
+        for m in (1, 4):   # 4-bit rows go to qmv_h2 on the GPU (kilnx/kernels/routing.py)
+            out.append(("qmv_h2", {"M": m, "N": g["N"], "K": g["K"], "bits": 4, "gs": 64}))
         for m in (16, 512, 2048):
             out.append(("qmm", {"M": m, "N": g["N"], "K": g["K"], "bits": 4, "gs": 64}))
         out.append(("qmatmul_rows_crossover", {"N": g["N"], "K": g["K"], "bits": 4, "gs": 64}))

@@ -126,11 +126,19 @@ def _spec(planes, sums, xs, wq, scales, biases, *, BITS, GROUP, **_):
     return _dense_spec(_x_of(planes, xs), wq, scales, biases, BITS, GROUP, dtype=scales.dtype)
 
 
+def _default(planes, sums, xs, wq, scales, biases, **_):
+    """Untuned starting points, the best of 15 configs on the H200 (bench/results/*_qmv_h2_s3.csv):
+    tall weights want fewer warps per 16 rows, the 4096-row ones 8 rows x 256 words per program."""
+    if wq.shape[0] > 8192:
+        return {"BLOCK_N": 16, "BLOCK_KW": 128, "num_warps": 2, "num_stages": 3}
+    return {"BLOCK_N": 8, "BLOCK_KW": 256, "num_warps": 4, "num_stages": 3}
+
+
 @kd.kernel(
     tune={"BLOCK_N": kd.pow2(1, 64, default=16), "BLOCK_KW": kd.pow2(8, 512, default=128),
           "SPLIT_K": kd.choice(1, 2, 4, 8, default=1),
           "num_warps": kd.choice(1, 2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=3)},
-    key=_key, spec=_spec,
+    key=_key, spec=_spec, default=_default,
     specialize=lambda p, su, xs, wq, sc, b: {**_format(p, su, xs, wq, sc, b), "BLOCK_M": _pow2_at_least(p.shape[0]),
                                              "N_DIV": _pow2_dividing(wq.shape[0]),
                                              "KW_DIV": _pow2_dividing(wq.shape[1])})

@@ -113,12 +113,29 @@ def _run(engine: Engine, ids: list[int], params: SamplingParams) -> GenerationSt
     return stats
 
 
+def provenance(device: str) -> dict:
+    """What a result row needs to be read later: the GPU's name, library versions, the code's commit."""
+    import subprocess
+
+    import triton
+    gpu = torch.cuda.get_device_name(torch.device(device)) if str(device).startswith("cuda") else "cpu"
+    commit = os.environ.get("KILNX_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=os.path.dirname(__file__), timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            commit = ""
+    return {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "commit": commit or "unknown"}
+
+
 def append_csv(path: str, rows: list[BenchRow]) -> None:
     new = not os.path.exists(path) or os.path.getsize(path) == 0
-    fields = list(asdict(rows[0]).keys()) if rows else []
+    extra = provenance(rows[0].device) if rows else {}
+    fields = list(asdict(rows[0]).keys()) + list(extra) if rows else []
     with open(path, "a", newline="") as f:
         w = csv_mod.DictWriter(f, fieldnames=fields)
         if new:
             w.writeheader()
         for r in rows:
-            w.writerow(asdict(r))
+            w.writerow({**asdict(r), **extra})

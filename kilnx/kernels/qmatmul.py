@@ -250,23 +250,36 @@ def qmm(x, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr, N_DIV
     return out
 
 
+def _mm_default(x, w, **_):
+    """Best of 5 configs on the H200 for llama-3.1-8b gate_up (bench/results/*_qmm_s3 in the quant log)."""
+    if x.shape[0] >= 2048:
+        return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+    if x.shape[0] >= 256:
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
+    return {}
+
+
 @kd.kernel(
     tune={"BLOCK_M": kd.pow2(16, 128, default=64), "BLOCK_N": kd.pow2(16, 256, default=64),
           "BLOCK_K": kd.pow2(16, 256, default=64), "num_warps": kd.choice(2, 4, 8, default=4),
           "num_stages": kd.choice(1, 2, 3, 4, default=3)},
-    key=lambda x, w: {"M": x.shape[0], "N": w.shape[0], "K": x.shape[1]},
-    spec=lambda x, w: (x.double() @ w.double().T).to(x.dtype))
-def mm(x, w, *, BLOCK_M, BLOCK_N, BLOCK_K):
+    key=lambda x, w, **_: {"M": x.shape[0], "N": w.shape[0], "K": x.shape[1]}, default=_mm_default,
+    spec=lambda x, w, **_: (x.double() @ w.double().T).to(x.dtype),
+    specialize=lambda x, w: {"M_DIV": _pow2_dividing(x.shape[0]), "N_DIV": _pow2_dividing(w.shape[0]),
+                             "K_DIV": _pow2_dividing(x.shape[1])})
+def mm(x, w, *, M_DIV: kd.constexpr, N_DIV: kd.constexpr, K_DIV: kd.constexpr, BLOCK_M, BLOCK_N, BLOCK_K):
     M, K = x.shape
     N = w.shape[0]
+    # dims the blocks divide need no bounds masks (unmasked tiles load and pipeline better)
+    M_IN, N_IN, K_IN = M_DIV % BLOCK_M == 0, N_DIV % BLOCK_N == 0, K_DIV % BLOCK_K == 0
     pm, pn = kd.grid(kd.cdiv(M, BLOCK_M), kd.cdiv(N, BLOCK_N))
     rm = pm * BLOCK_M + kd.arange(0, BLOCK_M)
     rn = pn * BLOCK_N + kd.arange(0, BLOCK_N)
     acc = kd.zeros((BLOCK_M, BLOCK_N), kd.f32)
     for k0 in kd.range(0, K, BLOCK_K):
         rk = k0 + kd.arange(0, BLOCK_K)
-        a = kd.load(x, rm[:, None], rk[None, :])
-        b = kd.load(w, rn[None, :], rk[:, None])
+        a = kd.load(x, rm[:, None], rk[None, :], check=(not M_IN, not K_IN))
+        b = kd.load(w, rn[None, :], rk[:, None], check=(not N_IN, not K_IN))
         acc += kd.dot(a, b.to(x.dtype))
     out = kd.output((M, N), x.dtype)
     kd.store(out, rm[:, None], rn[None, :], acc)
@@ -322,6 +335,11 @@ def dequant_mm(x, wq, scales, biases, *, config=None, dequant_config=None):
 # shapes: the packed-fp16 qmv_h2 won at M=8 on all four, 19-95 us against 23-104 us; the fp32 qmv had lost
 # at 8); `kilnx tune` stores the measured crossover per device and weight shape (kilnx/kernels/routing.py).
 QMV_MAX_ROWS = 8
+
+# Rows from which the GPU dequantizes the weight to bf16 once and runs the dense GEMM: at M=512 and 4096 on
+# llama-3.1-8b gate_up this took 1.99x and 1.44x cuBLAS's time where the fused qmm took 3.16x and 3.04x
+# (H200, bench/results/*_qmm_s3.csv). Below a few hundred rows the weight's 16-bit copy is the larger cost.
+DEQUANT_MM_MIN_ROWS = 256
 
 
 def qmatmul(x: torch.Tensor, w) -> torch.Tensor:

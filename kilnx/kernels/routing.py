@@ -77,6 +77,8 @@ class QmatmulRowsRoute:
             run = self._h2.run_qmv_h2 if x.is_cuda and self._h2.serves(x, wq, scales, biases) else qm.run_qmv
             y = run(x, wq, scales, biases, backend=backend)
             return y if y.dtype == x.dtype else y.to(x.dtype)
+        if x.is_cuda and x.shape[0] >= qm.DEQUANT_MM_MIN_ROWS and 32 % qm._format_of(x, wq, scales, biases)["BITS"] == 0:
+            return qm.dequant_mm(x, wq, scales, biases)
         return qm.qmm(x, wq, scales, biases, backend=backend)
 
     def limit_for(self, x, wq, scales, biases) -> int:

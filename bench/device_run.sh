@@ -14,7 +14,7 @@ step() {  # name seconds command...
   echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"; grep -v "^  " $OUT/$name.log | tail -${TAIL:-25}
 }
 for s in "$@"; do case $s in
-  gputests) step gputests 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/kernels/test_qmatmul_gpu.py tests/dsl/test_half2.py tests/tuner/test_tuner_gpu.py ;;
+  gputests) step gputests 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/kernels/test_qmatmul_gpu.py tests/dsl/test_half2.py tests/runtime/test_engine_gpu.py tests/tuner/test_tuner_gpu.py ;;
   quant) step quant 330 python3 bench/bench_kernels.py --suite quant --out $OUT ;;
   qmv) KILNX_BENCH_ONLY=qmv step qmv ${QMV_SECS:-400} python3 bench/bench_kernels.py --suite quant --out $OUT/qmv ;;
   ncu) step ncu 240 ncu --clock-control none --set detailed -k regex:qmv --launch-skip 4 --launch-count 2 \

@@ -62,6 +62,15 @@ def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: t
     rope.rope_(q, k, positions, inv_freq, interleaved=interleaved)
 
 
+def rope_and_cache_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    rows: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+                    interleaved: bool = False) -> None:
+    """rope_ on q (T, Hq, D) in place, and rotated k with v (T, Hk, D) written into the caches
+    (B, Hk, S, D) at [rows[t], :, positions[t], :], in one kernel. q, k, v may be views of one qkv."""
+    from kilnx.kernels import rope
+    rope.rope_and_cache_(q, k, v, positions, rows, inv_freq, k_cache, v_cache, interleaved=interleaved)
+
+
 def qmatmul(x: torch.Tensor, w) -> torch.Tensor:
     """x (..., K) @ w.T where w is a kilnx.quant.QWeight (N, K) or a dense (N, K) tensor -> (..., N)."""
     from kilnx.kernels import qmatmul as qm

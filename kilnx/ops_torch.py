@@ -88,6 +88,13 @@ def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: t
             r[..., half:] = rb
 
 
+def rope_and_cache_(q, k, v, positions, rows, inv_freq, k_cache, v_cache, *, interleaved: bool = False) -> None:
+    """rope_ on q and k, then k and v written into the (B, Hk, S, D) caches at [rows[t], :, positions[t], :]."""
+    rope_(q, k, positions, inv_freq, interleaved=interleaved)
+    k_cache.transpose(1, 2)[rows, positions] = k
+    v_cache.transpose(1, 2)[rows, positions] = v
+
+
 # QWeight -> its dequantized dense matrix, per compute dtype. QWeight.dequantize evaluates the format
 # on the CPU with numpy; doing that every step would make the eager peer measure numpy, not torch.
 # The weak keys let the cache go with the model.

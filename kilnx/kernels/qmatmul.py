@@ -46,7 +46,23 @@ def _qmv_key(x, wq, scales, biases, **kw):
     return {"M": x.shape[0], "N": wq.shape[0], "K": x.shape[1], "bits": f["BITS"], "gs": f["GROUP"]}
 
 
+def dequantize_on_device(wq, scales, biases, bits: int, group: int) -> torch.Tensor:
+    """The fp32 dense weight, computed where the tensors live, for 2/4/8-bit codes (whole codes per word).
+
+    Equal to QWeight.dequantize (the numpy reference; tests/kernels/test_qmatmul.py checks it) but fast
+    on the GPU: the tuner's correctness gate needs the dense product of 100M+-weight matrices, which
+    the numpy reference took seconds to make per draw and so starved the big buckets of trials."""
+    n, kw = wq.shape
+    shifts = torch.arange(0, 32, bits, device=wq.device, dtype=torch.int32)
+    codes = (wq.to(torch.int32)[:, :, None] >> shifts) & ((1 << bits) - 1)   # arithmetic >>, then masked
+    q = codes.reshape(n, -1, group).float()
+    return (q * scales.float()[..., None] + biases.float()[..., None]).reshape(n, kw * 32 // bits)
+
+
 def _dense_spec(x, wq, scales, biases, bits, group, dtype=None):
+    if 32 % bits == 0:
+        w = dequantize_on_device(wq, scales, biases, bits, group)
+        return (x.double() @ w.double().T).to(dtype or x.dtype)
     from kilnx.quant import QWeight
     w = QWeight.from_mlx(wq.cpu(), scales.cpu(), biases.cpu(), bits=bits, group_size=group)
     y = x.double().cpu() @ w.dequantize(torch.float32).double().T
@@ -395,6 +411,8 @@ def _dense_peer(x, wq, scales, biases):
 
 def _dense_spec_weight(x, wq, scales, biases):
     f = _format_of(x, wq, scales, biases)
+    if 32 % f["BITS"] == 0:
+        return dequantize_on_device(wq, scales, biases, f["BITS"], f["GROUP"]).to(torch.bfloat16)
     from kilnx.quant import QWeight
     q = QWeight.from_mlx(wq.cpu(), scales.cpu(), biases.cpu(), bits=f["BITS"], group_size=f["GROUP"])
     return q.dequantize(torch.bfloat16).to(x.device)

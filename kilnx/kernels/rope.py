@@ -141,3 +141,95 @@ def rope_(q, k, positions, inv_freq, *, interleaved=False) -> None:
         raise ValueError(f"rope_: rotary width {2 * inv_freq.shape[0]} must be <= head dim, and q, k must "
                          f"share it (q {tuple(q.shape)}, k {tuple(k.shape)})")
     rope_kernel(q, k, positions, inv_freq, INTERLEAVED=bool(interleaved))
+
+
+# ---- rope + KV-cache write in one launch -------------------------------------------------------------
+# A decode step used to rotate q and k (after copying both out of the fused qkv output), then write k and
+# v into the cache with two indexing ops and an arange: six launches per layer, each a few microseconds
+# of almost no work. This kernel reads q, k, v where the qkv projection left them, rotates q in place,
+# and writes rotated k and plain v straight into the cache.
+def _rope_cache_key(q, k, v, positions, rows, inv_freq, k_cache, v_cache, **_):
+    return {"T": q.shape[0], "Hq": q.shape[1], "Hk": k.shape[1], "D": q.shape[2], "R": 2 * inv_freq.shape[0]}
+
+
+def _rope_cache_default(q, k, v, positions, rows, inv_freq, k_cache, v_cache, **_):
+    return {"BLOCK_R": min(max(_next_pow2(inv_freq.shape[0]), 8), 256),
+            "BLOCK_D": min(max(_next_pow2(q.shape[2]), 16), 256),
+            "BLOCK_H": min(_next_pow2(max(q.shape[1], k.shape[1])), 16)}
+
+
+def _rope_cache_spec(q, k, v, positions, rows, inv_freq, k_cache, v_cache, *, INTERLEAVED=False, **_):
+    """q rotated; the caches with rotated k and v written at [rows[t], :, positions[t], :]."""
+    kc, vc = k_cache.clone(), v_cache.clone()
+    kr = rotated(k, positions, inv_freq, INTERLEAVED)
+    kc.transpose(1, 2)[rows.long(), positions.long()] = kr
+    vc.transpose(1, 2)[rows.long(), positions.long()] = v
+    return rotated(q, positions, inv_freq, INTERLEAVED), kc, vc
+
+
+@InPlaceAsOutputs.of(mutated=(0, 6, 7))
+@kd.kernel(
+    tune={"BLOCK_H": kd.pow2(1, 64, default=8), "BLOCK_R": kd.pow2(8, 256, default=64),
+          "BLOCK_D": kd.pow2(16, 256, default=128), "num_warps": kd.choice(1, 2, 4, 8, default=2)},
+    key=_rope_cache_key, default=_rope_cache_default, spec=_rope_cache_spec)
+def rope_cache_kernel(q, k, v, positions, rows, inv_freq, k_cache, v_cache, *, INTERLEAVED: kd.constexpr = False,
+                      BLOCK_H, BLOCK_R, BLOCK_D):
+    T, D = q.shape[0], q.shape[2]
+    Hk = k.shape[1]
+    half = inv_freq.shape[0]
+    t = kd.grid(T)
+    pos = kd.load(positions, t)
+    row = kd.load(rows, t)
+    # v, and the dims of k past the rotary width, go to the cache unchanged
+    for d0 in kd.range(0, D, BLOCK_D):
+        dim = (d0 + kd.arange(0, BLOCK_D))[None, :]
+        for h0 in kd.range(0, Hk, BLOCK_H):
+            head = (h0 + kd.arange(0, BLOCK_H))[:, None]
+            kd.store(v_cache, row, head, pos, dim, kd.load(v, t, head, dim))
+            tail = dim >= 2 * half
+            kd.store(k_cache, row, head, pos, dim, kd.load(k, t, head, dim, mask=tail), mask=tail)
+    for r0 in kd.range(0, half, BLOCK_R):
+        pair = r0 + kd.arange(0, BLOCK_R)
+        in_rotary = (pair < half)[None, :]
+        angle = pos.f32() * kd.load(inv_freq, pair).f32()
+        cos = kd.cos(angle)[None, :]
+        sin = kd.sin(angle)[None, :]
+        if INTERLEAVED:
+            dim_a, dim_b = (2 * pair)[None, :], (2 * pair + 1)[None, :]
+        else:
+            dim_a, dim_b = pair[None, :], (pair + half)[None, :]
+        for h0 in kd.range(0, q.shape[1], BLOCK_H):
+            head = (h0 + kd.arange(0, BLOCK_H))[:, None]
+            a = kd.load(q, t, head, dim_a, mask=in_rotary).f32()
+            b = kd.load(q, t, head, dim_b, mask=in_rotary).f32()
+            kd.store(q, t, head, dim_a, a * cos - b * sin, mask=in_rotary)
+            kd.store(q, t, head, dim_b, b * cos + a * sin, mask=in_rotary)
+        for h0 in kd.range(0, Hk, BLOCK_H):
+            head = (h0 + kd.arange(0, BLOCK_H))[:, None]
+            a = kd.load(k, t, head, dim_a, mask=in_rotary).f32()
+            b = kd.load(k, t, head, dim_b, mask=in_rotary).f32()
+            kd.store(k_cache, row, head, pos, dim_a, a * cos - b * sin, mask=in_rotary)
+            kd.store(k_cache, row, head, pos, dim_b, b * cos + a * sin, mask=in_rotary)
+
+
+def _rope_cache_problem_args(problem: dict, device: str):
+    q, k, positions, inv_freq = _rope_problem_args(problem, device)
+    T, Hk, D = k.shape
+    S = 8192
+    v = torch.randn_like(k)
+    kc = torch.zeros(1, Hk, S, D, dtype=k.dtype, device=device)
+    return q, k, v, positions, torch.zeros_like(positions), inv_freq, kc, torch.zeros_like(kc)
+
+
+rope_cache_kernel.tuning(
+    make_args=_rope_cache_problem_args,
+    problems=[{"T": T, "Hq": 32, "Hk": 8, "D": 128, "R": 128, "dtype": "bf16"} for T in (1, 512)])
+
+
+def rope_and_cache_(q, k, v, positions, rows, inv_freq, k_cache, v_cache, *, interleaved=False) -> None:
+    """kilnx.ops.rope_and_cache_: q (T, Hq, D) rotated in place; rotated k and v (T, Hk, D) written to
+    k_cache / v_cache (B, Hk, S, D) at [rows[t], :, positions[t], :]."""
+    if 2 * inv_freq.shape[0] > q.shape[-1] or q.shape[-1] != k.shape[-1] or k.shape != v.shape:
+        raise ValueError(f"rope_and_cache_: rotary width {2 * inv_freq.shape[0]} must be <= head dim, q, k, v must "
+                         f"share it and k, v their shape (q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)})")
+    rope_cache_kernel(q, k, v, positions, rows, inv_freq, k_cache, v_cache, INTERLEAVED=bool(interleaved))

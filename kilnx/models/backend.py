@@ -13,7 +13,7 @@ import types
 import torch
 
 OP_NAMES = ("rms_norm", "add_rms_norm", "silu_mul", "gelu_tanh_mul", "softcap", "scaled_add", "rope_",
-            "qmatmul", "attention", "argmax")
+            "rope_and_cache_", "qmatmul", "attention", "argmax")
 
 
 class _FallbackOps(types.SimpleNamespace):
@@ -81,6 +81,9 @@ def missing_ops(ops, device: str = "cpu") -> list[str]:
         "scaled_add": lambda: ops.scaled_add(x, x, 0.5),
         "rope_": lambda: ops.rope_(q[0].clone(), kc[0, :, :2].transpose(0, 1).contiguous(), pos[0],
                                    torch.ones(32, device=dev)),
+        "rope_and_cache_": lambda: ops.rope_and_cache_(q[0].clone(), q[0, :, :1].clone(), q[0, :, :1].clone(),
+                                                       pos[0], torch.zeros_like(pos[0]), torch.ones(32, device=dev),
+                                                       kc.clone(), kc.clone()),
         "qmatmul": lambda: ops.qmatmul(x, torch.randn(32, 64, device=dev)),
         "attention": lambda: ops.attention(q, kc, kc, pos, 0.125),
         "argmax": lambda: ops.argmax(x),

@@ -47,6 +47,7 @@ class LlamaModel:
         eps, off = cfg.rms_norm_eps, self._norm_offset
         h = w.embed[input_ids.reshape(-1)]                     # (B*T, H) gather
         pos_flat = positions.reshape(-1)
+        rows_flat = torch.arange(B, device=positions.device).repeat_interleave(T)   # cache row of each token
         residual = None
         for i, layer in enumerate(w.layers):
             if residual is None:
@@ -54,7 +55,7 @@ class LlamaModel:
                 x = ops.rms_norm(h, layer.attn_norm, eps, weight_offset=off)
             else:
                 residual, x = ops.add_rms_norm(h, residual, layer.attn_norm, eps, weight_offset=off)
-            a = self._attention(i, layer, x, positions, pos_flat, kv_cache, B, T)
+            a = self._attention(i, layer, x, positions, pos_flat, rows_flat, kv_cache, B, T)
             if self._gemma:
                 a = ops.rms_norm(a, layer.post_attn_norm, eps, weight_offset=off)
             residual, x = ops.add_rms_norm(a, residual, layer.mlp_norm, eps, weight_offset=off)
@@ -73,7 +74,7 @@ class LlamaModel:
     __call__ = forward
 
     # ------------------------------------------------------------------ blocks
-    def _attention(self, i: int, layer: LayerWeights, x, positions, pos_flat, cache, B: int, T: int):
+    def _attention(self, i: int, layer: LayerWeights, x, positions, pos_flat, rows_flat, cache, B: int, T: int):
         cfg, ops = self.config, self.ops
         Hq, Hk, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qs, ks = cfg.q_size, cfg.kv_size
@@ -87,13 +88,11 @@ class LlamaModel:
         if layer.q_norm is not None:
             q = ops.rms_norm(q, layer.q_norm, cfg.rms_norm_eps, weight_offset=self._norm_offset)
             k = ops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps, weight_offset=self._norm_offset)
-        else:
-            # rope_ rotates in place; give it dense tensors rather than strided views into qkv.
-            q, k = q.contiguous(), k.contiguous()
         sliding = cfg.layer_is_sliding(i)
         inv = self._inv_freq_local if sliding else self._inv_freq
-        ops.rope_(q, k, pos_flat, inv, interleaved=cfg.rope_interleaved)
-        k_cache, v_cache = cache.write(i, k.view(B, T, Hk, D), v.view(B, T, Hk, D), positions)
+        # one kernel: q rotated where the projection left it, rotated k and v written into the cache
+        k_cache, v_cache = cache.k[i], cache.v[i]
+        ops.rope_and_cache_(q, k, v, pos_flat, rows_flat, inv, k_cache, v_cache, interleaved=cfg.rope_interleaved)
         o = ops.attention(q.view(B, T, Hq, D), k_cache, v_cache, positions, cfg.attn_scale,
                           softcap=cfg.attn_logit_softcap, window=cfg.sliding_window if sliding else None)
         return _linear(ops, o.reshape(B * T, Hq * D), [layer.o])

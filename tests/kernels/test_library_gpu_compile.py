@@ -42,6 +42,11 @@ for bits in (3, 4, 8):
             for cfg in ({}, {"SPLIT_K": 2, "BLOCK_KW": 64, "BLOCK_N": 4}):
                 ck = compile_for_target(H.qmv_h2, pargs, cfg)
                 assert ck.asm["ptx"].count("fma.rn.f16x2") >= 2, "qmv_h2 without packed fp16 math"
+from kilnx.kernels import rope
+q, k, v = torch.randn(3, 8, 128).bfloat16(), torch.randn(3, 2, 128).bfloat16(), torch.randn(3, 2, 128).bfloat16()
+pos, rows, inv = torch.arange(3), torch.zeros(3, dtype=torch.long), torch.ones(64)
+kc = torch.zeros(1, 2, 16, 128).bfloat16()
+compile_for_target(rope.rope_cache_kernel.kernel, (q, k, v, pos, rows, inv, kc, kc.clone()), {})
 print("ok")
 """
 

@@ -126,3 +126,11 @@ def test_dense_mm_for_unquantized_weights(m, n, k):
     x, w = torch.randn(m, k), torch.randn(n, k)
     y = Q.qmatmul(x, w)
     assert (y.double() - x.double() @ w.double().T).abs().max().item() < 1e-3 * k ** 0.5
+
+
+@pytest.mark.parametrize("bits,gs", [(2, 32), (4, 64), (8, 128)])
+def test_device_dequantization_equals_the_numpy_reference(bits, gs):
+    """The tuner's gate and the benchmarks' cuBLAS peer dequantize with torch on the device."""
+    _, qw, _ = mlx_case(1, 24, 2 * gs, bits, gs, seed=bits)
+    got = Q.dequantize_on_device(qw.packed, qw.scales, qw.biases, bits, gs)
+    assert torch.equal(got, qw.dequantize(torch.float32))

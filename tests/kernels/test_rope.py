@@ -141,3 +141,47 @@ def test_cos_sin_ops_on_every_backend():
         c, s = cos_sin(x, backend=backend)
         torch.testing.assert_close(c, x.double().cos().float(), rtol=0, atol=2e-6)
         torch.testing.assert_close(s, x.double().sin().float(), rtol=0, atol=2e-6)
+
+
+# ---- rope + KV-cache write in one kernel ------------------------------------------------------------
+@settings(max_examples=5, deadline=None, derandomize=True)
+@given(shape=shapes, dtype=st.sampled_from(["f32", "bf16"]), interleaved=st.booleans(), batch=st.sampled_from([1, 2]))
+def test_rope_and_cache_writes_what_rope_then_indexing_would(shape, dtype, interleaved, batch):
+    """Against ops_torch (rope_, then k and v written by indexing): q rotated in place, the cache rows
+    of each token's (row, position) hold rotated k and untouched v, and nothing else in the cache moves."""
+    T, (Hq, Hk), D, ratio = shape
+    R = D // ratio
+    q, k, qkv, positions, inv_freq = inputs(T * batch, Hq, Hk, D, R, dtype, fused=True, seed=T * 7 + D)
+    v = qkv[:, (Hq + Hk) * D:].view(T * batch, Hk, D)
+    positions = torch.randperm(40)[:T * batch] if batch == 1 else torch.cat([torch.randperm(40)[:T]] * batch)
+    rows = torch.arange(batch).repeat_interleave(T)
+    S = 40
+    caches = torch.randn(2, batch, Hk, S, D).to(DTYPES[dtype])
+    want_q, want_k = q.clone(), k.clone()
+    want_kc, want_vc = caches[0].clone(), caches[1].clone()
+    ops_torch.rope_and_cache_(want_q, want_k, v.clone(), positions, rows, inv_freq, want_kc, want_vc,
+                              interleaved=interleaved)
+    for backend in ("triton", "reference") + (("numba",) if dtype == "bf16" and batch == 2 else ()):
+        gq, gkc, gvc = q.clone(), caches[0].clone(), caches[1].clone()
+        rope.rope_cache_kernel(gq, k, v, positions, rows, inv_freq, gkc, gvc, INTERLEAVED=interleaved,
+                               backend=backend, config=None if backend != "reference" else {})
+        check_rotated(gq, want_q, dtype, R)
+        assert torch.equal(gvc, want_vc), f"{backend}: v cache"
+        written = torch.zeros(batch, S, dtype=torch.bool)
+        written[rows, positions] = True
+        assert torch.equal(gkc.transpose(1, 2)[~written], want_kc.transpose(1, 2)[~written]), f"{backend}: stray writes"
+        check_rotated(gkc.transpose(1, 2)[written], want_kc.transpose(1, 2)[written], dtype, R)
+
+
+def test_rope_and_cache_on_numba():
+    q, k, qkv, positions, inv_freq = inputs(4, 4, 2, 64, 32, "bf16", fused=True, seed=3)
+    v = qkv[:, 6 * 64:].view(4, 2, 64)
+    rows, positions = torch.tensor([0, 0, 1, 1]), torch.tensor([5, 6, 5, 7])
+    caches = torch.zeros(2, 2, 2, 10, 64, dtype=torch.bfloat16)
+    want_q, want_kc, want_vc = q.clone(), caches[0].clone(), caches[1].clone()
+    ops_torch.rope_and_cache_(want_q, k.clone(), v.clone(), positions, rows, inv_freq, want_kc, want_vc)
+    gq, gkc, gvc = q.clone(), caches[0].clone(), caches[1].clone()
+    rope.rope_cache_kernel(gq, k, v, positions, rows, inv_freq, gkc, gvc, backend="numba")
+    check_rotated(gq, want_q, "bf16", 32)
+    check_rotated(gkc, want_kc, "bf16", 32)
+    assert torch.equal(gvc, want_vc)

@@ -32,19 +32,21 @@ SIXTEENTH, NEG_64 = 0x2C002C00, 0xD400D400
 BITS_SERVED = (4, 8)
 
 
+def _exact_pair(words, bits: int, p: int):
+    """Pair p of each word (codes p and p + PER/2) as exact fp16 halves: one LOP3 and one HFMA2.
+
+    (src | MAGIC) & (mask | MAGIC) is (src & mask) | MAGIC (the magic bits lie outside every mask),
+    written so that each instruction needs one constant: the OR is shared by the pairs of one source,
+    and no mask has to be moved into a register first."""
+    src = words if (p < 2 if bits == 4 else p == 0) else words >> 8   # arithmetic >>: the sign bits
+    mask = {4: (0x000F000F, 0x00F000F0), 8: (0x00FF00FF, 0x00FF00FF)}[bits][p % 2 if bits == 4 else 0]
+    h = ((src | MAGIC) & (mask | MAGIC)).bitcast(kd.u32)              # land above every mask
+    return kd.h2_fma(h, SIXTEENTH, NEG_64) if mask == 0x00F000F0 else kd.h2_fma(h, ONE, NEG_1024)
+
+
 def _exact_pairs(words, bits: int):
     """The PER/2 code pairs of each word as exact fp16 halves (pair p = codes p and p + PER/2)."""
-    w8 = words >> 8      # arithmetic shift: the sign bits land above every mask below
-    if bits == 4:
-        parts = [(words & 0x000F000F, False), (words & 0x00F000F0, True),
-                 (w8 & 0x000F000F, False), (w8 & 0x00F000F0, True)]
-    else:
-        parts = [(words & 0x00FF00FF, False), (w8 & 0x00FF00FF, False)]
-    out = []
-    for code, times16 in parts:
-        h = (code | MAGIC).bitcast(kd.u32)
-        out.append(kd.h2_fma(h, SIXTEENTH, NEG_64) if times16 else kd.h2_fma(h, ONE, NEG_1024))
-    return out
+    return [_exact_pair(words, bits, p) for p in range(16 // bits)]
 
 
 def _group_scale(amax):
@@ -165,15 +167,17 @@ def qmv_h2(planes, sums, xs, wq, scales, biases, *, BITS: kd.constexpr, GROUP: k
         g = w0 // WPG + kd.arange(0, G)
         s = kd.load(scales, n[:, None], g[None, :], check=(not ROWS_IN, not K_IN)).f32()
         b = kd.load(biases, n[:, None], g[None, :], check=(not ROWS_IN, not K_IN)).f32()
-        pairs = _exact_pairs(words, BITS)
-        # every row reuses the decoded pairs; one row needs no loop at all
+        # every row reuses the decoded pairs (one row needs no loop at all, and decodes each pair
+        # right where it is used, so only one pair tile is live at a time)
+        pairs = _exact_pairs(words, BITS) if BLOCK_M > 1 else None
         for m in (kd.static_range(1) if BLOCK_M == 1 else kd.range(0, M)):
             d = None
             for p in kd.static_range(PER // 2):
                 # x as a (BLOCK_N, CHUNK) tile (rows repeat the same addresses): it arrives in the
                 # words' register layout, with no shuffle through shared memory
                 xp = kd.load(planes, m, p, wc[None, :] + n[:, None] * 0, check=(False, False, not K_IN))
-                d = kd.h2_fma(pairs[p], xp, 0) if d is None else kd.h2_fma(pairs[p], xp, d)
+                code = pairs[p] if pairs is not None else _exact_pair(words, BITS, p)
+                d = kd.h2_fma(code, xp, 0) if d is None else kd.h2_fma(code, xp, d)
             qx = kd.h2_sum(d)                                                    # (BLOCK_N, CHUNK) fp32
             qx_g = kd.reshape(kd.sum(kd.reshape(qx, (BLOCK_N * G, WPG)), axis=1), (BLOCK_N, G))
             xs_g = kd.load(xs, m, g, check=(False, not K_IN))

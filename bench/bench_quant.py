@@ -50,14 +50,18 @@ def bench_quant(rec, copy_bw: float, smoke: bool):
     shapes = LLAMA8B if not smoke else {"o": (64, 256)}
     only = os.environ.get("KILNX_BENCH_ONLY", "")
     only_qmm = only == "qmm"
+    if only == "gate_up":   # the headline shape only: M = 1 and 4, every format
+        shapes = {"gate_up": shapes["gate_up"]}
     for label, (n, k) in ({} if only_qmm else shapes).items():
-        for m in ((1, 4, 8) if not smoke else (1, 3)):
+        for m in ((1, 4) if only == "gate_up" else (1, 4, 8) if not smoke else (1, 3)):
             _safe(rec, f"qmv_b4_M{m}_{label}", lambda: _bench_qmv(rec, label, n, k, m, 4, dev, copy_bw, smoke))
     label = "gate_up" if not smoke else "o"
     n, k = shapes[label]
     if not only_qmm:
         _safe(rec, f"qmv_b8_M1_{label}", lambda: _bench_qmv(rec, label, n, k, 1, 8, dev, copy_bw, smoke))
-    for m in ((512, 4096) if not smoke and only != "qmv" else (32,) if smoke else ()):
+        for mode in ("mxfp4", "nvfp4"):
+            _safe(rec, f"qmv_{mode}_M1_{label}", lambda mode=mode: _bench_fp4(rec, label, n, k, mode, dev, copy_bw, smoke))
+    for m in ((512, 4096) if not smoke and only not in ("qmv", "gate_up") else (32,) if smoke else ()):
         _safe(rec, f"qmm_b4_M{m}_{label}", lambda: _bench_qmm(rec, label, n, k, m, dev, smoke))
 
 
@@ -139,6 +143,28 @@ def _bench_qmv(rec, label, n, k, m, bits, dev, copy_bw, smoke):
     wide = [r for r in results if r[1] == "qmm"]
     if wide:
         rec.add("quant", case, "us_qmm_swap_best", min(wide, key=lambda r: r[0])[0] * 1e6)
+
+
+def _bench_fp4(rec, label, n, k, mode, dev, copy_bw, smoke):
+    """fp4 GEMV at M=1 (mxfp4: e8m0 scales per 32, nvfp4: e4m3 per 16), against the copy ceiling."""
+    from kilnx.kernels import qmatmul_fp4 as F
+    group = 32 if mode == "mxfp4" else 16
+    wbytes = n * k // 2 + n * (k // group)
+    p = {"M": 1, "N": n, "K": k, "mode": mode}
+    sets = [F.make_fp4_args(p, dev) for _ in range(copies_for(wbytes, smoke))]
+    x0, wq0, s0, g0 = sets[0]
+    ref = (x0.float() @ F.dense_weight(wq0, s0, g0).float().T)
+    results = []
+    for cfg in [F.fp4_qmv.space.default()] + QMV_CONFIGS[: (2 if smoke else None)]:
+        cfg = {key: v for key, v in cfg.items() if key in F.fp4_qmv.space.params}
+        run = lambda x, wq, s, g, cfg=cfg: F.run_fp4_qmv(x, wq, s, g, config=cfg)  # noqa: E731
+        t = _measure(f"qmv_{mode} {cfg}", run, sets, ref)
+        if t is not None:
+            results.append((t, cfg))
+    best = min(results, key=lambda r: r[0])
+    case = f"qmv_{mode}_M1_{label}"
+    rec.add("quant", case, "GBps", wbytes / best[0] / 1e9, "copy_GBps", copy_bw)
+    rec.add("quant", case, "pct_of_copy", 100 * wbytes / best[0] / 1e9 / copy_bw, "best_config", str(best[1]))
 
 
 def _bench_qmm(rec, label, n, k, m, dev, smoke):

@@ -61,3 +61,13 @@ def test_public_qmatmul_on_gpu_every_m():
         x, wq, s, b, want = case(m, 96, 512, 4)
         w = QWeight.from_mlx(wq, s, b, bits=4, group_size=64)
         close(Q.qmatmul(x, w), want, 512)
+
+
+@pytest.mark.parametrize("mode", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("m", [1, 3, 40])
+def test_fp4_qmatmul_on_gpu(mode, m):
+    from kilnx.kernels import qmatmul_fp4 as F
+    x, wq, scales, gscale = F.make_fp4_args({"M": m, "N": 200, "K": 1024, "mode": mode}, "cuda")
+    want = x.double().cpu() @ F.dense_weight(wq, scales, gscale).double().cpu().T
+    got = F.run_fp4_qmv(x, wq, scales, gscale) if m <= F.FP4_QMV_MAX_ROWS else F.fp4_qmm(x, wq, scales, gscale)
+    close(got, want, 1024)

@@ -1,0 +1,26 @@
+"""Where a decode step's time goes: a model (random 4-bit weights) decodes with CUDA graphs off, and
+torch.profiler's CUDA-time table of 16 steps is printed (graphs on, each step replays the same kernels).
+    python3 bench/profile_decode.py [llama-3.1-8b]"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from kilnx.models.loaders import load_model
+from kilnx.runtime.engine import Engine
+
+name = sys.argv[1] if len(sys.argv) > 1 else "llama-3.1-8b"
+lm = load_model(name, device="cuda", ops="auto", random=True, random_format="q4")
+engine = Engine(lm.model, max_seq=256, cuda_graphs=False)
+engine.prefill(list(range(1, 129)))
+tok, pos = torch.tensor([5], device="cuda"), torch.tensor([128], device="cuda")
+for i in range(8):      # compiles and warms every kernel of a step
+    engine.decode(tok, pos + i)
+torch.cuda.synchronize()
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    for i in range(16):
+        engine.decode(tok, pos + 8 + i)
+    torch.cuda.synchronize()
+print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=50))

@@ -50,8 +50,14 @@ def bench_quant(rec, copy_bw: float, smoke: bool):
     shapes = LLAMA8B if not smoke else {"o": (64, 256)}
     only = os.environ.get("KILNX_BENCH_ONLY", "")
     only_qmm = only == "qmm"
-    if only == "gate_up":   # the headline shape only: M = 1 and 4, every format
-        shapes = {"gate_up": shapes["gate_up"]}
+    if only in ("gate_up", "fp4"):   # the headline shape only: M = 1 and 4, every format (or fp4 alone)
+        shapes = {k: v for k, v in shapes.items() if k in ("gate_up", "o")}
+        shapes = {k: v for k, v in list(shapes.items())[-1:]}
+    if only == "fp4":
+        [(label, (n, k))] = shapes.items()
+        for mode in ("mxfp4", "nvfp4"):
+            _safe(rec, f"qmv_{mode}_M1_{label}", lambda mode=mode: _bench_fp4(rec, label, n, k, mode, dev, copy_bw, smoke))
+        return
     for label, (n, k) in ({} if only_qmm else shapes).items():
         for m in ((1, 4) if only == "gate_up" else (1, 4, 8) if not smoke else (1, 3)):
             _safe(rec, f"qmv_b4_M{m}_{label}", lambda: _bench_qmv(rec, label, n, k, m, 4, dev, copy_bw, smoke))
@@ -153,7 +159,7 @@ def _bench_fp4(rec, label, n, k, mode, dev, copy_bw, smoke):
     p = {"M": 1, "N": n, "K": k, "mode": mode}
     sets = [F.make_fp4_args(p, dev) for _ in range(copies_for(wbytes, smoke))]
     x0, wq0, s0, g0 = sets[0]
-    ref = (x0.float() @ F.dense_weight(wq0, s0, g0).float().T)
+    ref = x0.float() @ F.dense_weight(wq0, s0, g0).float().to(x0.device).T
     results = []
     for cfg in [F.fp4_qmv.space.default()] + QMV_CONFIGS[: (2 if smoke else None)]:
         cfg = {key: v for key, v in cfg.items() if key in F.fp4_qmv.space.params}

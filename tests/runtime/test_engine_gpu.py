@@ -41,16 +41,14 @@ def test_kilnx_forward_equals_the_torch_peer_on_gpu(arch, length):
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3"])
 def test_graph_decode_follows_the_torch_peer(arch):
-    """Greedy tokens from CUDA-graph decode steps on kilnx's kernels = torch eager's."""
+    """CUDA-graph decode steps on kilnx's kernels give the torch eager peer's logits, step after step,
+    both fed the same tokens (free-running greedy paths of a random tiny model part at near-ties)."""
     prompt = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(3)).tolist()
-    tokens = {}
-    for ops in ("torch", "kilnx"):
-        eng = Engine(model(arch, ops), max_seq=64, cuda_graphs=(ops == "kilnx"))
-        logits = eng.prefill(prompt)
-        out, pos = [int(logits.argmax())], len(prompt)
-        for _ in range(8):
-            logits = eng.decode(torch.tensor([out[-1]], device="cuda"), torch.tensor([pos], device="cuda"))
-            out.append(int(logits[0].argmax()))
-            pos += 1
-        tokens[ops] = out
-    assert tokens["kilnx"] == tokens["torch"]
+    engines = {ops: Engine(model(arch, ops), max_seq=64, cuda_graphs=(ops == "kilnx")) for ops in ("torch", "kilnx")}
+    logits = {ops: e.prefill(prompt).float() for ops, e in engines.items()}
+    for step in range(8):
+        want = logits["torch"]
+        torch.testing.assert_close(logits["kilnx"], want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
+        tok = torch.tensor([int(want.argmax())], device="cuda")
+        pos = torch.tensor([len(prompt) + step], device="cuda")
+        logits = {ops: e.decode(tok, pos)[0].float() for ops, e in engines.items()}

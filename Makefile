@@ -22,11 +22,12 @@ install: $(STAMP)
 
 run: $(STAMP)
 	# A short tune for this device (the CPU here: numba kernels), then text from the real SmolLM2
-	# checkpoint on the tuned kernels, then its bench line. The first run compiles every kernel.
+	# checkpoint on the tuned kernels, then its bench line against HF transformers timed in the same
+	# run with the same 2 threads. The first run compiles every kernel (cached on disk afterwards).
 	$(BIN)/kilnx tune --device auto --model smollm2-135m --kernel add_rms_norm_kernel \
 	    --kernel rms_norm_kernel --kernel silu_mul_kernel --budget 2m
-	$(BIN)/kilnx generate --model smollm2-135m --prompt "The three primary colors are" --max-tokens 8
-	$(BIN)/kilnx bench --model smollm2-135m --prompt-lens 16 --gen 4
+	$(BIN)/kilnx generate --model smollm2-135m --prompt "The three primary colors are" --max-tokens 32
+	$(BIN)/kilnx bench --model smollm2-135m --prompt-lens 16 --gen 64 --peer hf --threads 2
 
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -x --timeout=900 tests

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 import kilnx.dsl as kd
+from kilnx.kernels import _gemv as gemv
 
 
 def _format_of(x, wq, scales, biases):
@@ -139,16 +140,10 @@ def qmv(planes, sums, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.const
     N, KW = wq.shape
     PER = 32 // BITS                 # codes per word
     WPG = GROUP // PER               # words per group
-    G = max(BLOCK_KW // WPG, 1)      # groups per chunk of words
-    CHUNK = G * WPG                  # whole groups per chunk
+    G, CHUNK = gemv.chunk_of(BLOCK_KW, WPG)
     ROWS_IN = N_DIV % BLOCK_N == 0   # every row of every block exists: no row masks
     K_IN = KW_DIV % CHUNK == 0       # every chunk is whole: no masks along K
-    pid_n, pid_k = kd.grid(kd.cdiv(N, BLOCK_N), SPLIT_K)
-    n = pid_n * BLOCK_N + kd.arange(0, BLOCK_N)
-    rows = kd.arange(0, BLOCK_M)
-    words_per_split = kd.cdiv(kd.cdiv(KW, SPLIT_K), CHUNK) * CHUNK
-    w_start = pid_k * words_per_split
-    w_stop = kd.minimum(w_start + words_per_split, KW)
+    n, w_start, w_stop = gemv.split_range(N, KW, BLOCK_N, CHUNK, SPLIT_K)
     acc = kd.zeros((BLOCK_M, BLOCK_N), kd.f32)
     for w0 in kd.range(w_start, w_stop, CHUNK):
         wc = w0 + kd.arange(0, CHUNK)
@@ -158,26 +153,15 @@ def qmv(planes, sums, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.const
         s = kd.load(scales, n[:, None], g[None, :], check=(not ROWS_IN, not K_IN)).f32()
         b = kd.load(biases, n[:, None], g[None, :], check=(not ROWS_IN, not K_IN)).f32()
         codes = [_code(words, hi, j, BITS, MAGIC) for j in kd.static_range(PER)]
-        # every row reuses the codes already in registers; one row needs no loop at all
-        for m in (kd.static_range(1) if BLOCK_M == 1 else kd.range(0, M)):
+        for m in gemv.activation_rows(M, BLOCK_M):   # every row reuses the codes in registers
             qx = None
             for j in kd.static_range(PER):
-                # loaded as a (BLOCK_N, CHUNK) tile (rows repeat the same addresses) so x arrives in
-                # the packed words' register layout: a 1-d load would be re-laid out through shared
-                # memory, with a barrier, for every code position
-                term = codes[j] * kd.load(planes, m, j, wc[None, :] + n[:, None] * 0,
-                                          check=(False, False, not K_IN))
+                term = codes[j] * gemv.x_tile(planes, m, j, wc, n, K_IN)
                 qx = term if qx is None else qx + term
-            qx_g = kd.reshape(kd.sum(kd.reshape(qx, (BLOCK_N * G, WPG)), axis=1), (BLOCK_N, G))
+            qx_g = gemv.per_group(qx, BLOCK_N, G, WPG)
             row = kd.sum(qx_g * s + b * kd.load(sums, m, g, check=(False, not K_IN))[None, :], axis=1)
-            acc += row[None, :] if BLOCK_M == 1 else kd.where(rows[:, None] == m, row[None, :], 0.0)
-    if SPLIT_K == 1:
-        out = kd.output((M, N), scales.dtype)
-        kd.store(out, rows[:, None], n[None, :], acc)
-    else:
-        out = kd.output((M, N), kd.f32, zero=True)
-        kd.atomic_add(out, rows[:, None], n[None, :], acc)
-    return out
+            acc += gemv.into_row(row, m, BLOCK_M)
+    return gemv.store_rows(acc, n, M, N, scales.dtype, SPLIT_K)
 
 
 def run_qmv(x, wq, scales, biases, *, backend=None, config=None, prep_config=None):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 import kilnx.dsl as kd
+from kilnx.kernels import _gemv as gemv
 from kilnx.quant.mlx_formats import FP_MODES
 
 # MLX's fp4 modes differ in group size, which is how kernels tell them apart from the shapes alone.
@@ -146,17 +147,10 @@ def fp4_qmv(planes, wq, scales, global_scale, *, GROUP: kd.constexpr, E4M3: kd.c
     M = planes.shape[0]
     N, KW = wq.shape
     WPG = GROUP // CODES_PER_WORD       # words per group
-    G = max(BLOCK_KW // WPG, 1)         # groups per chunk of words
-    CHUNK = G * WPG                     # whole groups per chunk
+    G, CHUNK = gemv.chunk_of(BLOCK_KW, WPG)
     ROWS_IN = N_DIV % BLOCK_N == 0      # every weight row of every block exists: no row masks
     K_IN = KW_DIV % CHUNK == 0          # every chunk is whole: no masks along K
-    pid_n, pid_k = kd.grid(kd.cdiv(N, BLOCK_N), SPLIT_K)
-    n = pid_n * BLOCK_N + kd.arange(0, BLOCK_N)
-    rows = kd.arange(0, BLOCK_M)
-    # splits are whole chunks, so a chunk never crosses into the next split's words
-    words_per_split = kd.cdiv(kd.cdiv(KW, SPLIT_K), CHUNK) * CHUNK
-    w_start = pid_k * words_per_split
-    w_stop = kd.minimum(w_start + words_per_split, KW)
+    n, w_start, w_stop = gemv.split_range(N, KW, BLOCK_N, CHUNK, SPLIT_K)
     acc = kd.zeros((BLOCK_M, BLOCK_N), kd.f32)
     for w0 in kd.range(w_start, w_stop, CHUNK):
         wc = w0 + kd.arange(0, CHUNK)
@@ -165,26 +159,16 @@ def fp4_qmv(planes, wq, scales, global_scale, *, GROUP: kd.constexpr, E4M3: kd.c
         g = w0 // WPG + kd.arange(0, G)
         s = _group_scales(kd.load(scales, n[:, None], g[None, :], check=(not ROWS_IN, not K_IN)), E4M3)
         values = [_e2m1(words, j) for j in kd.static_range(CODES_PER_WORD)]
-        # every row reuses the decoded values in registers; one row needs no loop at all
-        for m in (kd.static_range(1) if BLOCK_M == 1 else kd.range(0, M)):
+        for m in gemv.activation_rows(M, BLOCK_M):   # every row reuses the decoded values
             qx = None
             for j in kd.static_range(CODES_PER_WORD):
-                # x as a (BLOCK_N, CHUNK) tile (rows repeat addresses): it arrives in the words' layout
-                term = values[j] * kd.load(planes, m, j, wc[None, :] + n[:, None] * 0,
-                                           check=(False, False, not K_IN))
+                term = values[j] * gemv.x_tile(planes, m, j, wc, n, K_IN)
                 qx = term if qx is None else qx + term
-            qx_g = kd.reshape(kd.sum(kd.reshape(qx, (BLOCK_N * G, WPG)), axis=1), (BLOCK_N, G))
-            row = kd.sum(qx_g * s, axis=1)
-            acc += row[None, :] if BLOCK_M == 1 else kd.where(rows[:, None] == m, row[None, :], 0.0)
+            row = kd.sum(gemv.per_group(qx, BLOCK_N, G, WPG) * s, axis=1)
+            acc += gemv.into_row(row, m, BLOCK_M)
     if global_scale is not None:
         acc *= _global_factor(global_scale, n)[None, :]
-    if SPLIT_K == 1:
-        out = kd.output((M, N), OUT)
-        kd.store(out, rows[:, None], n[None, :], acc)
-    else:
-        out = kd.output((M, N), kd.f32, zero=True)
-        kd.atomic_add(out, rows[:, None], n[None, :], acc)
-    return out
+    return gemv.store_rows(acc, n, M, N, OUT, SPLIT_K)
 
 
 def run_fp4_qmv(x, wq, scales, global_scale=None, *, backend=None, config=None, prep_config=None):

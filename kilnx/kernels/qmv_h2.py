@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 import kilnx.dsl as kd
+from kilnx.kernels import _gemv as gemv
 from kilnx.kernels.qmatmul import _dense_spec, _format_of, _pow2_at_least, _pow2_dividing, make_qmatmul_args
 
 MAGIC = 0x64006400            # fp16 1024.0 in both halves
@@ -150,16 +151,10 @@ def qmv_h2(planes, sums, xs, wq, scales, biases, *, BITS: kd.constexpr, GROUP: k
     N, KW = wq.shape
     PER = 32 // BITS                 # codes per word
     WPG = GROUP // PER               # words per group
-    G = max(BLOCK_KW // WPG, 1)      # groups per chunk of words
-    CHUNK = G * WPG                  # whole groups per chunk
+    G, CHUNK = gemv.chunk_of(BLOCK_KW, WPG)
     ROWS_IN = N_DIV % BLOCK_N == 0   # every row of every block exists: no row masks
     K_IN = KW_DIV % CHUNK == 0       # every chunk is whole: no masks along K
-    pid_n, pid_k = kd.grid(kd.cdiv(N, BLOCK_N), SPLIT_K)
-    n = pid_n * BLOCK_N + kd.arange(0, BLOCK_N)
-    rows = kd.arange(0, BLOCK_M)
-    words_per_split = kd.cdiv(kd.cdiv(KW, SPLIT_K), CHUNK) * CHUNK
-    w_start = pid_k * words_per_split
-    w_stop = kd.minimum(w_start + words_per_split, KW)
+    n, w_start, w_stop = gemv.split_range(N, KW, BLOCK_N, CHUNK, SPLIT_K)
     acc = kd.zeros((BLOCK_M, BLOCK_N), kd.f32)
     for w0 in kd.range(w_start, w_stop, CHUNK):
         wc = w0 + kd.arange(0, CHUNK)
@@ -167,30 +162,21 @@ def qmv_h2(planes, sums, xs, wq, scales, biases, *, BITS: kd.constexpr, GROUP: k
         g = w0 // WPG + kd.arange(0, G)
         s = kd.load(scales, n[:, None], g[None, :], check=(not ROWS_IN, not K_IN)).f32()
         b = kd.load(biases, n[:, None], g[None, :], check=(not ROWS_IN, not K_IN)).f32()
-        # every row reuses the decoded pairs (one row needs no loop at all, and decodes each pair
-        # right where it is used, so only one pair tile is live at a time)
+        # every row reuses the decoded pairs (one row decodes each pair right where it is used, so
+        # only one pair tile is live at a time)
         pairs = _exact_pairs(words, BITS) if BLOCK_M > 1 else None
-        for m in (kd.static_range(1) if BLOCK_M == 1 else kd.range(0, M)):
+        for m in gemv.activation_rows(M, BLOCK_M):
             d = None
             for p in kd.static_range(PER // 2):
-                # x as a (BLOCK_N, CHUNK) tile (rows repeat the same addresses): it arrives in the
-                # words' register layout, with no shuffle through shared memory
-                xp = kd.load(planes, m, p, wc[None, :] + n[:, None] * 0, check=(False, False, not K_IN))
                 code = pairs[p] if pairs is not None else _exact_pair(words, BITS, p)
+                xp = gemv.x_tile(planes, m, p, wc, n, K_IN)
                 d = kd.h2_fma(code, xp, 0) if d is None else kd.h2_fma(code, xp, d)
-            qx = kd.h2_sum(d)                                                    # (BLOCK_N, CHUNK) fp32
-            qx_g = kd.reshape(kd.sum(kd.reshape(qx, (BLOCK_N * G, WPG)), axis=1), (BLOCK_N, G))
+            qx_g = gemv.per_group(kd.h2_sum(d), BLOCK_N, G, WPG)                  # fp32 from here
             xs_g = kd.load(xs, m, g, check=(False, not K_IN))
             row = kd.sum(qx_g * s * xs_g[None, :] + b * kd.load(sums, m, g, check=(False, not K_IN))[None, :],
                          axis=1)
-            acc += row[None, :] if BLOCK_M == 1 else kd.where(rows[:, None] == m, row[None, :], 0.0)
-    if SPLIT_K == 1:
-        out = kd.output((M, N), scales.dtype)
-        kd.store(out, rows[:, None], n[None, :], acc)
-    else:
-        out = kd.output((M, N), kd.f32, zero=True)
-        kd.atomic_add(out, rows[:, None], n[None, :], acc)
-    return out
+            acc += gemv.into_row(row, m, BLOCK_M)
+    return gemv.store_rows(acc, n, M, N, scales.dtype, SPLIT_K)
 
 
 def serves(x, wq, scales, biases) -> bool:

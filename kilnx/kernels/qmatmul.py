@@ -123,6 +123,12 @@ def _qmv_key_prepared(planes, sums, wq, scales, biases, **kw):
             "bits": f["BITS"], "gs": f["GROUP"]}
 
 
+def _qmv_default(planes):
+    """On the CPU (numba) small tiles win: 8 rows x 16 words was the best or near it on every SmolLM2
+    shape, 2.3-2.6x faster than the GPU's default there (2 cores, EPYC)."""
+    return {"BLOCK_N": 8, "BLOCK_KW": 16} if planes.device.type == "cpu" else {}
+
+
 def _qmv_spec(planes, sums, wq, scales, biases, *, BITS, GROUP, **_):
     return _dense_spec(_x_of(planes), wq, scales, biases, BITS, GROUP, dtype=scales.dtype)
 
@@ -131,7 +137,7 @@ def _qmv_spec(planes, sums, wq, scales, biases, *, BITS, GROUP, **_):
     tune={"BLOCK_N": kd.pow2(1, 64, default=8), "BLOCK_KW": kd.pow2(8, 512, default=128),
           "SPLIT_K": kd.choice(1, 2, 4, 8, default=1), "MAGIC": kd.boolean(default=True),
           "num_warps": kd.choice(1, 2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=3)},
-    key=_qmv_key_prepared, spec=_qmv_spec,
+    key=_qmv_key_prepared, spec=_qmv_spec, default=lambda planes, *a, **_: _qmv_default(planes),
     specialize=lambda p, s, wq, sc, b: {**_qmv_format(p, s, wq, sc, b), "BLOCK_M": _pow2_at_least(p.shape[0]),
                                          "N_DIV": _pow2_dividing(wq.shape[0]), "KW_DIV": _pow2_dividing(wq.shape[1])})
 def qmv(planes, sums, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr,

@@ -167,7 +167,7 @@ def tune(
     from kilnx.tuner.refs import KernelNotFound
     from kilnx.tuner.session import geomean_speedup, plan, tune_session
     try:
-        specs = plan(models=list(model), kernels=list(kernel))
+        specs = plan(models=list(model), kernels=list(kernel), gpu=dev.is_cuda)
     except KernelNotFound as e:
         _fail(str(e))
     except Exception as e:  # noqa: BLE001 - an unknown model name etc. from the registry: one line

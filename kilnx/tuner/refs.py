@@ -48,5 +48,5 @@ def all_registered() -> list[tuple[str, Any]]:
     return [(k.name, k) for k in _registry().all()]
 
 
-def problems_for_model(model: str) -> list[tuple[str, dict]]:
-    return list(_registry().problems_for_model(model))
+def problems_for_model(model: str, gpu: bool = True) -> list[tuple[str, dict]]:
+    return list(_registry().problems_for_model(model, gpu=gpu))

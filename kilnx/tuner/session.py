@@ -46,13 +46,14 @@ class SilentReporter:
         pass
 
 
-def plan(models: list[str] = (), kernels: list[str] = ()) -> list[TargetSpec]:
-    """Targets from the models' shapes (restricted to `kernels` if given), else the kernels' samples."""
+def plan(models: list[str] = (), kernels: list[str] = (), gpu: bool = True) -> list[TargetSpec]:
+    """Targets from the models' shapes (restricted to `kernels` if given), else the kernels' samples.
+    `gpu`: which kernels the runtime calls there (the quantized GEMV differs between GPU and CPU)."""
     specs: list[TargetSpec] = []
     if models:
         wanted = set(kernels)
         for model in models:
-            for kernel_name, problem in refs.problems_for_model(model):
+            for kernel_name, problem in refs.problems_for_model(model, gpu=gpu):
                 if not wanted or kernel_name in wanted:
                     specs.append(TargetSpec(kernel_name, dict(problem)))
     else:

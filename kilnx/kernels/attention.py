@@ -42,6 +42,10 @@ def _attn_default(q, k_cache, v_cache, positions, **_):
     # picked from a sweep on an H200 (llama-3.1-8b heads, bf16, 2k context); the tuner refines them
     B, T, Hq, D = q.shape
     Hk = k_cache.shape[1]
+    if q.device.type == "cpu" and T * (Hq // Hk) <= 16:
+        # numba computes every row of the tile: just the rows a decode step has, and short K/V tiles
+        # (SmolLM2's 3 query heads per KV head: 45-103 us against 79-197 us for 16 x 64, 2 cores)
+        return {"BLOCK_M": max(4, _next_pow2(T * (Hq // Hk))), "BLOCK_N": 32}
     if T * (Hq // Hk) <= 16:   # decode: the query heads of a token (or a few tokens) fill 16 rows
         if B * Hk < 132:       # fewer programs than SMs: long K/V tiles and deep pipelining per program
             return {"BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
@@ -80,7 +84,7 @@ def _shape_derived_kwargs(q, k_cache, v_cache, positions) -> dict:
 
 
 @kd.kernel(
-    tune={"BLOCK_M": kd.pow2(16, 128, default=16), "BLOCK_N": kd.pow2(16, 128, default=64),
+    tune={"BLOCK_M": kd.pow2(4, 128, default=16), "BLOCK_N": kd.pow2(16, 128, default=64),
           "num_warps": kd.choice(2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=2)},
     key=_attn_key, default=_attn_default, spec=_attn_spec, specialize=_shape_derived_kwargs)
 def attention_kernel(q, k_cache, v_cache, positions, *, scale: float, cap: float = 0.0, window: int = NO_WINDOW,

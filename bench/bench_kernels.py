@@ -15,7 +15,6 @@ import argparse
 import csv
 import datetime
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -34,11 +33,9 @@ COLUMNS = ["suite", "case", "metric", "value", "peer", "peer_value", "device", "
 class Recorder:
     def __init__(self, path: str):
         self.path = path
-        import triton
-        self.meta = {
-            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-            "torch": torch.__version__, "triton": triton.__version__,
-            "commit": _commit(), "date": datetime.date.today().isoformat()}
+        from kilnx.runtime.bench import provenance
+        p = provenance("cuda" if torch.cuda.is_available() else "cpu")
+        self.meta = {"device": p.pop("gpu"), **p}
         self.rows = []
 
     def add(self, suite, case, metric, value, peer="", peer_value=""):
@@ -54,17 +51,6 @@ class Recorder:
 
 def _fmt(v):
     return f"{v:.4g}" if isinstance(v, float) else str(v)
-
-
-def _commit() -> str:
-    # the device machine's copy of the tree keeps the git metadata of an older checkout: the commit
-    # the driver script names (KILNX_COMMIT) wins over `git rev-parse`
-    if os.environ.get("KILNX_COMMIT", "unknown") != "unknown":
-        return os.environ["KILNX_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except Exception:  # noqa: BLE001 - a copy without git metadata
-        return "unknown"
 
 
 def time_calls(fn, arg_sets, reps: int = 20) -> float:

@@ -103,31 +103,28 @@ def _bench_qmv(rec, label, n, k, m, bits, dev, copy_bw, smoke):
     sets = _qargs(m, n, k, bits, dev, copies_for(wbytes, smoke))
     case = f"qmv_b{bits}_M{m}_{label}"
     ref = qmatmul._dense_peer(*sets[0]).float()
-    results = []   # (seconds, path, config)
-    for cfg in [qmatmul.qmv.space.default()] + QMV_CONFIGS[: (3 if smoke else None)]:
-        def run(x, wq, s, b, cfg=cfg):
-            return qmatmul.run_qmv(x, wq, s, b, config=cfg).to(x.dtype)
-        t = _measure(f"{case} qmv {cfg}", run, sets, ref)
-        if t is not None:
-            results.append((t, "qmv", cfg))
+    # (path, call, its configs: the default first); each path's results are timed on the same inputs
+    paths = [("qmv", qmatmul.run_qmv, [qmatmul.qmv.space.default()] + QMV_CONFIGS[: (3 if smoke else None)])]
     if bits in qmv_h2.BITS_SERVED:
-        for cfg in [qmv_h2.qmv_h2.space.default()] + H2_CONFIGS[: (2 if smoke else None)]:
-            def run(x, wq, s, b, cfg=cfg):
-                return qmv_h2.run_qmv_h2(x, wq, s, b, config=cfg).to(x.dtype)
-            t = _measure(f"{case} qmv_h2 {cfg}", run, sets, ref)
-            if t is not None:
-                results.append((t, "qmv_h2", cfg))
+        paths.append(("qmv_h2", qmv_h2.run_qmv_h2, [qmv_h2.qmv_h2.space.default()] + H2_CONFIGS[: (2 if smoke else None)]))
     if m > 1 or not smoke:
-        for cfg in WIDE_CONFIGS[: (2 if smoke else None)]:
-            run = lambda x, wq, s, b, cfg=cfg: qmatmul.qmm(x, wq, s, b, config=cfg)  # noqa: E731
-            t = _measure(f"{case} qmm-swap {cfg}", run, sets, ref)
+        paths.append(("qmm", qmatmul.qmm, WIDE_CONFIGS[: (2 if smoke else None)]))
+    results = []   # (seconds, path, config)
+    for path, call, configs in paths:
+        for cfg in configs:
+            run = lambda x, wq, s, b, call=call, cfg=cfg: call(x, wq, s, b, config=cfg).to(x.dtype)  # noqa: E731
+            t = _measure(f"{case} {path} {cfg}", run, sets, ref)
             if t is not None:
-                results.append((t, "qmm", cfg))
-    # the GEMV alone, on prepared inputs, with the best qmv config
-    qmv_best = min((r for r in results if r[1] == "qmv"), key=lambda r: r[0])
-    prepared = [qmatmul.make_qmv_args({"M": m, "N": n, "K": k, "bits": bits, "gs": 64}, dev)
-                for _ in range(len(sets))]
-    t_gemv = time_calls(lambda *a: qmatmul.qmv(*a, config=qmv_best[2]), prepared)
+                results.append((t, path, cfg))
+    problem = {"M": m, "N": n, "K": k, "bits": bits, "gs": 64}
+
+    def gemv_alone(path, kernel, make_args):
+        """(best path result, the GEMV alone on prepared inputs with that config, seconds)"""
+        best = min((r for r in results if r[1] == path), key=lambda r: r[0])
+        prepared = [make_args(problem, dev) for _ in range(len(sets))]
+        return best, time_calls(lambda *a: kernel(*a, config=best[2]), prepared)
+
+    qmv_best, t_gemv = gemv_alone("qmv", qmatmul.qmv, qmatmul.make_qmv_args)
     dense = [(x, qmatmul._dense_spec_weight(x, wq, s, b)) for x, wq, s, b in sets[:max(2, copies_for(n * k * 2, smoke))]]
     t_cublas = time_calls(lambda x, w: x @ w.T, dense)
     t_default = results[0][0]
@@ -140,10 +137,7 @@ def _bench_qmv(rec, label, n, k, m, bits, dev, copy_bw, smoke):
     rec.add("quant", case, "us_gemv_only", t_gemv * 1e6, "us_qmv_path_best", qmv_best[0] * 1e6)
     h2 = [r for r in results if r[1] == "qmv_h2"]
     if h2:
-        h2_best = min(h2, key=lambda r: r[0])
-        prepared = [qmv_h2.make_qmv_h2_args({"M": m, "N": n, "K": k, "bits": bits, "gs": 64}, dev)
-                    for _ in range(len(sets))]
-        t_h2 = time_calls(lambda *a: qmv_h2.qmv_h2(*a, config=h2_best[2]), prepared)
+        h2_best, t_h2 = gemv_alone("qmv_h2", qmv_h2.qmv_h2, qmv_h2.make_qmv_h2_args)
         rec.add("quant", case, "us_qmv_h2_path_best", h2_best[0] * 1e6, "config", str(h2_best[2]))
         rec.add("quant", case, "us_gemv_h2_only", t_h2 * 1e6, "us_qmv_h2_path_default", h2[0][0] * 1e6)
     wide = [r for r in results if r[1] == "qmm"]

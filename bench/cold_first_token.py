@@ -15,7 +15,6 @@ T0 = time.perf_counter()
 
 import argparse  # noqa: E402
 import csv  # noqa: E402
-import datetime  # noqa: E402
 import os  # noqa: E402
 
 
@@ -39,7 +38,8 @@ def main():
     seconds = time.perf_counter() - T0
     print(f"{a.model}: first token {seconds:.2f} s after process start")
     if a.csv:
-        import triton
+        from kilnx.runtime.bench import provenance
+        p = provenance("cuda")
         new = not os.path.exists(a.csv)
         with open(a.csv, "a", newline="") as f:
             w = csv.writer(f)
@@ -47,8 +47,7 @@ def main():
                 w.writerow(["suite", "case", "metric", "value", "peer", "peer_value", "device", "torch", "triton",
                             "commit", "date"])
             w.writerow(["e2e", f"e2e_{a.model}_cold_first_token", "s", f"{seconds:.3f}", "", "",
-                        torch.cuda.get_device_name(0), torch.__version__, triton.__version__,
-                        os.environ.get("KILNX_COMMIT", ""), datetime.date.today().isoformat()])
+                        p["gpu"], p["torch"], p["triton"], p["commit"], p["date"]])
 
 
 if __name__ == "__main__":

@@ -319,12 +319,9 @@ class FusionKernel(KernelBase):
         # with a 2-d leading operand, so the results need no reshape either
         if any(a.dim() > 2 for a in args) or not any(a.dim() == 2 for a in args):
             return None
-        rows = {a.shape[0] for a in args if a.dim() == 2}
-        if len(rows) > 1:
+        if len({a.shape[0] for a in args if a.dim() == 2}) > 1:
             return None
-        scalars = {k: v for k, v in kw.items() if k not in self._constexprs}
-        return launch.prepared(dict(zip(self.positional, args)), scalars,
-                               {n: i for i, n in enumerate(self.positional)})
+        return super()._prepared(launch, args, kw)
 
     def triton_source(self, *args, config=None, **kw) -> str:
         from kilnx.codegen.triton_gen import generate

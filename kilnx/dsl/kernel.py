@@ -66,25 +66,35 @@ def _names_used(code) -> set[str]:
 
 
 def traced_source(fn) -> str:
-    """The source of `fn` and of every helper function it calls from its own module or the kernel
-    library, recursively. Tuned configs are keyed by this text's hash: a change in a helper that a
-    kernel traces (e.g. how codes are decoded) must make its stored configs stale."""
+    """The source of `fn` and of every helper it calls from its own module or the kernel library,
+    recursively: functions, classes (their methods) and helper modules used as `module.name` (whole).
+    Tuned configs are keyed by this text's hash: a change in a helper that a kernel traces (e.g. how
+    codes are decoded) must make its stored configs stale."""
     own = fn.__module__
     seen: set = set()
     parts: list[str] = []
 
-    def visit(f):
-        if f in seen:
+    def ours(obj) -> bool:
+        mod = obj.__name__ if inspect.ismodule(obj) else getattr(obj, "__module__", "") or ""
+        return mod == own or mod.startswith("kilnx.kernels")
+
+    def visit(obj):
+        if obj in seen or not ours(obj):
             return
-        seen.add(f)
-        parts.append(inspect.getsource(f))
-        for name in sorted(_names_used(f.__code__)):
-            obj = f.__globals__.get(name)
-            if inspect.isfunction(obj) and (obj.__module__ == own or obj.__module__.startswith("kilnx.kernels")):
-                try:
-                    visit(obj)
-                except (OSError, TypeError):   # no source to read (e.g. made by exec): nothing to add
-                    pass
+        seen.add(obj)
+        try:
+            parts.append(inspect.getsource(obj))
+        except (OSError, TypeError):   # no source to read (e.g. made by exec): nothing to add
+            return
+        if inspect.isclass(obj):
+            for member in vars(obj).values():
+                if inspect.isfunction(member):
+                    visit(member)
+        elif inspect.isfunction(obj):
+            for name in sorted(_names_used(obj.__code__)):
+                used = obj.__globals__.get(name)
+                if inspect.isfunction(used) or inspect.isclass(used) or inspect.ismodule(used):
+                    visit(used)
     visit(fn)
     return "\n".join(parts)
 
@@ -174,7 +184,13 @@ class KernelBase:
     def _prepared(self, launch, args, kw):
         """A function of the positional tensors alone for calls of this key, or None (backend
         without one, or arguments that need the general path)."""
-        return None
+        tensors, scalars = self._operands(args, kw)
+        return launch.prepared(tensors, scalars, {n: i for i, n in enumerate(self.positional)})
+
+    def _operands(self, args, kw) -> tuple[dict, dict]:
+        """(tensors by name, runtime scalars by name) of a call: what a launch takes."""
+        tensors = {n: a for n, a in zip(self.positional, args) if a is not None}
+        return tensors, {k: v for k, v in kw.items() if k not in self._constexprs}
 
     def reference(self, *args, **kw):
         """The numpy-defined result: the kernel's spec function, else the IR interpreted in numpy."""
@@ -288,14 +304,7 @@ class TileKernel(KernelBase):
         return L.Launch(ir, backend, src, fn)
 
     def _run(self, launch, args, kw):
-        tensors = {n: a for n, a in zip(self.positional, args) if a is not None}
-        scalars = {k: v for k, v in kw.items() if k not in self._constexprs}
-        return launch(tensors, scalars)
-
-    def _prepared(self, launch, args, kw):
-        tensors = {n: a for n, a in zip(self.positional, args) if a is not None}
-        scalars = {k: v for k, v in kw.items() if k not in self._constexprs}
-        return launch.prepared(tensors, scalars, {n: i for i, n in enumerate(self.positional)})
+        return launch(*self._operands(args, kw))
 
     def triton_source(self, *args, config: dict | None = None, **kw) -> str:
         from kilnx.codegen.triton_gen import generate

@@ -3,7 +3,7 @@
 Each program owns BLOCK_N weight rows and one of SPLIT_K ranges of packed words; it walks its range
 in chunks of whole quantization groups, decodes a chunk once and uses it for every activation row,
 and keeps one fp32 accumulator per (activation row, weight row). The kernels differ only in how a
-chunk is decoded and multiplied; these helpers are the rest.
+chunk is decoded and multiplied; `Frame` is the rest.
 """
 
 from __future__ import annotations
@@ -11,37 +11,75 @@ from __future__ import annotations
 import kilnx.dsl as kd
 
 
-def chunk_of(BLOCK_KW: int, WPG: int) -> tuple[int, int]:
-    """(groups per chunk, words per chunk): a chunk is whole groups, at least one."""
-    G = max(BLOCK_KW // WPG, 1)
-    return G, G * WPG
+class Frame:
+    """One program's share of a GEMV over an (N, KW) packed weight with WPG words per group.
 
+    ROWS_IN / K_IN: the blocks divide N / the words (N_DIV, KW_DIV: the largest powers of two dividing
+    them, specialized per call), so the loads need no bounds masks there."""
 
-def split_range(N, KW, BLOCK_N: int, CHUNK: int, SPLIT_K: int):
-    """This program's weight rows n and its word range [w_start, w_stop). Splits are whole chunks, so
-    a chunk never crosses into the next split's words."""
-    pid_n, pid_k = kd.grid(kd.cdiv(N, BLOCK_N), SPLIT_K)
-    n = pid_n * BLOCK_N + kd.arange(0, BLOCK_N)
-    words_per_split = kd.cdiv(kd.cdiv(KW, SPLIT_K), CHUNK) * CHUNK
-    w_start = pid_k * words_per_split
-    return n, w_start, kd.minimum(w_start + words_per_split, KW)
+    def __init__(self, N, KW, *, WPG: int, BLOCK_N: int, BLOCK_KW: int, SPLIT_K: int, N_DIV: int, KW_DIV: int):
+        self.WPG, self.BLOCK_N = WPG, BLOCK_N
+        self.G = max(BLOCK_KW // WPG, 1)            # groups per chunk
+        self.CHUNK = self.G * WPG                    # words per chunk: whole groups
+        self.ROWS_IN, self.K_IN = N_DIV % BLOCK_N == 0, KW_DIV % self.CHUNK == 0
+        pid_n, pid_k = kd.grid(kd.cdiv(N, BLOCK_N), SPLIT_K)
+        self.n = pid_n * BLOCK_N + kd.arange(0, BLOCK_N)
+        # splits are whole chunks, so a chunk never crosses into the next split's words
+        words_per_split = kd.cdiv(kd.cdiv(KW, SPLIT_K), self.CHUNK) * self.CHUNK
+        self.w_start = pid_k * words_per_split
+        self.w_stop = kd.minimum(self.w_start + words_per_split, KW)
+
+    def chunks(self):
+        return kd.range(self.w_start, self.w_stop, self.CHUNK)
+
+    def chunk(self, wq, w0):
+        """(wc, g, words): the chunk's word and group indices and its (BLOCK_N, CHUNK) packed words."""
+        wc = w0 + kd.arange(0, self.CHUNK)
+        g = w0 // self.WPG + kd.arange(0, self.G)
+        words = kd.load(wq, self.n[:, None], wc[None, :], hint="stream", check=(not self.ROWS_IN, not self.K_IN))
+        return wc, g, words
+
+    def per_weight_row(self, t, g):
+        """(BLOCK_N, G) of a per-group weight tensor (scales, biases), as loaded."""
+        return kd.load(t, self.n[:, None], g[None, :], check=(not self.ROWS_IN, not self.K_IN))
+
+    def per_x_row(self, t, m, g):
+        """(G,) of a per-group activation tensor (group sums, group scales) for activation row m."""
+        return kd.load(t, m, g, check=(False, not self.K_IN))
+
+    def x_tile(self, planes, m, plane: int, wc):
+        """x for one code position as a (BLOCK_N, CHUNK) tile (rows repeat the same addresses): it
+        arrives in the packed words' register layout; a 1-d load would be re-laid out through shared
+        memory, with a barrier, for every code position."""
+        return kd.load(planes, m, plane, wc[None, :] + self.n[:, None] * 0, check=(False, False, not self.K_IN))
+
+    def dot(self, values, planes, m, wc):
+        """sum_j values[j] * x[word's code j], per word: (BLOCK_N, CHUNK) fp32."""
+        qx = None
+        for j in kd.static_range(len(values)):
+            term = values[j] * self.x_tile(planes, m, j, wc)
+            qx = term if qx is None else qx + term
+        return qx
+
+    def per_group(self, qx):
+        """(BLOCK_N, CHUNK) per-word partial sums -> (BLOCK_N, G) per-group sums."""
+        return kd.reshape(kd.sum(kd.reshape(qx, (self.BLOCK_N * self.G, self.WPG)), axis=1), (self.BLOCK_N, self.G))
+
+    def store(self, acc, M, N, dtype, SPLIT_K: int):
+        """The (M, N) output: stored in `dtype`, or added into a zeroed fp32 output across splits."""
+        rows = kd.arange(0, acc.shape[0])
+        if SPLIT_K == 1:
+            out = kd.output((M, N), dtype)
+            kd.store(out, rows[:, None], self.n[None, :], acc)
+        else:
+            out = kd.output((M, N), kd.f32, zero=True)
+            kd.atomic_add(out, rows[:, None], self.n[None, :], acc)
+        return out
 
 
 def activation_rows(M, BLOCK_M: int):
     """The loop over activation rows: one row needs no loop at all."""
     return kd.static_range(1) if BLOCK_M == 1 else kd.range(0, M)
-
-
-def x_tile(planes, m, plane: int, wc, n, K_IN: bool):
-    """x for one code position as a (BLOCK_N, CHUNK) tile (rows repeat the same addresses): it arrives
-    in the packed words' register layout; a 1-d load would be re-laid out through shared memory, with
-    a barrier, for every code position."""
-    return kd.load(planes, m, plane, wc[None, :] + n[:, None] * 0, check=(False, False, not K_IN))
-
-
-def per_group(qx, BLOCK_N: int, G: int, WPG: int):
-    """(BLOCK_N, CHUNK) per-word partial sums -> (BLOCK_N, G) per-group sums."""
-    return kd.reshape(kd.sum(kd.reshape(qx, (BLOCK_N * G, WPG)), axis=1), (BLOCK_N, G))
 
 
 def into_row(row, m, BLOCK_M: int):
@@ -50,15 +88,3 @@ def into_row(row, m, BLOCK_M: int):
     if BLOCK_M == 1:
         return row[None, :]
     return kd.where(kd.arange(0, BLOCK_M)[:, None] == m, row[None, :], 0.0)
-
-
-def store_rows(acc, n, M, N, dtype, SPLIT_K: int):
-    """The (M, N) output: stored in `dtype`, or added into a zeroed fp32 output across splits."""
-    rows = kd.arange(0, acc.shape[0])
-    if SPLIT_K == 1:
-        out = kd.output((M, N), dtype)
-        kd.store(out, rows[:, None], n[None, :], acc)
-    else:
-        out = kd.output((M, N), kd.f32, zero=True)
-        kd.atomic_add(out, rows[:, None], n[None, :], acc)
-    return out

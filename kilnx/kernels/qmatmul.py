@@ -123,9 +123,9 @@ def _qmv_key_prepared(planes, sums, wq, scales, biases, **kw):
             "bits": f["BITS"], "gs": f["GROUP"]}
 
 
-def _qmv_default(planes):
+def _qmv_default(planes, *_, **__):
     """On the CPU (numba) small tiles win: 8 rows x 16 words was the best or near it on every SmolLM2
-    shape, 2.3-2.6x faster than the GPU's default there (2 cores, EPYC); and the plain shift-and-convert
+    shape, 2.2-3.0x faster than the GPU's default there (2 cores, EPYC); and the plain shift-and-convert
     decode beats the magic-number one there (a vector int->float convert is one instruction on x86, the
     magic path two: a SmolLM2 decode step 72-75 against 80-88 ms)."""
     return {"BLOCK_N": 8, "BLOCK_KW": 16, "MAGIC": False} if planes.device.type == "cpu" else {}
@@ -139,7 +139,7 @@ def _qmv_spec(planes, sums, wq, scales, biases, *, BITS, GROUP, **_):
     tune={"BLOCK_N": kd.pow2(1, 64, default=8), "BLOCK_KW": kd.pow2(8, 512, default=128),
           "SPLIT_K": kd.choice(1, 2, 4, 8, default=1), "MAGIC": kd.boolean(default=True),
           "num_warps": kd.choice(1, 2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=3)},
-    key=_qmv_key_prepared, spec=_qmv_spec, default=lambda planes, *a, **_: _qmv_default(planes),
+    key=_qmv_key_prepared, spec=_qmv_spec, default=_qmv_default,
     specialize=lambda p, s, wq, sc, b: {**_qmv_format(p, s, wq, sc, b), "BLOCK_M": _pow2_at_least(p.shape[0]),
                                          "N_DIV": _pow2_dividing(wq.shape[0]), "KW_DIV": _pow2_dividing(wq.shape[1])})
 def qmv(planes, sums, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr,
@@ -147,29 +147,19 @@ def qmv(planes, sums, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.const
     M = planes.shape[0]
     N, KW = wq.shape
     PER = 32 // BITS                 # codes per word
-    WPG = GROUP // PER               # words per group
-    G, CHUNK = gemv.chunk_of(BLOCK_KW, WPG)
-    ROWS_IN = N_DIV % BLOCK_N == 0   # every row of every block exists: no row masks
-    K_IN = KW_DIV % CHUNK == 0       # every chunk is whole: no masks along K
-    n, w_start, w_stop = gemv.split_range(N, KW, BLOCK_N, CHUNK, SPLIT_K)
+    f = gemv.Frame(N, KW, WPG=GROUP // PER, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW, SPLIT_K=SPLIT_K,
+                   N_DIV=N_DIV, KW_DIV=KW_DIV)
     acc = kd.zeros((BLOCK_M, BLOCK_N), kd.f32)
-    for w0 in kd.range(w_start, w_stop, CHUNK):
-        wc = w0 + kd.arange(0, CHUNK)
-        words = kd.load(wq, n[:, None], wc[None, :], hint="stream", check=(not ROWS_IN, not K_IN))
+    for w0 in f.chunks():
+        wc, g, words = f.chunk(wq, w0)
         hi = words >> 16
-        g = w0 // WPG + kd.arange(0, G)
-        s = kd.load(scales, n[:, None], g[None, :], check=(not ROWS_IN, not K_IN)).f32()
-        b = kd.load(biases, n[:, None], g[None, :], check=(not ROWS_IN, not K_IN)).f32()
+        s, b = f.per_weight_row(scales, g).f32(), f.per_weight_row(biases, g).f32()
         codes = [_code(words, hi, j, BITS, MAGIC) for j in kd.static_range(PER)]
         for m in gemv.activation_rows(M, BLOCK_M):   # every row reuses the codes in registers
-            qx = None
-            for j in kd.static_range(PER):
-                term = codes[j] * gemv.x_tile(planes, m, j, wc, n, K_IN)
-                qx = term if qx is None else qx + term
-            qx_g = gemv.per_group(qx, BLOCK_N, G, WPG)
-            row = kd.sum(qx_g * s + b * kd.load(sums, m, g, check=(False, not K_IN))[None, :], axis=1)
+            qx_g = f.per_group(f.dot(codes, planes, m, wc))
+            row = kd.sum(qx_g * s + b * f.per_x_row(sums, m, g)[None, :], axis=1)
             acc += gemv.into_row(row, m, BLOCK_M)
-    return gemv.store_rows(acc, n, M, N, scales.dtype, SPLIT_K)
+    return f.store(acc, M, N, scales.dtype, SPLIT_K)
 
 
 def run_qmv(x, wq, scales, biases, *, backend=None, config=None, prep_config=None):
@@ -296,9 +286,7 @@ def mm(x, w, *, M_DIV: kd.constexpr, N_DIV: kd.constexpr, K_DIV: kd.constexpr, B
 
 # ---- dequant: the whole weight to 16-bit, for large M where a dense GEMM then runs at full rate ----
 def _dequant_spec(wq, scales, biases, *, BITS, GROUP, **_):
-    from kilnx.quant import QWeight
-    w = QWeight.from_mlx(wq.cpu(), scales.cpu(), biases.cpu(), bits=BITS, group_size=GROUP)
-    return w.dequantize(torch.float32).to(scales.dtype).to(wq.device)
+    return dequantize_on_device(wq, scales, biases, BITS, GROUP).to(scales.dtype)
 
 
 @kd.kernel(tune={"BLOCK_N": kd.pow2(1, 64, default=16), "BLOCK_KW": kd.pow2(8, 256, default=32),
@@ -371,10 +359,8 @@ def qmatmul(x: torch.Tensor, w) -> torch.Tensor:
         return x.new_empty(*lead, w.shape[0])
     args = (x2, w.packed, w.scales, w.biases)
     from kilnx.kernels.routing import qmatmul_rows
-    # on the GPU the crossover is the tuned choice of this device (kilnx tune stores it); numba
-    # compiles qmv's per-row loop very slowly, so on the CPU only single rows take qmv
-    limit = qmatmul_rows.limit_for(*args) if x.is_cuda else 1
-    return qmatmul_rows.serve(x2, *args[1:], limit).reshape(*lead, w.shape[0])
+    # which GEMV, and up to how many rows, is the tuned choice of this device (kilnx tune stores it)
+    return qmatmul_rows.serve(x2, *args[1:], qmatmul_rows.choice_for(*args)).reshape(*lead, w.shape[0])
 
 
 def make_qmatmul_args(problem: dict, device: str):

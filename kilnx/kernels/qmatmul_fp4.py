@@ -146,29 +146,20 @@ def fp4_qmv(planes, wq, scales, global_scale, *, GROUP: kd.constexpr, E4M3: kd.c
     global_scale (1,) fp32 or None -> (M, N) in OUT (fp32 with split-K, whose partial sums add up)."""
     M = planes.shape[0]
     N, KW = wq.shape
-    WPG = GROUP // CODES_PER_WORD       # words per group
-    G, CHUNK = gemv.chunk_of(BLOCK_KW, WPG)
-    ROWS_IN = N_DIV % BLOCK_N == 0      # every weight row of every block exists: no row masks
-    K_IN = KW_DIV % CHUNK == 0          # every chunk is whole: no masks along K
-    n, w_start, w_stop = gemv.split_range(N, KW, BLOCK_N, CHUNK, SPLIT_K)
+    f = gemv.Frame(N, KW, WPG=GROUP // CODES_PER_WORD, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW, SPLIT_K=SPLIT_K,
+                   N_DIV=N_DIV, KW_DIV=KW_DIV)
     acc = kd.zeros((BLOCK_M, BLOCK_N), kd.f32)
-    for w0 in kd.range(w_start, w_stop, CHUNK):
-        wc = w0 + kd.arange(0, CHUNK)
+    for w0 in f.chunks():
         # words past K (or rows past N) read 0, which decodes to +0; their scales read code 0: finite
-        words = kd.load(wq, n[:, None], wc[None, :], hint="stream", check=(not ROWS_IN, not K_IN))
-        g = w0 // WPG + kd.arange(0, G)
-        s = _group_scales(kd.load(scales, n[:, None], g[None, :], check=(not ROWS_IN, not K_IN)), E4M3)
+        wc, g, words = f.chunk(wq, w0)
+        s = _group_scales(f.per_weight_row(scales, g), E4M3)
         values = [_e2m1(words, j) for j in kd.static_range(CODES_PER_WORD)]
         for m in gemv.activation_rows(M, BLOCK_M):   # every row reuses the decoded values
-            qx = None
-            for j in kd.static_range(CODES_PER_WORD):
-                term = values[j] * gemv.x_tile(planes, m, j, wc, n, K_IN)
-                qx = term if qx is None else qx + term
-            row = kd.sum(gemv.per_group(qx, BLOCK_N, G, WPG) * s, axis=1)
+            row = kd.sum(f.per_group(f.dot(values, planes, m, wc)) * s, axis=1)
             acc += gemv.into_row(row, m, BLOCK_M)
     if global_scale is not None:
-        acc *= _global_factor(global_scale, n)[None, :]
-    return gemv.store_rows(acc, n, M, N, OUT, SPLIT_K)
+        acc *= _global_factor(global_scale, f.n)[None, :]
+    return f.store(acc, M, N, OUT, SPLIT_K)
 
 
 def run_fp4_qmv(x, wq, scales, global_scale=None, *, backend=None, config=None, prep_config=None):

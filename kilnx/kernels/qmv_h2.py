@@ -1,9 +1,9 @@
 """The 4- and 8-bit GEMV in packed fp16 arithmetic: two codes per instruction.
 
-Why: on the H200 the fp32 GEMV (`qmatmul.qmv`) issues ~5.5 instructions per 4-bit code (decode,
-offset fma, product fma, reductions), and at 4 TB/s the SMs can issue ~5 per code: the kernel was
-instruction-bound at 40% of the copy ceiling. Here a code pair costs about one instruction each for
-its decode and its product:
+Why: the fp32 GEMV (`qmatmul.qmv`) issues ~5.5 instructions per 4-bit code in its sm_90 SASS (decode,
+offset fma, product fma, reductions), about as many as the H200's SMs can issue per code at 4 TB/s
+(~5); it reached 40% of the copy ceiling. Here a code pair costs about one instruction each for its
+decode and its product (3.2-3.5 per code in all, in the same SASS count):
 
 - decode: `(word & 0x000F000F) | 0x64006400` is the fp16 pair (1024 + q_0, 1024 + q_4); one HFMA2
   (kd.h2_fma) subtracts 1024 and gives (q_0, q_4) exactly. The mask 0x00F000F0 gives 1024 + 16 q_1,
@@ -25,12 +25,18 @@ import torch
 
 import kilnx.dsl as kd
 from kilnx.kernels import _gemv as gemv
-from kilnx.kernels.qmatmul import _dense_spec, _format_of, _pow2_at_least, _pow2_dividing, make_qmatmul_args
+from kilnx.kernels.qmatmul import (_dense_peer, _dense_spec, _format_of, _matmul_tolerance, _pow2_at_least,
+                                   _pow2_dividing, make_qmatmul_args)
 
 MAGIC = 0x64006400            # fp16 1024.0 in both halves
 ONE, NEG_1024 = 0x3C003C00, 0xE400E400
 SIXTEENTH, NEG_64 = 0x2C002C00, 0xD400D400
 BITS_SERVED = (4, 8)
+
+
+# pair p of a word: (shift, mask); the masks with 16x codes (0x00F000F0) are fixed by * 1/16 - 64
+PAIRS = {4: [(0, 0x000F000F), (0, 0x00F000F0), (8, 0x000F000F), (8, 0x00F000F0)],
+         8: [(0, 0x00FF00FF), (8, 0x00FF00FF)]}
 
 
 def _exact_pair(words, bits: int, p: int):
@@ -39,15 +45,15 @@ def _exact_pair(words, bits: int, p: int):
     (src | MAGIC) & (mask | MAGIC) is (src & mask) | MAGIC (the magic bits lie outside every mask),
     written so that each instruction needs one constant: the OR is shared by the pairs of one source,
     and no mask has to be moved into a register first."""
-    src = words if (p < 2 if bits == 4 else p == 0) else words >> 8   # arithmetic >>: the sign bits
-    mask = {4: (0x000F000F, 0x00F000F0), 8: (0x00FF00FF, 0x00FF00FF)}[bits][p % 2 if bits == 4 else 0]
-    h = ((src | MAGIC) & (mask | MAGIC)).bitcast(kd.u32)              # land above every mask
+    shift, mask = PAIRS[bits][p]
+    src = words >> shift if shift else words        # arithmetic >>: the sign bits land above every mask
+    h = ((src | MAGIC) & (mask | MAGIC)).bitcast(kd.u32)
     return kd.h2_fma(h, SIXTEENTH, NEG_64) if mask == 0x00F000F0 else kd.h2_fma(h, ONE, NEG_1024)
 
 
 def _exact_pairs(words, bits: int):
     """The PER/2 code pairs of each word as exact fp16 halves (pair p = codes p and p + PER/2)."""
-    return [_exact_pair(words, bits, p) for p in range(16 // bits)]
+    return [_exact_pair(words, bits, p) for p in range(len(PAIRS[bits]))]
 
 
 def _group_scale(amax):
@@ -150,18 +156,12 @@ def qmv_h2(planes, sums, xs, wq, scales, biases, *, BITS: kd.constexpr, GROUP: k
     M = planes.shape[0]
     N, KW = wq.shape
     PER = 32 // BITS                 # codes per word
-    WPG = GROUP // PER               # words per group
-    G, CHUNK = gemv.chunk_of(BLOCK_KW, WPG)
-    ROWS_IN = N_DIV % BLOCK_N == 0   # every row of every block exists: no row masks
-    K_IN = KW_DIV % CHUNK == 0       # every chunk is whole: no masks along K
-    n, w_start, w_stop = gemv.split_range(N, KW, BLOCK_N, CHUNK, SPLIT_K)
+    f = gemv.Frame(N, KW, WPG=GROUP // PER, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW, SPLIT_K=SPLIT_K,
+                   N_DIV=N_DIV, KW_DIV=KW_DIV)
     acc = kd.zeros((BLOCK_M, BLOCK_N), kd.f32)
-    for w0 in kd.range(w_start, w_stop, CHUNK):
-        wc = w0 + kd.arange(0, CHUNK)
-        words = kd.load(wq, n[:, None], wc[None, :], hint="stream", check=(not ROWS_IN, not K_IN))
-        g = w0 // WPG + kd.arange(0, G)
-        s = kd.load(scales, n[:, None], g[None, :], check=(not ROWS_IN, not K_IN)).f32()
-        b = kd.load(biases, n[:, None], g[None, :], check=(not ROWS_IN, not K_IN)).f32()
+    for w0 in f.chunks():
+        wc, g, words = f.chunk(wq, w0)
+        s, b = f.per_weight_row(scales, g).f32(), f.per_weight_row(biases, g).f32()
         # every row reuses the decoded pairs (one row decodes each pair right where it is used, so
         # only one pair tile is live at a time)
         pairs = _exact_pairs(words, BITS) if BLOCK_M > 1 else None
@@ -169,14 +169,12 @@ def qmv_h2(planes, sums, xs, wq, scales, biases, *, BITS: kd.constexpr, GROUP: k
             d = None
             for p in kd.static_range(PER // 2):
                 code = pairs[p] if pairs is not None else _exact_pair(words, BITS, p)
-                xp = gemv.x_tile(planes, m, p, wc, n, K_IN)
+                xp = f.x_tile(planes, m, p, wc)
                 d = kd.h2_fma(code, xp, 0) if d is None else kd.h2_fma(code, xp, d)
-            qx_g = gemv.per_group(kd.h2_sum(d), BLOCK_N, G, WPG)                  # fp32 from here
-            xs_g = kd.load(xs, m, g, check=(False, not K_IN))
-            row = kd.sum(qx_g * s * xs_g[None, :] + b * kd.load(sums, m, g, check=(False, not K_IN))[None, :],
-                         axis=1)
+            qx_g = f.per_group(kd.h2_sum(d))                                        # fp32 from here
+            row = kd.sum(qx_g * s * f.per_x_row(xs, m, g)[None, :] + b * f.per_x_row(sums, m, g)[None, :], axis=1)
             acc += gemv.into_row(row, m, BLOCK_M)
-    return gemv.store_rows(acc, n, M, N, scales.dtype, SPLIT_K)
+    return f.store(acc, M, N, scales.dtype, SPLIT_K)
 
 
 def serves(x, wq, scales, biases) -> bool:
@@ -200,18 +198,16 @@ def make_qmv_h2_args(problem: dict, device: str):
     return planes.to(device), sums.to(device), xs.to(device), wq, scales, biases
 
 
-def _dense_peer(planes, sums, xs, wq, scales, biases):
-    from kilnx.kernels.qmatmul import _dense_peer as peer
-    return peer(_x_of(planes, xs).to(scales.dtype), wq, scales, biases)
+def _dense_peer_prepared(planes, sums, xs, wq, scales, biases):
+    return _dense_peer(_x_of(planes, xs).to(scales.dtype), wq, scales, biases)
 
 
 def _tolerance(args):
-    from kilnx.kernels.qmatmul import _matmul_tolerance
     planes, sums, xs, wq, scales, biases = args
     return _matmul_tolerance((_x_of(planes, xs), wq, scales, biases))
 
 
-qmv_h2.tuning(make_args=make_qmv_h2_args, peer=_dense_peer,
+qmv_h2.tuning(make_args=make_qmv_h2_args, peer=_dense_peer_prepared,
               problems=[{"M": m, "N": 4096, "K": 4096, "bits": 4, "gs": 64} for m in (1, 4)])
 qmv_h2.tolerance = _tolerance
 qmv_h2.seed_configs = lambda problem: [

@@ -45,7 +45,8 @@ def problems_for_model(model: str, gpu: bool = True) -> list[tuple[str, dict]]:
     from kilnx.models.presets import get_preset, problems
     cfg = get_preset(model)
     out: list[tuple[str, dict]] = []
-    gs = 32 if cfg.hidden_size < 1024 else 64
+    from kilnx.models.loaders import BUNDLED
+    gs = 32 if model in BUNDLED else 64
     for g in problems(cfg):
         for m in (1, 4) if gpu else (1,):   # the GPU's 4-bit rows go to qmv_h2, the CPU's to qmv
             out.append(("qmv_h2" if gpu else "qmv", {"M": m, "N": g["N"], "K": g["K"], "bits": 4, "gs": gs}))

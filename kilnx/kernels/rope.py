@@ -93,28 +93,39 @@ class InPlaceAsOutputs:
           "num_warps": kd.choice(1, 2, 4, 8, default=2)},
     key=_rope_key, default=_rope_default, spec=_rope_spec)
 def rope_kernel(q, k, positions, inv_freq, *, INTERLEAVED: kd.constexpr = False, BLOCK_H, BLOCK_R):
-    T = q.shape[0]
-    half = inv_freq.shape[0]
-    t = kd.grid(T)
+    t = kd.grid(q.shape[0])
     pos = kd.load(positions, t).f32()
-    for r0 in kd.range(0, half, BLOCK_R):
-        pair = r0 + kd.arange(0, BLOCK_R)
-        in_rotary = (pair < half)[None, :]   # lanes past R/2 would otherwise rotate pass-through dims
-        angle = pos * kd.load(inv_freq, pair).f32()
-        cos = kd.cos(angle)[None, :]
-        sin = kd.sin(angle)[None, :]
-        if INTERLEAVED:
-            dim_a, dim_b = (2 * pair)[None, :], (2 * pair + 1)[None, :]
-        else:
-            dim_a, dim_b = pair[None, :], (pair + half)[None, :]
+    for r0 in kd.range(0, inv_freq.shape[0], BLOCK_R):
+        rot = _rotation(pos, inv_freq, r0, BLOCK_R, INTERLEAVED)
         for x in (q, k):
-            for h0 in kd.range(0, x.shape[1], BLOCK_H):
-                head = (h0 + kd.arange(0, BLOCK_H))[:, None]
-                # upcast right after loading: 16-bit arithmetic is not trusted (see design notes)
-                a = kd.load(x, t, head, dim_a, mask=in_rotary).f32()
-                b = kd.load(x, t, head, dim_b, mask=in_rotary).f32()
-                kd.store(x, t, head, dim_a, a * cos - b * sin, mask=in_rotary)
-                kd.store(x, t, head, dim_b, b * cos + a * sin, mask=in_rotary)
+            _rotate_heads(x, t, rot, BLOCK_H, lambda head, x=x: (x, t, head))
+
+
+def _rotation(pos, inv_freq, r0, BLOCK_R: int, interleaved: bool):
+    """(mask, cos, sin, dim_a, dim_b) of rotary pairs r0.. at position pos (fp32), as (1, BLOCK_R) tiles:
+    neox pairs dim i with i + R/2, interleaved 2i with 2i + 1. Lanes past R/2 are masked, else they would
+    rotate pass-through dims."""
+    half = inv_freq.shape[0]
+    pair = r0 + kd.arange(0, BLOCK_R)
+    angle = pos * kd.load(inv_freq, pair).f32()
+    if interleaved:
+        dim_a, dim_b = (2 * pair)[None, :], (2 * pair + 1)[None, :]
+    else:
+        dim_a, dim_b = pair[None, :], (pair + half)[None, :]
+    return (pair < half)[None, :], kd.cos(angle)[None, :], kd.sin(angle)[None, :], dim_a, dim_b
+
+
+def _rotate_heads(x, t, rot, BLOCK_H: int, dest):
+    """Every head of token t of x (T, H, D) rotated by `rot`, stored at dest(head) + (dim,): x itself
+    for an in-place rotation, or elsewhere (a KV-cache row)."""
+    in_rotary, cos, sin, dim_a, dim_b = rot
+    for h0 in kd.range(0, x.shape[1], BLOCK_H):
+        head = (h0 + kd.arange(0, BLOCK_H))[:, None]
+        # upcast right after loading: 16-bit arithmetic is not trusted (see design notes)
+        a = kd.load(x, t, head, dim_a, mask=in_rotary).f32()
+        b = kd.load(x, t, head, dim_b, mask=in_rotary).f32()
+        kd.store(*dest(head), dim_a, a * cos - b * sin, mask=in_rotary)
+        kd.store(*dest(head), dim_b, b * cos + a * sin, mask=in_rotary)
 
 
 def _rope_problem_args(problem: dict, device: str):
@@ -188,28 +199,11 @@ def rope_cache_kernel(q, k, v, positions, rows, inv_freq, k_cache, v_cache, *, I
             kd.store(v_cache, row, head, pos, dim, kd.load(v, t, head, dim))
             tail = dim >= 2 * half
             kd.store(k_cache, row, head, pos, dim, kd.load(k, t, head, dim, mask=tail), mask=tail)
+    angle_pos = pos.f32()
     for r0 in kd.range(0, half, BLOCK_R):
-        pair = r0 + kd.arange(0, BLOCK_R)
-        in_rotary = (pair < half)[None, :]
-        angle = pos.f32() * kd.load(inv_freq, pair).f32()
-        cos = kd.cos(angle)[None, :]
-        sin = kd.sin(angle)[None, :]
-        if INTERLEAVED:
-            dim_a, dim_b = (2 * pair)[None, :], (2 * pair + 1)[None, :]
-        else:
-            dim_a, dim_b = pair[None, :], (pair + half)[None, :]
-        for h0 in kd.range(0, q.shape[1], BLOCK_H):
-            head = (h0 + kd.arange(0, BLOCK_H))[:, None]
-            a = kd.load(q, t, head, dim_a, mask=in_rotary).f32()
-            b = kd.load(q, t, head, dim_b, mask=in_rotary).f32()
-            kd.store(q, t, head, dim_a, a * cos - b * sin, mask=in_rotary)
-            kd.store(q, t, head, dim_b, b * cos + a * sin, mask=in_rotary)
-        for h0 in kd.range(0, Hk, BLOCK_H):
-            head = (h0 + kd.arange(0, BLOCK_H))[:, None]
-            a = kd.load(k, t, head, dim_a, mask=in_rotary).f32()
-            b = kd.load(k, t, head, dim_b, mask=in_rotary).f32()
-            kd.store(k_cache, row, head, pos, dim_a, a * cos - b * sin, mask=in_rotary)
-            kd.store(k_cache, row, head, pos, dim_b, b * cos + a * sin, mask=in_rotary)
+        rot = _rotation(angle_pos, inv_freq, r0, BLOCK_R, INTERLEAVED)
+        _rotate_heads(q, t, rot, BLOCK_H, lambda head: (q, t, head))
+        _rotate_heads(k, t, rot, BLOCK_H, lambda head: (k_cache, row, head, pos))
 
 
 def _rope_cache_problem_args(problem: dict, device: str):

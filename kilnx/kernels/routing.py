@@ -1,8 +1,8 @@
 """Choices between kernels, tuned and stored per device like any kernel config.
 
 Which kernel should serve a call is a measured fact of the device, not a constant: on the H200 the
-one-pass GEMV (`qmv`) beat the swapped tile GEMM (`qmm`) at 4 rows and lost at 8, and another GPU
-will differ. A route is an object with the kernel protocol (kilnx/dsl/kernel.py) whose tunable is the
+fp32 GEMV (`qmv`) beat the swapped tile GEMM (`qmm`) at 4 rows and lost at 8, the packed-fp16 one
+(`qmv_h2`) still won at 8, and another GPU or the CPU will differ. A route is an object with the kernel protocol (kilnx/dsl/kernel.py) whose tunable is the
 choice; compiling a config gives a function that serves a sweep of call shapes with that choice, so
 the tuner's gate checks the route's outputs and its timing sums the sweep. The runtime reads the
 stored choice through `kilnx.runtime.dispatch.config_for`, like a kernel reads its block sizes.
@@ -14,14 +14,15 @@ import hashlib
 
 import torch
 
-from kilnx.dsl.kernel import format_key
+from kilnx.dsl.kernel import _tuning_generation, format_key
 from kilnx.dsl.tunables import Space, choice
 
-ROUTING_VERSION = "1"
+ROUTING_VERSION = "2"
 
 
 class QmatmulRowsRoute:
-    """Up to how many rows `qmatmul` uses the one-pass GEMV; more rows take the tile GEMM.
+    """Which GEMV `qmatmul` uses (`GEMV`: the fp32 qmv or the packed-fp16 qmv_h2, where its bit width
+    allows) and up to how many rows (`QMV_MAX_ROWS`); more rows take the tile GEMM.
 
     Args are those of one qmatmul call at the largest row count of the sweep: x (ROWS[-1], K) and the
     packed weight. The bucket is the weight's shape and format (the choice does not depend on M).
@@ -34,7 +35,11 @@ class QmatmulRowsRoute:
         from kilnx.kernels import qmatmul as qm
         from kilnx.kernels import qmv_h2
         self._qm, self._h2 = qm, qmv_h2
-        self.space = Space({"QMV_MAX_ROWS": choice(0, 1, 2, 4, 8, 16, default=qm.QMV_MAX_ROWS)})
+        self.space = Space({"QMV_MAX_ROWS": choice(0, 1, 2, 4, 8, 16, default=qm.QMV_MAX_ROWS),
+                            # qmv_h2 was 1.06-1.53x faster than qmv at every llama-3.1-8b shape, M = 1..8
+                            # (H200, bench/results/2026-12-02_h200_qmv_h2_s3.csv)
+                            "GEMV": choice("qmv", "qmv_h2", default="qmv_h2")})
+        self._chosen: dict = {}
         parts = (ROUTING_VERSION + qm.qmv.source_hash + qm.qmm.source_hash + qm.qmv_prep.source_hash
                  + qmv_h2.qmv_h2.source_hash + qmv_h2.qmv_h2_prep.source_hash)
         self.source_hash = hashlib.sha256(parts.encode()).hexdigest()
@@ -46,7 +51,11 @@ class QmatmulRowsRoute:
         f = self._qm._format_of(x, wq, scales, biases)
         return format_key({"N": wq.shape[0], "K": x.shape[1], "bits": f["BITS"], "gs": f["GROUP"]})
 
-    def default_config(self, *args, **_) -> dict:
+    def default_config(self, x, *args, **_) -> dict:
+        if x.device.type == "cpu":
+            # numba: qmv's row loop compiles slowly and qmv_h2's fp16 helpers are scalar calls, so one
+            # row per GEMV call and the fp32 GEMV (the GPU defaults are the space's: see qmatmul.py)
+            return self.space.validate({"QMV_MAX_ROWS": 1, "GEMV": "qmv"})
         return self.space.default()
 
     def sample_problems(self) -> list[dict]:
@@ -56,10 +65,10 @@ class QmatmulRowsRoute:
         return self._qm.make_qmatmul_args({**problem, "M": self.ROWS[-1]}, device)
 
     def compile(self, config: dict, *args, backend: str | None = None, **_):
-        limit = self.space.validate(config)["QMV_MAX_ROWS"]
+        chosen = self.space.validate(config)
 
         def sweep(x, wq, scales, biases):
-            return torch.cat([self.serve(x[:m], wq, scales, biases, limit, backend) for m in self.ROWS])
+            return torch.cat([self.serve(x[:m], wq, scales, biases, chosen, backend) for m in self.ROWS])
         return sweep
 
     def reference(self, x, wq, scales, biases, **_):
@@ -68,23 +77,27 @@ class QmatmulRowsRoute:
                           for m in self.ROWS])
 
     # -- the choice itself ----------------------------------------------------------------------------
-    def serve(self, x, wq, scales, biases, limit: int, backend: str | None = None):
-        """One qmatmul call (x (M, K), 2D) under the choice `limit`."""
+    def serve(self, x, wq, scales, biases, chosen: dict, backend: str | None = None):
+        """One qmatmul call (x (M, K), 2D) under the choice `chosen` ({QMV_MAX_ROWS, GEMV})."""
         qm = self._qm
-        if x.shape[0] <= limit and 32 % qm._format_of(x, wq, scales, biases)["BITS"] == 0:
-            # the packed-fp16 GEMV is the faster one on the GPU for the bit widths it serves (H200: 1.3-1.5x
-            # at every llama-3.1-8b shape and M <= 8); on the CPU its fp16 helpers are scalar calls
-            run = self._h2.run_qmv_h2 if x.is_cuda and self._h2.serves(x, wq, scales, biases) else qm.run_qmv
-            y = run(x, wq, scales, biases, backend=backend)
+        bits = qm._format_of(x, wq, scales, biases)["BITS"]
+        if x.shape[0] <= chosen["QMV_MAX_ROWS"] and 32 % bits == 0:
+            h2 = chosen["GEMV"] == "qmv_h2" and bits in self._h2.BITS_SERVED
+            y = (self._h2.run_qmv_h2 if h2 else qm.run_qmv)(x, wq, scales, biases, backend=backend)
             return y if y.dtype == x.dtype else y.to(x.dtype)
-        if x.is_cuda and x.shape[0] >= qm.DEQUANT_MM_MIN_ROWS and 32 % qm._format_of(x, wq, scales, biases)["BITS"] == 0:
+        if x.is_cuda and x.shape[0] >= qm.DEQUANT_MM_MIN_ROWS and 32 % bits == 0:
             return qm.dequant_mm(x, wq, scales, biases)
         return qm.qmm(x, wq, scales, biases, backend=backend)
 
-    def limit_for(self, x, wq, scales, biases) -> int:
-        """The stored choice for this device and weight (the default where none was tuned)."""
-        from kilnx.runtime.dispatch import config_for
-        return config_for(self, (x, wq, scales, biases), {})["QMV_MAX_ROWS"]
+    def choice_for(self, x, wq, scales, biases) -> dict:
+        """The stored choice for this device and weight (the default where none was tuned), looked up
+        once per (device, weight shape) until the runtime reloads tuned configs: qmatmul asks per call."""
+        memo = (x.device, x.shape[1], wq.shape, scales.shape, _tuning_generation[0])   # a list, bumped in place
+        got = self._chosen.get(memo)
+        if got is None:
+            from kilnx.runtime.dispatch import config_for
+            got = self._chosen[memo] = config_for(self, (x, wq, scales, biases), {})
+        return got
 
 
 qmatmul_rows = QmatmulRowsRoute()

@@ -2,7 +2,7 @@
 
 Every piece of arithmetic goes through the ops module the model was built with (kilnx.ops or the
 torch-eager peer), so the same forward runs on the tuned kernels and on the reference. What stays
-in torch here is data movement only: embedding gather, views, KV-cache writes, concatenation.
+in torch here is data movement only: embedding gather, views, concatenation.
 """
 
 from __future__ import annotations

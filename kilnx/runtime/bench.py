@@ -113,20 +113,30 @@ def _run(engine: Engine, ids: list[int], params: SamplingParams) -> GenerationSt
     return stats
 
 
-def provenance(device: str) -> dict:
-    """What a result row needs to be read later: the GPU's name, library versions, the code's commit."""
+def commit() -> str:
+    """The code's commit. A copy of the tree may carry an older checkout's git metadata (the device
+    machine's does): the commit the driver script names in KILNX_COMMIT wins over `git rev-parse`."""
     import subprocess
+    named = os.environ.get("KILNX_COMMIT", "unknown")
+    if named not in ("", "unknown"):
+        return named
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return out or "unknown"
+
+
+def provenance(device) -> dict:
+    """What a result row needs to be read later: the device's name, library versions, commit, date."""
+    import datetime
 
     import triton
-    gpu = torch.cuda.get_device_name(torch.device(device)) if str(device).startswith("cuda") else "cpu"
-    commit = os.environ.get("KILNX_COMMIT", "")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    cwd=os.path.dirname(__file__), timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            commit = ""
-    return {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "commit": commit or "unknown"}
+    dev = torch.device(device)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    return {"gpu": name, "torch": torch.__version__, "triton": triton.__version__, "commit": commit(),
+            "date": datetime.date.today().isoformat()}
 
 
 def append_csv(path: str, rows: list[BenchRow]) -> None:

@@ -48,16 +48,6 @@ class KVCache:
         t = self.k[0]
         return 2 * len(self.k) * t.shape[1] * t.shape[3] * t.element_size()
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
-        """Store k, v (B, T, Hk, D) at positions (B, T); returns the layer's (k_cache, v_cache)."""
-        kc, vc = self.k[layer], self.v[layer]
-        B = k.shape[0]
-        rows = torch.arange(B, device=kc.device).unsqueeze(1).expand_as(positions)
-        # Index (B, S) dims of a (B, S, Hk, D) view so one index_put_ writes every row and token.
-        kc.transpose(1, 2)[rows, positions] = k
-        vc.transpose(1, 2)[rows, positions] = v
-        return kc, vc
-
     def rows(self, start: int, stop: int) -> "KVCache":
         """A view of sequences [start, stop): prefill one sequence into a batched cache."""
         return KVCache([t[start:stop] for t in self.k], [t[start:stop] for t in self.v])

@@ -197,3 +197,14 @@ def test_a_change_in_a_traced_helper_changes_the_source_hash(tmp_path):
     a, b, a2 = (_kernel_from(tmp_path, n, f) for n, f in (("mod_a", 2.0), ("mod_b", 3.0), ("mod_a2", 2.0)))
     assert a.source_hash != b.source_hash
     assert a.source_hash == a2.source_hash
+
+
+def test_the_source_hash_covers_helper_modules_and_classes():
+    """The GEMVs trace `gemv.Frame` methods through a module attribute: the text hashed for them must
+    hold that class, or editing the shared frame would leave their tuned configs looking current."""
+    from kilnx.dsl.kernel import traced_source
+    from kilnx.kernels import qmatmul, qmv_h2
+    for kernel in (qmatmul.qmv, qmv_h2.qmv_h2):
+        text = traced_source(kernel.fn)
+        assert "class Frame" in text and "def per_group" in text and "def into_row" in text
+    assert "class Frame" not in traced_source(qmatmul.mm.fn)   # a kernel that does not use it

@@ -22,10 +22,10 @@ short_route = QmatmulRowsRoute()
 short_route.ROWS = (1, 2)
 
 
-@pytest.mark.parametrize("limit", [0, 2, 16])
-def test_every_choice_gives_the_reference_sweep(limit):
+@pytest.mark.parametrize("limit,gemv", [(0, "qmv"), (2, "qmv"), (16, "qmv"), (4, "qmv_h2")])
+def test_every_choice_gives_the_reference_sweep(limit, gemv):
     args = qmatmul_rows.make_args(PROBLEM, "cpu")
-    got = qmatmul_rows.compile({"QMV_MAX_ROWS": limit}, *args, backend="triton")(*args)
+    got = qmatmul_rows.compile({"QMV_MAX_ROWS": limit, "GEMV": gemv}, *args, backend="triton")(*args)
     want = qmatmul_rows.reference(*args)
     assert got.shape == (sum(qmatmul_rows.ROWS), 24)
     rtol, atol = qmatmul_rows.tolerance(args)
@@ -33,13 +33,17 @@ def test_every_choice_gives_the_reference_sweep(limit):
 
 
 def test_rows_up_to_the_limit_take_the_gemv(monkeypatch):
+    from kilnx.kernels import qmv_h2 as H
     used = []
     monkeypatch.setattr(Q, "run_qmv", lambda *a, **k: used.append("qmv") or Q.qmm(*a[:4], **k))
+    monkeypatch.setattr(H, "run_qmv_h2", lambda *a, **k: used.append("qmv_h2") or Q.qmm(*a[:4], **k))
     monkeypatch.setattr(Q, "qmm", (lambda f: lambda *a, **k: used.append("qmm") or f(*a, **k))(Q.qmm))
     x, wq, s, b = qmatmul_rows.make_args(PROBLEM, "cpu")
-    for m in (1, 4, 5):
-        qmatmul_rows.serve(x[:m], wq, s, b, limit=4, backend="reference")
-    assert used == ["qmv", "qmm", "qmv", "qmm", "qmm"]   # qmv's stand-in calls qmm itself
+    for gemv in ("qmv", "qmv_h2"):
+        for m in (1, 4, 5):
+            qmatmul_rows.serve(x[:m], wq, s, b, {"QMV_MAX_ROWS": 4, "GEMV": gemv}, backend="reference")
+    # each GEMV's stand-in calls qmm itself
+    assert used == ["qmv", "qmm", "qmv", "qmm", "qmm", "qmv_h2", "qmm", "qmv_h2", "qmm", "qmm"]
 
 
 def test_the_stored_choice_is_what_the_runtime_reads(tmp_path, monkeypatch):
@@ -47,18 +51,19 @@ def test_the_stored_choice_is_what_the_runtime_reads(tmp_path, monkeypatch):
     monkeypatch.setenv("KILNX_DB", url)
     dispatch.reset()
     args = qmatmul_rows.make_args(PROBLEM, "cpu")
-    assert qmatmul_rows.limit_for(*args) == Q.QMV_MAX_ROWS          # nothing tuned: the default
+    # nothing tuned: the device's default (on the CPU, one row per GEMV call through the fp32 qmv)
+    assert qmatmul_rows.choice_for(*args) == {"QMV_MAX_ROWS": 1, "GEMV": "qmv"}
     with TuningDB(url) as db:
         db.record_result(kernel=qmatmul_rows.name, source_hash=qmatmul_rows.source_hash, device=cpu_info(),
-                         bucket=qmatmul_rows.key(*args), config={"QMV_MAX_ROWS": 16}, time_s=1e-5)
+                         bucket=qmatmul_rows.key(*args), config={"QMV_MAX_ROWS": 16, "GEMV": "qmv_h2"}, time_s=1e-5)
     dispatch.reset()
-    assert qmatmul_rows.limit_for(*args) == 16
+    assert qmatmul_rows.choice_for(*args) == {"QMV_MAX_ROWS": 16, "GEMV": "qmv_h2"}
     # a choice recorded for other kernel sources is stale and not served
     with TuningDB(url) as db:
         db.record_result(kernel=qmatmul_rows.name, source_hash="0" * 64, device=cpu_info(),
                          bucket="N=8,K=64,bits=4,gs=64", config={"QMV_MAX_ROWS": 0}, time_s=1e-6)
     dispatch.reset()
-    assert qmatmul_rows.limit_for(*args) == 16
+    assert qmatmul_rows.choice_for(*args)["QMV_MAX_ROWS"] == 16
     dispatch.reset()
 
 
@@ -81,4 +86,4 @@ def test_a_tune_records_a_choice(tmp_path):
         stored = db.valid_results(cpu_info())
     assert not results[0].error, results[0].error
     assert [(r.kernel, r.bucket) for r in stored] == [("qmatmul_rows_crossover", "N=24,K=128,bits=4,gs=64")]
-    assert stored[0].config["QMV_MAX_ROWS"] in (0, 1, 2, 4, 8, 16)
+    assert stored[0].config["QMV_MAX_ROWS"] in (0, 1, 2, 4, 8, 16) and stored[0].config["GEMV"] in ("qmv", "qmv_h2")

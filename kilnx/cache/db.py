@@ -98,8 +98,18 @@ class TuningDB:
             raise explain(e, self.url, action) from None
 
     def _ensure_schema(self) -> None:
-        with self._transaction("open the DB") as conn:
-            version = _read_schema_version(conn)
+        for attempt in range(5):
+            try:
+                with self._transaction("open the DB") as conn:
+                    version = _read_schema_version(conn)
+                break
+            except DBError as e:
+                # SQLite answers "database is locked" at once, without waiting out its busy timeout, to
+                # a connection opening the file while another switches it to WAL or recovers its WAL
+                # (seen with four workers opening a new DB together); a retry absorbs that race
+                if not (self._is_sqlite and "locked" in str(e)) or attempt == 4:
+                    raise
+                time.sleep(0.2 * (attempt + 1))
         if version == SCHEMA_VERSION:
             return
         self._check_version(version)

@@ -17,11 +17,12 @@ from bench_kernels import copies_for, time_calls
 from kilnx.kernels import qmatmul, qmv_h2
 
 LLAMA8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-QMV_CONFIGS = [dict(BLOCK_N=bn, BLOCK_KW=kw, SPLIT_K=sk, num_warps=nw, num_stages=ns, MAGIC=mg)
-               for bn, kw, sk, nw, ns, mg in [
-                   (4, 256, 1, 4, 3, False), (4, 128, 1, 4, 3, True), (8, 128, 1, 4, 3, True),
-                   (2, 256, 1, 2, 3, True), (8, 256, 1, 8, 3, True), (4, 512, 1, 4, 2, True),
-                   (16, 64, 1, 4, 3, True), (4, 128, 2, 4, 3, True), (2, 128, 1, 2, 4, True),
+# (BLOCK_N, BLOCK_KW, SPLIT_K, num_warps) x STAGES: STAGES > 1 pipelines the chunk loop's loads
+QMV_CONFIGS = [dict(BLOCK_N=bn, BLOCK_KW=kw, SPLIT_K=sk, num_warps=nw, STAGES=st, MAGIC=mg)
+               for bn, kw, sk, nw, st, mg in [
+                   (4, 256, 1, 4, 1, False), (4, 128, 1, 4, 1, True), (8, 128, 1, 4, 1, True),
+                   (2, 256, 1, 2, 1, True), (8, 256, 1, 8, 1, True), (4, 512, 1, 4, 1, True),
+                   (16, 64, 1, 4, 3, True), (4, 128, 2, 4, 3, True), (8, 128, 1, 4, 2, True),
                    (8, 64, 1, 4, 4, True), (16, 128, 1, 8, 3, True), (32, 64, 1, 8, 3, True)]]
 WIDE_CONFIGS = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns, MAGIC=True, SWAP=True)
                 for bn, bk, nw, ns in [(64, 128, 4, 3), (128, 128, 4, 3), (64, 256, 4, 3), (128, 256, 8, 3),
@@ -34,20 +35,23 @@ QMM_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages
                    (64, 256, 64, 8, 3, True, True), (128, 256, 64, 8, 3, True, True),
                    (128, 128, 32, 4, 4, True, False), (64, 128, 128, 4, 3, True, False),
                    (256, 128, 64, 8, 3, True, False), (256, 128, 32, 8, 4, True, False)]]
-H2_CONFIGS = [dict(BLOCK_N=bn, BLOCK_KW=kw, SPLIT_K=sk, num_warps=nw, num_stages=ns)
-              for bn, kw, sk, nw, ns in [
-                  (16, 128, 1, 2, 3), (32, 128, 1, 4, 3), (16, 64, 1, 1, 3), (8, 256, 1, 4, 3), (4, 512, 1, 4, 2),
-                  (64, 64, 1, 4, 3), (32, 64, 1, 2, 4), (8, 128, 1, 2, 3), (16, 128, 1, 4, 4), (32, 128, 1, 8, 3),
-                  (16, 256, 1, 4, 3), (8, 64, 1, 1, 4), (4, 256, 2, 2, 3), (64, 128, 1, 8, 3)]]
+H2_TILES = [(16, 128, 1, 2), (32, 128, 1, 4), (16, 64, 1, 1), (8, 256, 1, 4), (4, 512, 1, 4), (8, 128, 1, 2),
+            (16, 256, 1, 4), (32, 64, 1, 2), (8, 64, 1, 1), (4, 256, 2, 2)]
+H2_CONFIGS = [dict(BLOCK_N=bn, BLOCK_KW=kw, SPLIT_K=sk, num_warps=nw, STAGES=st)
+              for st in [int(v) for v in os.environ.get("H2_STAGES", "1,2,3").split(",")]
+              for bn, kw, sk, nw in H2_TILES]
 MM_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
               for bm, bn, bk, nw, ns in [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
                                          (128, 256, 32, 8, 4), (64, 256, 64, 4, 4)]]
 
 
 def bench_quant(rec, copy_bw: float, smoke: bool):
-    """$KILNX_BENCH_ONLY=qmm limits the run to the qmm cases."""
+    """$KILNX_BENCH_ONLY=qmm limits the run to the qmm cases; $QMV_SHAPES (e.g. "gate_up,o"), $QMV_MS
+    ("1,4") and $QMV_PATHS ("qmv_h2") narrow the qmv cases (default: all)."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = LLAMA8B if not smoke else {"o": (64, 256)}
+    if os.environ.get("QMV_SHAPES") and not smoke:
+        shapes = {k: shapes[k] for k in os.environ["QMV_SHAPES"].split(",")}
     only = os.environ.get("KILNX_BENCH_ONLY", "")
     only_qmm = only == "qmm"
     if only in ("gate_up", "fp4"):   # the headline shape only: M = 1 and 4, every format (or fp4 alone)
@@ -59,7 +63,10 @@ def bench_quant(rec, copy_bw: float, smoke: bool):
             _safe(rec, f"qmv_{mode}_M1_{label}", lambda mode=mode: _bench_fp4(rec, label, n, k, mode, dev, copy_bw, smoke))
         return
     for label, (n, k) in ({} if only_qmm else shapes).items():
-        for m in ((1, 4) if only == "gate_up" else (1, 4, 8) if not smoke else (1, 3)):
+        ms = (1, 4) if only == "gate_up" else (1, 4, 8) if not smoke else (1, 3)
+        if os.environ.get("QMV_MS") and not smoke:
+            ms = tuple(int(v) for v in os.environ["QMV_MS"].split(","))
+        for m in ms:
             _safe(rec, f"qmv_b4_M{m}_{label}", lambda: _bench_qmv(rec, label, n, k, m, 4, dev, copy_bw, smoke))
     label = "gate_up" if not smoke else "o"
     n, k = shapes[label]
@@ -104,10 +111,13 @@ def _bench_qmv(rec, label, n, k, m, bits, dev, copy_bw, smoke):
     case = f"qmv_b{bits}_M{m}_{label}"
     ref = qmatmul._dense_peer(*sets[0]).float()
     # (path, call, its configs: the default first); each path's results are timed on the same inputs
-    paths = [("qmv", qmatmul.run_qmv, [qmatmul.qmv.space.default()] + QMV_CONFIGS[: (3 if smoke else None)])]
-    if bits in qmv_h2.BITS_SERVED:
+    wanted = os.environ.get("QMV_PATHS", "qmv,qmv_h2,qmm").split(",")
+    paths = []
+    if "qmv" in wanted or bits not in qmv_h2.BITS_SERVED:
+        paths.append(("qmv", qmatmul.run_qmv, [qmatmul.qmv.space.default()] + QMV_CONFIGS[: (3 if smoke else None)]))
+    if bits in qmv_h2.BITS_SERVED and "qmv_h2" in wanted:
         paths.append(("qmv_h2", qmv_h2.run_qmv_h2, [qmv_h2.qmv_h2.space.default()] + H2_CONFIGS[: (2 if smoke else None)]))
-    if m > 1 or not smoke:
+    if (m > 1 or not smoke) and "qmm" in wanted:
         paths.append(("qmm", qmatmul.qmm, WIDE_CONFIGS[: (2 if smoke else None)]))
     results = []   # (seconds, path, config)
     for path, call, configs in paths:
@@ -124,7 +134,9 @@ def _bench_qmv(rec, label, n, k, m, bits, dev, copy_bw, smoke):
         prepared = [make_args(problem, dev) for _ in range(len(sets))]
         return best, time_calls(lambda *a: kernel(*a, config=best[2]), prepared)
 
-    qmv_best, t_gemv = gemv_alone("qmv", qmatmul.qmv, qmatmul.make_qmv_args)
+    if any(r[1] == "qmv" for r in results):
+        qmv_best, t_gemv = gemv_alone("qmv", qmatmul.qmv, qmatmul.make_qmv_args)
+        rec.add("quant", case, "us_gemv_only", t_gemv * 1e6, "us_qmv_path_best", qmv_best[0] * 1e6)
     dense = [(x, qmatmul._dense_spec_weight(x, wq, s, b)) for x, wq, s, b in sets[:max(2, copies_for(n * k * 2, smoke))]]
     t_cublas = time_calls(lambda x, w: x @ w.T, dense)
     t_default = results[0][0]
@@ -134,7 +146,6 @@ def _bench_qmv(rec, label, n, k, m, bits, dev, copy_bw, smoke):
     rec.add("quant", case, "pct_of_copy", 100 * wbytes / best[0] / 1e9 / copy_bw, "best_config",
             f"{best[1]} {best[2]}")
     rec.add("quant", case, "us", best[0] * 1e6, "cublas_bf16_us", t_cublas * 1e6)
-    rec.add("quant", case, "us_gemv_only", t_gemv * 1e6, "us_qmv_path_best", qmv_best[0] * 1e6)
     h2 = [r for r in results if r[1] == "qmv_h2"]
     if h2:
         h2_best, t_h2 = gemv_alone("qmv_h2", qmv_h2.qmv_h2, qmv_h2.make_qmv_h2_args)

@@ -14,8 +14,8 @@ import torch
 from kilnx.kernels import qmatmul, qmv_h2
 
 P = {"M": 1, "N": 28672, "K": 4096, "bits": 4, "gs": 64}
-CONFIGS = {"qmv": {"BLOCK_KW": 128, "BLOCK_N": 16, "MAGIC": True, "SPLIT_K": 1, "num_stages": 3, "num_warps": 2},
-           "qmv_h2": {"BLOCK_KW": 128, "BLOCK_N": 16, "SPLIT_K": 1, "num_stages": 3, "num_warps": 2}}
+CONFIGS = {"qmv": {"BLOCK_KW": 128, "BLOCK_N": 16, "MAGIC": True, "SPLIT_K": 1, "STAGES": 1, "num_warps": 2},
+           "qmv_h2": {"BLOCK_KW": 128, "BLOCK_N": 16, "SPLIT_K": 1, "STAGES": 1, "num_warps": 2}}
 
 if __name__ == "__main__":
     if len(sys.argv) > 1:

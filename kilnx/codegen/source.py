@@ -101,6 +101,10 @@ class StatementEmitter:
     def stmts(self, n: Node) -> list[str]:
         raise NotImplementedError
 
+    def loop_header(self, n: Node, bounds: str) -> str:
+        """The iterable of a `range` node's `for` statement (backends may add pipelining hints)."""
+        return f"range({bounds})"
+
     def block(self, block, depth: int) -> list[str]:
         out, pad = [], "    " * depth
         for n in block.nodes:
@@ -108,7 +112,7 @@ class StatementEmitter:
                 continue
             if n.op == "range":
                 bounds = ", ".join(self.ref(x) for x in n.srcs)
-                out.append(f"{pad}for {self.ref(n)} in range({bounds}):")
+                out.append(f"{pad}for {self.ref(n)} in {self.loop_header(n, bounds)}:")
                 out += self.block(n.arg, depth + 1) or [f"{pad}    pass"]
                 continue
             out += [pad + line for line in self.stmts(n)]

@@ -49,6 +49,11 @@ class _Gen(StatementEmitter):
             return f"tl.program_id({n.arg})"
         return self.namer.name(n)
 
+    def loop_header(self, n: Node, bounds: str) -> str:
+        # an explicit num_stages is what makes Triton pipeline loads that no dot consumes
+        stages = n.arg.stages
+        return f"tl.range({bounds}, num_stages={stages})" if stages is not None else f"range({bounds})"
+
     def stmts(self, n: Node) -> list[str]:
         stmt = self.stmt(n)
         return [stmt] if stmt else []

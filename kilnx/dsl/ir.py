@@ -110,6 +110,9 @@ class Node:
 class Block:
     nodes: list = field(default_factory=list)
     parent: "Block | None" = None
+    # a loop body's software-pipelining depth (None: the backend's default); Triton stages the loop's
+    # loads through shared memory this many iterations ahead, other backends run the loop as written
+    stages: "int | None" = None
 
     def encloses(self, other: "Block") -> bool:
         b = other

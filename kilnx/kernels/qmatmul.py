@@ -138,17 +138,18 @@ def _qmv_spec(planes, sums, wq, scales, biases, *, BITS, GROUP, **_):
 @kd.kernel(
     tune={"BLOCK_N": kd.pow2(1, 64, default=8), "BLOCK_KW": kd.pow2(8, 512, default=128),
           "SPLIT_K": kd.choice(1, 2, 4, 8, default=1), "MAGIC": kd.boolean(default=True),
-          "num_warps": kd.choice(1, 2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=3)},
+          "num_warps": kd.choice(1, 2, 4, 8, default=4), "STAGES": kd.choice(1, 2, 3, 4, default=1)},
     key=_qmv_key_prepared, spec=_qmv_spec, default=_qmv_default,
     specialize=lambda p, s, wq, sc, b: {**_qmv_format(p, s, wq, sc, b), "BLOCK_M": _pow2_at_least(p.shape[0]),
                                          "N_DIV": _pow2_dividing(wq.shape[0]), "KW_DIV": _pow2_dividing(wq.shape[1])})
 def qmv(planes, sums, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr,
-        BLOCK_M: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr, BLOCK_N, BLOCK_KW, SPLIT_K, MAGIC):
+        BLOCK_M: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr, BLOCK_N, BLOCK_KW, SPLIT_K, MAGIC,
+        STAGES):
     M = planes.shape[0]
     N, KW = wq.shape
     PER = 32 // BITS                 # codes per word
     f = gemv.Frame(N, KW, WPG=GROUP // PER, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW, SPLIT_K=SPLIT_K,
-                   N_DIV=N_DIV, KW_DIV=KW_DIV)
+                   N_DIV=N_DIV, KW_DIV=KW_DIV, STAGES=STAGES)
     acc = kd.zeros((BLOCK_M, BLOCK_N), kd.f32)
     for w0 in f.chunks():
         wc, g, words = f.chunk(wq, w0)
@@ -414,7 +415,7 @@ qmv.tuning(make_args=make_qmv_args, problems=QMV_PROBLEMS, peer=_dense_peer_prep
 # Seeds with many rows per thread (x is reused from registers across rows; measured x traffic through
 # L1 is what caps the one-row GEMV) and the configs the H200 sweep found best.
 qmv.seed_configs = lambda problem: [
-    {"BLOCK_N": bn, "BLOCK_KW": kw, "num_warps": nw, "num_stages": ns, "SPLIT_K": 1, "MAGIC": True}
+    {"BLOCK_N": bn, "BLOCK_KW": kw, "num_warps": nw, "STAGES": ns, "SPLIT_K": 1, "MAGIC": True}
     for bn, kw, nw, ns in [(32, 128, 4, 3), (16, 128, 2, 3), (32, 64, 2, 3), (64, 128, 8, 2), (16, 64, 1, 3),
                            (4, 512, 4, 2), (4, 256, 4, 3), (32, 128, 8, 3)]]
 qmm.seed_configs = lambda problem: (

@@ -132,7 +132,7 @@ def _x_of(planes):
 @kd.kernel(
     tune={"BLOCK_N": kd.pow2(1, 64, default=8), "BLOCK_KW": kd.pow2(8, 512, default=128),
           "SPLIT_K": kd.choice(1, 2, 4, 8, default=1),
-          "num_warps": kd.choice(1, 2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=3)},
+          "num_warps": kd.choice(1, 2, 4, 8, default=4), "STAGES": kd.choice(1, 2, 3, 4, default=1)},
     key=lambda planes, wq, scales, gscale, **_: _key(planes.shape[0], wq, scales),
     spec=lambda planes, wq, scales, gscale, *, OUT="f32", **_: _dense_product(
         _x_of(planes), wq, scales, gscale, TORCH_DTYPE_OF[OUT]),
@@ -141,13 +141,13 @@ def _x_of(planes):
         "KW_DIV": _pow2_dividing(wq.shape[1])})
 def fp4_qmv(planes, wq, scales, global_scale, *, GROUP: kd.constexpr, E4M3: kd.constexpr,
             BLOCK_M: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr, OUT: kd.constexpr = "f32",
-            BLOCK_N, BLOCK_KW, SPLIT_K):
+            BLOCK_N, BLOCK_KW, SPLIT_K, STAGES):
     """planes (M, 8, K/8) fp32 from qmv_prep, wq (N, K/8) words, scales (N, K/GROUP) uint8 codes,
     global_scale (1,) fp32 or None -> (M, N) in OUT (fp32 with split-K, whose partial sums add up)."""
     M = planes.shape[0]
     N, KW = wq.shape
     f = gemv.Frame(N, KW, WPG=GROUP // CODES_PER_WORD, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW, SPLIT_K=SPLIT_K,
-                   N_DIV=N_DIV, KW_DIV=KW_DIV)
+                   N_DIV=N_DIV, KW_DIV=KW_DIV, STAGES=STAGES)
     acc = kd.zeros((BLOCK_M, BLOCK_N), kd.f32)
     for w0 in f.chunks():
         # words past K (or rows past N) read 0, which decodes to +0; their scales read code 0: finite

@@ -139,25 +139,25 @@ def _default(planes, sums, xs, wq, scales, biases, **_):
     """Untuned starting points, the best of 15 configs on the H200 (bench/results/*_qmv_h2_s3.csv):
     tall weights want fewer warps per 16 rows, the 4096-row ones 8 rows x 256 words per program."""
     if wq.shape[0] > 8192:
-        return {"BLOCK_N": 16, "BLOCK_KW": 128, "num_warps": 2, "num_stages": 3}
-    return {"BLOCK_N": 8, "BLOCK_KW": 256, "num_warps": 4, "num_stages": 3}
+        return {"BLOCK_N": 16, "BLOCK_KW": 128, "num_warps": 2}
+    return {"BLOCK_N": 8, "BLOCK_KW": 256, "num_warps": 4}
 
 
 @kd.kernel(
     tune={"BLOCK_N": kd.pow2(1, 64, default=16), "BLOCK_KW": kd.pow2(8, 512, default=128),
           "SPLIT_K": kd.choice(1, 2, 4, 8, default=1),
-          "num_warps": kd.choice(1, 2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=3)},
+          "num_warps": kd.choice(1, 2, 4, 8, default=4), "STAGES": kd.choice(1, 2, 3, 4, default=1)},
     key=_key, spec=_spec, default=_default,
     specialize=lambda p, su, xs, wq, sc, b: {**_format(p, su, xs, wq, sc, b), "BLOCK_M": _pow2_at_least(p.shape[0]),
                                              "N_DIV": _pow2_dividing(wq.shape[0]),
                                              "KW_DIV": _pow2_dividing(wq.shape[1])})
 def qmv_h2(planes, sums, xs, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr,
-           BLOCK_M: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr, BLOCK_N, BLOCK_KW, SPLIT_K):
+           BLOCK_M: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr, BLOCK_N, BLOCK_KW, SPLIT_K, STAGES):
     M = planes.shape[0]
     N, KW = wq.shape
     PER = 32 // BITS                 # codes per word
     f = gemv.Frame(N, KW, WPG=GROUP // PER, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW, SPLIT_K=SPLIT_K,
-                   N_DIV=N_DIV, KW_DIV=KW_DIV)
+                   N_DIV=N_DIV, KW_DIV=KW_DIV, STAGES=STAGES)
     acc = kd.zeros((BLOCK_M, BLOCK_N), kd.f32)
     for w0 in f.chunks():
         wc, g, words = f.chunk(wq, w0)
@@ -211,6 +211,6 @@ qmv_h2.tuning(make_args=make_qmv_h2_args, peer=_dense_peer_prepared,
               problems=[{"M": m, "N": 4096, "K": 4096, "bits": 4, "gs": 64} for m in (1, 4)])
 qmv_h2.tolerance = _tolerance
 qmv_h2.seed_configs = lambda problem: [
-    {"BLOCK_N": bn, "BLOCK_KW": kw, "num_warps": nw, "num_stages": ns, "SPLIT_K": 1}
+    {"BLOCK_N": bn, "BLOCK_KW": kw, "num_warps": nw, "STAGES": ns, "SPLIT_K": 1}
     for bn, kw, nw, ns in [(16, 128, 2, 3), (32, 128, 4, 3), (16, 64, 1, 3), (8, 256, 4, 3), (4, 512, 4, 2),
                            (64, 64, 4, 3), (32, 64, 2, 4)]]

@@ -24,6 +24,7 @@ class Frame:
     def __init__(self, N, KW, *, WPG: int, BLOCK_N: int, BLOCK_KW: int, SPLIT_K: int, N_DIV: int, KW_DIV: int,
                  STAGES: int = 1):
         self.WPG, self.BLOCK_N, self.STAGES = WPG, BLOCK_N, STAGES
+        self.check_m = False          # whether activation rows past M are visited (see rows())
         self.G = max(BLOCK_KW // WPG, 1)            # groups per chunk
         self.CHUNK = self.G * WPG                    # words per chunk: whole groups
         self.ROWS_IN, self.K_IN = N_DIV % BLOCK_N == 0, KW_DIV % self.CHUNK == 0
@@ -48,9 +49,19 @@ class Frame:
         """(BLOCK_N, G) of a per-group weight tensor (scales, biases), as loaded."""
         return kd.load(t, self.n[:, None], g[None, :], check=(not self.ROWS_IN, not self.K_IN))
 
+    def rows(self, M, BLOCK_M: int):
+        """The loop over activation rows. One row needs no loop; a pipelined chunk loop unrolls the rows
+        (Triton pipelines only innermost loops), visiting all BLOCK_M rows with the ones past M masked."""
+        if BLOCK_M == 1:
+            return kd.static_range(1)
+        if self.STAGES > 1:
+            self.check_m = True
+            return kd.static_range(BLOCK_M)
+        return kd.range(0, M)
+
     def per_x_row(self, t, m, g):
         """(G,) of a per-group activation tensor (group sums, group scales) for activation row m."""
-        return kd.load(t, m, g, check=(False, not self.K_IN))
+        return kd.load(t, m, g, check=(self.check_m, not self.K_IN))
 
     def x_tile(self, planes, m, plane: int, wc):
         """x for one code position as a (BLOCK_N, CHUNK) tile (rows repeat the same addresses): it
@@ -58,9 +69,9 @@ class Frame:
         memory, with a barrier, for every code position. A pipelined loop stages its loads through
         shared memory anyway, so there x is loaded once, as a row, and read out in the words' layout."""
         if self.STAGES > 1:
-            return kd.broadcast_to(kd.load(planes, m, plane, wc, check=(False, False, not self.K_IN))[None, :],
+            return kd.broadcast_to(kd.load(planes, m, plane, wc, check=(self.check_m, False, not self.K_IN))[None, :],
                                    (self.BLOCK_N, self.CHUNK))
-        return kd.load(planes, m, plane, wc[None, :] + self.n[:, None] * 0, check=(False, False, not self.K_IN))
+        return kd.load(planes, m, plane, wc[None, :] + self.n[:, None] * 0, check=(self.check_m, False, not self.K_IN))
 
     def dot(self, values, planes, m, wc):
         """sum_j values[j] * x[word's code j], per word: (BLOCK_N, CHUNK) fp32."""
@@ -84,11 +95,6 @@ class Frame:
             out = kd.output((M, N), kd.f32, zero=True)
             kd.atomic_add(out, rows[:, None], self.n[None, :], acc)
         return out
-
-
-def activation_rows(M, BLOCK_M: int):
-    """The loop over activation rows: one row needs no loop at all."""
-    return kd.static_range(1) if BLOCK_M == 1 else kd.range(0, M)
 
 
 def into_row(row, m, BLOCK_M: int):

@@ -156,7 +156,7 @@ def qmv(planes, sums, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.const
         hi = words >> 16
         s, b = f.per_weight_row(scales, g).f32(), f.per_weight_row(biases, g).f32()
         codes = [_code(words, hi, j, BITS, MAGIC) for j in kd.static_range(PER)]
-        for m in gemv.activation_rows(M, BLOCK_M):   # every row reuses the codes in registers
+        for m in f.rows(M, BLOCK_M):   # every row reuses the codes in registers
             qx_g = f.per_group(f.dot(codes, planes, m, wc))
             row = kd.sum(qx_g * s + b * f.per_x_row(sums, m, g)[None, :], axis=1)
             acc += gemv.into_row(row, m, BLOCK_M)

@@ -154,7 +154,7 @@ def fp4_qmv(planes, wq, scales, global_scale, *, GROUP: kd.constexpr, E4M3: kd.c
         wc, g, words = f.chunk(wq, w0)
         s = _group_scales(f.per_weight_row(scales, g), E4M3)
         values = [_e2m1(words, j) for j in kd.static_range(CODES_PER_WORD)]
-        for m in gemv.activation_rows(M, BLOCK_M):   # every row reuses the decoded values
+        for m in f.rows(M, BLOCK_M):   # every row reuses the decoded values
             row = kd.sum(f.per_group(f.dot(values, planes, m, wc)) * s, axis=1)
             acc += gemv.into_row(row, m, BLOCK_M)
     if global_scale is not None:

@@ -165,7 +165,7 @@ def qmv_h2(planes, sums, xs, wq, scales, biases, *, BITS: kd.constexpr, GROUP: k
         # every row reuses the decoded pairs (one row decodes each pair right where it is used, so
         # only one pair tile is live at a time)
         pairs = _exact_pairs(words, BITS) if BLOCK_M > 1 else None
-        for m in gemv.activation_rows(M, BLOCK_M):
+        for m in f.rows(M, BLOCK_M):
             d = None
             for p in kd.static_range(PER // 2):
                 code = pairs[p] if pairs is not None else _exact_pair(words, BITS, p)

@@ -46,13 +46,13 @@ def check_all(results, want, close=assert_close):
 
 
 # ---- kd.range with a `+=` accumulator; x[:, None]; masked loads -------------------------------------
-@kd.kernel(tune={"BLOCK_M": kd.pow2(2, 8), "BLOCK_K": kd.pow2(16, 64)})
-def row_sum(x, *, BLOCK_M, BLOCK_K):
+@kd.kernel(tune={"BLOCK_M": kd.pow2(2, 8), "BLOCK_K": kd.pow2(16, 64), "STAGES": kd.choice(1, 3)})
+def row_sum(x, *, BLOCK_M, BLOCK_K, STAGES):
     M, K = x.shape
     pid = kd.grid(kd.cdiv(M, BLOCK_M))
     rows = pid * BLOCK_M + kd.arange(0, BLOCK_M)
     acc = kd.zeros((BLOCK_M,), kd.f32)
-    for k0 in kd.range(0, K, BLOCK_K):
+    for k0 in kd.range(0, K, BLOCK_K, stages=STAGES if STAGES > 1 else None):
         cols = k0 + kd.arange(0, BLOCK_K)
         tile = kd.load(x, rows[:, None], cols[None, :])
         acc += kd.sum(tile.f32(), axis=1)
@@ -65,8 +65,19 @@ def row_sum(x, *, BLOCK_M, BLOCK_K):
 @given(m=st.sampled_from([1, 5, 8]), k=st.sampled_from([3, 40, 100]), seed=st.integers(0, 99))
 def test_row_sum_range_loop_accumulator(m, k, seed):
     x = randn(m, k, seed=seed)
-    res = run_all(row_sum, (x,), [{"BLOCK_M": 4, "BLOCK_K": 16}, {"BLOCK_M": 8, "BLOCK_K": 64}])
+    res = run_all(row_sum, (x,), [{"BLOCK_M": 4, "BLOCK_K": 16}, {"BLOCK_M": 8, "BLOCK_K": 64, "STAGES": 3}])
     check_all(res, x.sum(-1))
+
+
+def test_range_stages_is_a_pipelining_hint_for_triton_only():
+    """kd.range(..., stages=S) becomes tl.range(..., num_stages=S) (Triton pipelines a loop's loads only
+    when it feeds a dot or the loop names its stages); the other backends run the same plain loop."""
+    x = randn(4, 32)
+    src = {s: row_sum.triton_source(x, config={"BLOCK_M": 4, "BLOCK_K": 16, "STAGES": s}) for s in (1, 3)}
+    assert "num_stages=3" in src[3] and "tl.range(" in src[3]
+    assert "tl.range(" not in src[1] and "num_stages" not in src[1]
+    with pytest.raises(kd.DSLError, match="stages"):
+        list(kd.range(0, 4, stages=0))
 
 
 # ---- nested kd.range loops; an accumulator created inside the outer loop; 3-d loads -------------------
@@ -343,6 +354,7 @@ def test_bitcast_is_only_between_32_bit_types():
 # ---- the GPU source (not the interpreter's variant) of each kernel compiles for sm_90 ----------------
 GPU_CASES = [  # (kernel name, args maker, config)
     ("row_sum", lambda: (randn(5, 40),), {"BLOCK_M": 4, "BLOCK_K": 16}),
+    ("row_sum", lambda: (randn(5, 40),), {"BLOCK_M": 4, "BLOCK_K": 16, "STAGES": 3}),
     ("weighted_batch_sum", lambda: (randn(2, 3, 4),), {"BLOCK_M": 4}),
     ("matmul", lambda: (randn(4, 4).bfloat16(), randn(4, 4).bfloat16()), TENSOR_CORE),
     ("matmul", lambda: (randn(4, 4).bfloat16(), randn(4, 4).bfloat16()), BROADCAST_SUM),

@@ -32,16 +32,20 @@ for bits in (3, 4, 8):
         compile_for_target(Q.qmv_prep, (x,), {}, kw={"PER": 32 // bits, "GROUP": 64})
         for rows in (1, 4):
             pargs = (planes[:rows], sums[:rows], *args[1:])
-            for cfg in ({"MAGIC": True}, {"MAGIC": False, "SPLIT_K": 2, "BLOCK_KW": 64}):
-                compile_for_target(Q.qmv, pargs, cfg)
+            for cfg in ({"MAGIC": True}, {"MAGIC": False, "SPLIT_K": 2, "BLOCK_KW": 64},
+                        {"STAGES": 3, "BLOCK_KW": 32}):
+                ck = compile_for_target(Q.qmv, pargs, cfg)
+                if cfg.get("STAGES", 1) > 1:   # the chunk loads are pipelined through shared memory
+                    assert "cp.async" in ck.asm["ptx"], "qmv with STAGES=3 was not pipelined"
     if bits in H.BITS_SERVED:
         compile_for_target(H.qmv_h2_prep, (x,), {}, kw={"PER": 32 // bits, "GROUP": 64})
         prepared = H._prep_spec(x, PER=32 // bits, GROUP=64)
         for rows in (1, 4):
             pargs = (*(t[:rows] for t in prepared), *args[1:])
-            for cfg in ({}, {"SPLIT_K": 2, "BLOCK_KW": 64, "BLOCK_N": 4}):
+            for cfg in ({}, {"SPLIT_K": 2, "BLOCK_KW": 64, "BLOCK_N": 4}, {"STAGES": 2, "BLOCK_KW": 32}):
                 ck = compile_for_target(H.qmv_h2, pargs, cfg)
                 assert ck.asm["ptx"].count("fma.rn.f16x2") >= 2, "qmv_h2 without packed fp16 math"
+                assert ("cp.async" in ck.asm["ptx"]) == (cfg.get("STAGES", 1) > 1), "STAGES is not what pipelines"
 from kilnx.kernels import rope
 q, k, v = torch.randn(3, 8, 128).bfloat16(), torch.randn(3, 2, 128).bfloat16(), torch.randn(3, 2, 128).bfloat16()
 pos, rows, inv = torch.arange(3), torch.zeros(3, dtype=torch.long), torch.ones(64)

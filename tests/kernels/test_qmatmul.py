@@ -62,11 +62,12 @@ def test_numba_matches_mlx(kern, bits, m):
     check(k(x, qw.packed, qw.scales, qw.biases, backend="numba"), want, 128)
 
 
-@pytest.mark.parametrize("split_k", [2, 4])
-def test_split_k_adds_partial_sums(split_k):
-    x, qw, want = mlx_case(2, 16, 512, 4, 64, seed=11)
+@pytest.mark.parametrize("split_k,stages", [(2, 1), (4, 3)])
+def test_split_k_adds_partial_sums(split_k, stages):
+    """Also with a pipelined chunk loop, whose rows are unrolled (3 rows in a block of 4: one masked)."""
+    x, qw, want = mlx_case(3, 16, 512, 4, 64, seed=11)
     y = Q.run_qmv(x, qw.packed, qw.scales, qw.biases, backend="triton",
-                  config={"SPLIT_K": split_k, "BLOCK_KW": 8})
+                  config={"SPLIT_K": split_k, "BLOCK_KW": 8, "STAGES": stages})
     check(y.float(), want, 512)
 
 

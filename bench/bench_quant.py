@@ -126,6 +126,8 @@ def _bench_qmv(rec, label, n, k, m, bits, dev, copy_bw, smoke):
             t = _measure(f"{case} {path} {cfg}", run, sets, ref)
             if t is not None:
                 results.append((t, path, cfg))
+                if os.environ.get("QMV_SWEEP_ROWS"):   # every config's time, for choosing defaults
+                    rec.add("quant_sweep", case, "us", t * 1e6, "config", f"{path} {cfg}")
     problem = {"M": m, "N": n, "K": k, "bits": bits, "gs": 64}
 
     def gemv_alone(path, kernel, make_args):

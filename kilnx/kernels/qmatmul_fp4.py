@@ -129,10 +129,15 @@ def _x_of(planes):
     return planes.transpose(1, 2).reshape(m, per * kw)
 
 
+# the H200's best for nvfp4 (mxfp4's was 32 rows x 8 warps, 3% faster) on gate_up at one row, of 12
+_FP4_GPU_DEFAULT = {"BLOCK_N": 16, "BLOCK_KW": 64, "num_warps": 4, "STAGES": 3}
+
+
 @kd.kernel(
     tune={"BLOCK_N": kd.pow2(1, 64, default=8), "BLOCK_KW": kd.pow2(8, 512, default=128),
           "SPLIT_K": kd.choice(1, 2, 4, 8, default=1),
           "num_warps": kd.choice(1, 2, 4, 8, default=4), "STAGES": kd.choice(1, 2, 3, 4, default=1)},
+    default=lambda planes, *_, **__: _FP4_GPU_DEFAULT if planes.is_cuda else {},
     key=lambda planes, wq, scales, gscale, **_: _key(planes.shape[0], wq, scales),
     spec=lambda planes, wq, scales, gscale, *, OUT="f32", **_: _dense_product(
         _x_of(planes), wq, scales, gscale, TORCH_DTYPE_OF[OUT]),

@@ -136,11 +136,18 @@ def _spec(planes, sums, xs, wq, scales, biases, *, BITS, GROUP, **_):
 
 
 def _default(planes, sums, xs, wq, scales, biases, **_):
-    """Untuned starting points, the best of 15 configs on the H200 (bench/results/*_qmv_h2_s3.csv):
-    tall weights want fewer warps per 16 rows, the 4096-row ones 8 rows x 256 words per program."""
-    if wq.shape[0] > 8192:
-        return {"BLOCK_N": 16, "BLOCK_KW": 128, "num_warps": 2}
-    return {"BLOCK_N": 8, "BLOCK_KW": 256, "num_warps": 4}
+    """Untuned starting points by activation rows, each the config with the best geomean over the four
+    llama-3.1-8b shapes in a sweep of 40 on the H200 (bench/results/2026-12-02_h200_qmv_h2_stages_s4.csv):
+    within 4% (1 row), 11% (2-4) and 8% (5-8) of each shape's best. All pipeline the chunk loop 3 deep.
+    Off the GPU: the space's defaults (the CPU routes its rows to qmatmul.qmv)."""
+    if not planes.is_cuda:
+        return {}
+    rows = planes.shape[0]
+    if rows == 1:
+        return {"BLOCK_N": 8, "BLOCK_KW": 128, "num_warps": 2, "STAGES": 3}
+    if rows <= 4:
+        return {"BLOCK_N": 16, "BLOCK_KW": 128, "num_warps": 2, "STAGES": 3}
+    return {"BLOCK_N": 8, "BLOCK_KW": 64, "num_warps": 1, "STAGES": 3}
 
 
 @kd.kernel(
@@ -212,5 +219,5 @@ qmv_h2.tuning(make_args=make_qmv_h2_args, peer=_dense_peer_prepared,
 qmv_h2.tolerance = _tolerance
 qmv_h2.seed_configs = lambda problem: [
     {"BLOCK_N": bn, "BLOCK_KW": kw, "num_warps": nw, "STAGES": ns, "SPLIT_K": 1}
-    for bn, kw, nw, ns in [(16, 128, 2, 3), (32, 128, 4, 3), (16, 64, 1, 3), (8, 256, 4, 3), (4, 512, 4, 2),
-                           (64, 64, 4, 3), (32, 64, 2, 4)]]
+    for bn, kw, nw, ns in [(8, 128, 2, 3), (16, 128, 2, 3), (8, 64, 1, 3), (8, 256, 4, 3), (16, 256, 4, 3),
+                           (8, 256, 4, 1), (8, 64, 1, 1), (16, 256, 4, 1), (8, 128, 2, 4), (32, 128, 4, 3)]]

@@ -14,10 +14,10 @@ step() {  # name seconds command...
   echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"; grep -v "^  " $OUT/$name.log | tail -${TAIL:-25}
 }
 for s in "$@"; do case $s in
-  gputests) step gputests 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/kernels/test_qmatmul_gpu.py tests/dsl/test_half2.py tests/runtime/test_engine_gpu.py tests/tuner/test_tuner_gpu.py ;;
+  gputests) step gputests 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/kernels/test_prepared.py tests/kernels/test_qmatmul_gpu.py tests/dsl/test_half2.py tests/runtime/test_engine_gpu.py tests/tuner/test_tuner_gpu.py ;;
   quant) step quant 330 python3 bench/bench_kernels.py --suite quant --out $OUT ;;
   qmv) KILNX_BENCH_ONLY=qmv step qmv ${QMV_SECS:-400} python3 bench/bench_kernels.py --suite quant --out $OUT/qmv ;;
-  gpuengine) step gpuengine 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/runtime/test_engine_gpu.py tests/tuner/test_tuner_gpu.py ;;
+  gpuengine) step gpuengine 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_prepared.py tests/runtime/test_engine_gpu.py tests/tuner/test_tuner_gpu.py ;;
   fp4) KILNX_BENCH_ONLY=fp4 step fp4 90 python3 bench/bench_kernels.py --suite quant --out $OUT/fp4 ;;
   gateup) KILNX_BENCH_ONLY=gate_up step gateup 200 python3 bench/bench_kernels.py --suite quant --out $OUT/gateup ;;
   profdecode) step profdecode 120 python3 bench/profile_decode.py ${PROFILE_MODEL:-llama-3.1-8b} ;;

@@ -71,10 +71,34 @@ def rope_and_cache_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     rope.rope_and_cache_(q, k, v, positions, rows, inv_freq, k_cache, v_cache, interleaved=interleaved)
 
 
-def qmatmul(x: torch.Tensor, w) -> torch.Tensor:
-    """x (..., K) @ w.T where w is a kilnx.quant.QWeight (N, K) or a dense (N, K) tensor -> (..., N)."""
+def qmatmul(x, w) -> torch.Tensor:
+    """x (..., K) @ w.T where w is a kilnx.quant.QWeight (N, K) or a dense (N, K) tensor -> (..., N).
+    x may also be a PreparedX (from add_rms_norm_prepared / silu_mul_prepared) -> (M, N)."""
     from kilnx.kernels import qmatmul as qm
+    from kilnx.kernels.prepared import PreparedX, qmatmul_prepared
+    if isinstance(x, PreparedX):
+        return qmatmul_prepared(x, w)
     return qm.qmatmul(x, w)
+
+
+def prepared_format(parts, x: torch.Tensor):
+    """(codes per word, group) when the GEMV that multiplies activations shaped like x by every weight
+    in `parts` takes them prepared (see add_rms_norm_prepared); None when plain activations are needed."""
+    from kilnx.kernels.prepared import prepared_format as fmt
+    return fmt(parts, x)
+
+
+def add_rms_norm_prepared(x, residual, w, eps: float, fmt, *, weight_offset: float = 0.0):
+    """add_rms_norm whose normed output comes prepared (format `fmt` from prepared_format) for qmatmul:
+    (h, PreparedX) in one launch, equal to preparing add_rms_norm's output."""
+    from kilnx.kernels import prepared
+    return prepared.add_rms_norm_prepared(x, residual, w, eps, fmt, weight_offset=weight_offset)
+
+
+def silu_mul_prepared(gate_up: torch.Tensor, fmt):
+    """silu_mul's result prepared (format `fmt` from prepared_format) for qmatmul, in one launch."""
+    from kilnx.kernels import prepared
+    return prepared.silu_mul_prepared(gate_up, fmt)
 
 
 def gather_qmatmul(x: torch.Tensor, w, expert_ids: torch.Tensor) -> torch.Tensor:

@@ -82,32 +82,48 @@ def _prep_spec(x, *, PER, GROUP, **_):
     return planes, g.sum(-1), xs
 
 
-@kd.kernel(tune={"BLOCK_KW": kd.pow2(16, 512, default=128), "num_warps": kd.choice(1, 2, 4, default=4)},
-           key=lambda x, **kw: {"M": x.shape[0], "K": x.shape[1]}, spec=_prep_spec)
-def qmv_h2_prep(x, *, PER: kd.constexpr, GROUP: kd.constexpr, BLOCK_KW):
-    M, K = x.shape
+def store_prepared(lo, hi, row, w0, w, M, K, *, PER: int, GROUP: int):
+    """Store x in qmv_h2's input form, from fp32 tiles lo/hi (BW, PER/2) = x[w*PER + p] and
+    x[w*PER + p + PER/2] of words w = w0 + arange(BW) (whole groups: w0 and BW multiples of GROUP/PER): the packed fp16 planes
+    scaled per group by a power of two, the group sums and the group scales. Shared by qmv_h2_prep
+    and the producers that emit prepared activations directly (kernels/prepared.py)."""
     HALF = PER // 2
     WPG = GROUP // PER                    # words per group
-    BW = max(BLOCK_KW, WPG)               # whole groups per program
+    BW = w.shape[0]
     NG = BW // WPG
-    row, pw = kd.grid(M, kd.cdiv(kd.cdiv(K, PER), BW))
-    w = pw * BW + kd.arange(0, BW)
     p = kd.arange(0, HALF)
-    lo = kd.load(x, row, w[:, None] * PER + p[None, :]).f32()            # (BW, HALF)
-    hi = kd.load(x, row, w[:, None] * PER + (p[None, :] + HALF)).f32()
     amax = kd.maximum(kd.max(kd.reshape(kd.abs(lo), (NG, WPG * HALF)), axis=1),
                       kd.max(kd.reshape(kd.abs(hi), (NG, WPG * HALF)), axis=1))
     xs, inv = _group_scale(amax)
     inv_w = kd.reshape(kd.broadcast_to(inv[:, None], (NG, WPG)), (BW,))[:, None]
     planes = kd.output((M, HALF, K // PER), kd.u32, name="planes")
     kd.store(planes, row, p[:, None], w[None, :], kd.trans(kd.h2_pack(lo * inv_w, hi * inv_w)))
-    g = pw * NG + kd.arange(0, NG)
+    g = w0 // WPG + kd.arange(0, NG)
     sums = kd.output((M, K // GROUP), kd.f32, name="group_sums")
     kd.store(sums, row, g, kd.sum(kd.reshape(lo, (NG, WPG * HALF)), axis=1)
              + kd.sum(kd.reshape(hi, (NG, WPG * HALF)), axis=1))
     scale = kd.output((M, K // GROUP), kd.f32, name="group_scales")
     kd.store(scale, row, g, xs)
     return planes, sums, scale
+
+
+def code_pairs_index(w, PER: int):
+    """(lo, hi) element indices of words w: (BW, PER/2) tiles of x[w*PER + p], x[w*PER + p + PER/2]."""
+    p = kd.arange(0, PER // 2)
+    lo = w[:, None] * PER + p[None, :]
+    return lo, lo + PER // 2
+
+
+@kd.kernel(tune={"BLOCK_KW": kd.pow2(16, 512, default=128), "num_warps": kd.choice(1, 2, 4, default=4)},
+           key=lambda x, **kw: {"M": x.shape[0], "K": x.shape[1]}, spec=_prep_spec)
+def qmv_h2_prep(x, *, PER: kd.constexpr, GROUP: kd.constexpr, BLOCK_KW):
+    M, K = x.shape
+    BW = max(BLOCK_KW, GROUP // PER)      # whole groups per program
+    row, pw = kd.grid(M, kd.cdiv(kd.cdiv(K, PER), BW))
+    w = pw * BW + kd.arange(0, BW)
+    lo_i, hi_i = code_pairs_index(w, PER)
+    return store_prepared(kd.load(x, row, lo_i).f32(), kd.load(x, row, hi_i).f32(), row, pw * BW, w, M, K,
+                          PER=PER, GROUP=GROUP)
 
 
 def _x_of(planes, xs):

@@ -14,6 +14,8 @@ import torch
 
 OP_NAMES = ("rms_norm", "add_rms_norm", "silu_mul", "gelu_tanh_mul", "softcap", "scaled_add", "rope_",
             "rope_and_cache_", "qmatmul", "attention", "argmax")
+# fusions only the kernels have (a model asks prepared_format first, and without them calls the plain ops)
+KILNX_ONLY = ("prepared_format", "add_rms_norm_prepared", "silu_mul_prepared")
 
 
 class _FallbackOps(types.SimpleNamespace):
@@ -25,6 +27,7 @@ class _FallbackOps(types.SimpleNamespace):
         import kilnx.ops as kops
         import kilnx.ops_torch as tops
         fns = {name: self._wrap(name, getattr(kops, name), getattr(tops, name)) for name in OP_NAMES}
+        fns.update({name: getattr(kops, name) for name in KILNX_ONLY})
         super().__init__(**fns)
         self.fell_back: set[str] = set()
 

@@ -54,11 +54,11 @@ class LlamaModel:
                 residual = h
                 x = ops.rms_norm(h, layer.attn_norm, eps, weight_offset=off)
             else:
-                residual, x = ops.add_rms_norm(h, residual, layer.attn_norm, eps, weight_offset=off)
+                residual, x = self._add_norm(h, residual, layer.attn_norm, layer.qkv)
             a = self._attention(i, layer, x, positions, pos_flat, rows_flat, kv_cache, B, T)
             if self._gemma:
                 a = ops.rms_norm(a, layer.post_attn_norm, eps, weight_offset=off)
-            residual, x = ops.add_rms_norm(a, residual, layer.mlp_norm, eps, weight_offset=off)
+            residual, x = self._add_norm(a, residual, layer.mlp_norm, layer.gate_up)
             h = self._mlp(layer, x)
             if self._gemma:
                 h = ops.rms_norm(h, layer.post_mlp_norm, eps, weight_offset=off)
@@ -74,6 +74,21 @@ class LlamaModel:
     __call__ = forward
 
     # ------------------------------------------------------------------ blocks
+    def _prepared_format(self, parts, x):
+        """The format in which the GEMV of `parts` takes x prepared, or None (plain x): producers then
+        emit prepared activations in the same launch (kernels/prepared.py)."""
+        ask = getattr(self.ops, "prepared_format", None)
+        return ask(parts, x) if ask is not None else None
+
+    def _add_norm(self, x, residual, norm, parts):
+        """(residual, normed x) for the linear layer `parts`, prepared for its GEMV where it takes that."""
+        cfg, ops = self.config, self.ops
+        fmt = self._prepared_format(parts, x)
+        if fmt is not None:
+            return ops.add_rms_norm_prepared(x, residual, norm, cfg.rms_norm_eps, fmt,
+                                             weight_offset=self._norm_offset)
+        return ops.add_rms_norm(x, residual, norm, cfg.rms_norm_eps, weight_offset=self._norm_offset)
+
     def _attention(self, i: int, layer: LayerWeights, x, positions, pos_flat, rows_flat, cache, B: int, T: int):
         cfg, ops = self.config, self.ops
         Hq, Hk, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -100,7 +115,11 @@ class LlamaModel:
     def _mlp(self, layer: LayerWeights, x):
         ops = self.ops
         gate_up = _linear(ops, x, layer.gate_up)               # (B*T, 2F) laid out [gate | up]
-        act = ops.gelu_tanh_mul(gate_up) if self.config.hidden_act == "gelu_tanh" else ops.silu_mul(gate_up)
+        if self.config.hidden_act == "gelu_tanh":
+            act = ops.gelu_tanh_mul(gate_up)
+        else:
+            fmt = self._prepared_format([layer.down], gate_up[..., :gate_up.shape[-1] // 2])
+            act = ops.silu_mul_prepared(gate_up, fmt) if fmt is not None else ops.silu_mul(gate_up)
         return _linear(ops, act, [layer.down])
 
 

@@ -46,6 +46,11 @@ for bits in (3, 4, 8):
                 ck = compile_for_target(H.qmv_h2, pargs, cfg)
                 assert ck.asm["ptx"].count("fma.rn.f16x2") >= 2, "qmv_h2 without packed fp16 math"
                 assert ("cp.async" in ck.asm["ptx"]) == (cfg.get("STAGES", 1) > 1), "STAGES is not what pipelines"
+from kilnx.kernels import prepared as P
+xw = torch.randn(2, 4096).bfloat16()
+compile_for_target(P.add_rms_norm_prep, (xw, xw, torch.ones(4096).bfloat16()), {},
+                   kw={"eps": 1e-5, "offset": 0.0, "PER": 8, "GROUP": 64})
+compile_for_target(P.silu_mul_prep, (torch.randn(2, 2 * 448).bfloat16(),), {}, kw={"PER": 4, "GROUP": 64})
 from kilnx.kernels import rope
 q, k, v = torch.randn(3, 8, 128).bfloat16(), torch.randn(3, 2, 128).bfloat16(), torch.randn(3, 2, 128).bfloat16()
 pos, rows, inv = torch.arange(3), torch.zeros(3, dtype=torch.long), torch.ones(64)

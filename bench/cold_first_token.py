@@ -24,19 +24,28 @@ def main():
     p.add_argument("--csv", default=None)
     a = p.parse_args()
     import torch
+    torch.cuda.init()
+    phases = {"import_torch_cuda_init": time.perf_counter() - T0}
 
     from kilnx.models.loaders import load_model
     from kilnx.runtime.engine import Engine
     from kilnx.runtime.generate import generate_ids
     from kilnx.runtime.sampling import SamplingParams
+    phases["import_kilnx"] = time.perf_counter() - T0
     lm = load_model(a.model, device=torch.device("cuda"), random=True, random_format="q4")
-    engine = Engine(lm.model, max_seq=64)
+    torch.cuda.synchronize()
+    phases["load_model"] = time.perf_counter() - T0
+    engine = Engine(lm.model, max_seq=64)     # loads tuned configs, compiles/loads kernels, captures graphs
+    torch.cuda.synchronize()
+    phases["engine_graph_capture"] = time.perf_counter() - T0
     for item in generate_ids(engine, list(range(1, 9)), SamplingParams(max_tokens=1, ignore_eos=True)):
         if isinstance(item, int):
             torch.cuda.synchronize()
             break
     seconds = time.perf_counter() - T0
-    print(f"{a.model}: first token {seconds:.2f} s after process start")
+    phases["prefill_first_token"] = seconds
+    print(f"{a.model}: first token {seconds:.2f} s after process start; phases (cumulative s): "
+          + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
     if a.csv:
         from kilnx.runtime.bench import provenance
         p = provenance("cuda")
@@ -48,6 +57,9 @@ def main():
                             "commit", "date"])
             w.writerow(["e2e", f"e2e_{a.model}_cold_first_token", "s", f"{seconds:.3f}", "", "",
                         p["gpu"], p["torch"], p["triton"], p["commit"], p["date"]])
+            for k, v in phases.items():    # where the time goes (cumulative from process start)
+                w.writerow(["e2e_phase", f"e2e_{a.model}_cold_until_{k}", "s", f"{v:.3f}", "", "",
+                            p["gpu"], p["torch"], p["triton"], p["commit"], p["date"]])
 
 
 if __name__ == "__main__":

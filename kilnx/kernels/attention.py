@@ -83,6 +83,52 @@ def _shape_derived_kwargs(q, k_cache, v_cache, positions) -> dict:
     return {"BLOCK_D": max(_next_pow2(q.shape[3]), 16), "scale": q.shape[3] ** -0.5}
 
 
+def query_tile(q, pid_m, kv_head, b, group, T, BLOCK_M: int, BLOCK_D: int):
+    """(q_tile (BLOCK_M, BLOCK_D), token, head, row_valid, d): the tile's rows walk (token, head in
+    group) pairs, head fastest, densely: no padding for odd group sizes."""
+    pair = pid_m * BLOCK_M + kd.arange(0, BLOCK_M)
+    token = pair // group
+    head = kv_head * group + pair % group
+    d = kd.arange(0, BLOCK_D)
+    return kd.load(q, b, token[:, None], head[:, None], d[None, :]), token, head, token < T, d
+
+
+def visible_keys(pos, row_valid, S, window, BLOCK_N: int):
+    """[start, stop) of the keys any row of the tile can see: from the earliest window start (aligned
+    down to BLOCK_N, for aligned K/V tile loads) to the latest position + 1."""
+    key_stop = kd.minimum(kd.max(pos) + 1, S)
+    earliest = kd.min(kd.where(row_valid, pos, S))
+    return kd.maximum(earliest - window + 1, 0) // BLOCK_N * BLOCK_N, key_stop
+
+
+def attend(q_tile, pos, k_cache, v_cache, b, kv_head, d, key_start, key_stop, key_limit, *, scale, cap, window,
+           SOFTCAP: bool, BLOCK_N: int):
+    """Online softmax over keys [key_start, key_stop) (keys at or past key_limit are masked): the
+    unnormalized fp32 accumulator, the running row max and the running row sum."""
+    BLOCK_M = q_tile.shape[0]
+    row_max = kd.var(kd.full((BLOCK_M,), MASKED_MAX, kd.f32))
+    row_sum = kd.zeros((BLOCK_M,), kd.f32)
+    acc = kd.zeros((BLOCK_M, d.shape[0]), kd.f32)
+    for n0 in kd.range(key_start, key_stop, BLOCK_N):
+        key = n0 + kd.arange(0, BLOCK_N)
+        k_tile_t = kd.load(k_cache, b, kv_head, key[None, :], d[:, None])   # (BLOCK_D, BLOCK_N) = K^T
+        scores = kd.dot(q_tile, k_tile_t) * scale
+        if SOFTCAP:
+            scores = cap * kd.tanh(scores / cap)
+        visible = ((key[None, :] <= pos[:, None]) & (key[None, :] > pos[:, None] - window)
+                   & (key[None, :] < key_limit))
+        scores = kd.where(visible, scores, float("-inf"))
+        new_max = kd.maximum(row_max, kd.max(scores, axis=1))
+        rescale = kd.exp(row_max - new_max)
+        p = kd.exp(scores - new_max[:, None])
+        row_sum.set(row_sum * rescale + kd.sum(p, axis=1))
+        v_tile = kd.load(v_cache, b, kv_head, key[:, None], d[None, :])
+        # p in the cache dtype so the second product runs on tensor cores like the first
+        acc.set(acc * rescale[:, None] + kd.dot(p.to(v_cache.dtype), v_tile))
+        row_max.set(new_max)
+    return acc, row_max, row_sum
+
+
 @kd.kernel(
     tune={"BLOCK_M": kd.pow2(4, 128, default=16), "BLOCK_N": kd.pow2(16, 128, default=64),
           "num_warps": kd.choice(2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=2)},
@@ -95,41 +141,12 @@ def attention_kernel(q, k_cache, v_cache, positions, *, scale: float, cap: float
     pid_m, pid_bh = kd.grid(kd.cdiv(T * group, BLOCK_M), B * Hk)
     b = pid_bh // Hk
     kv_head = pid_bh % Hk
-
-    # rows walk (token, head-in-group) pairs, head fastest, densely: no padding for odd group sizes
-    pair = pid_m * BLOCK_M + kd.arange(0, BLOCK_M)
-    token = pair // group
-    head = kv_head * group + pair % group
-    row_valid = token < T
-    d = kd.arange(0, BLOCK_D)
-    q_tile = kd.load(q, b, token[:, None], head[:, None], d[None, :])
+    q_tile, token, head, row_valid, d = query_tile(q, pid_m, kv_head, b, group, T, BLOCK_M, BLOCK_D)
     pos = kd.load(positions, b, token, other=-1)
 
-    # keys any row of the tile can see: [earliest window start, latest position]
-    key_stop = kd.minimum(kd.max(pos) + 1, S)
-    earliest = kd.min(kd.where(row_valid, pos, S))
-    key_start = kd.maximum(earliest - window + 1, 0) // BLOCK_N * BLOCK_N   # aligned K/V tile loads
-
-    row_max = kd.var(kd.full((BLOCK_M,), MASKED_MAX, kd.f32))
-    row_sum = kd.zeros((BLOCK_M,), kd.f32)
-    acc = kd.zeros((BLOCK_M, BLOCK_D), kd.f32)
-    for n0 in kd.range(key_start, key_stop, BLOCK_N):
-        key = n0 + kd.arange(0, BLOCK_N)
-        k_tile_t = kd.load(k_cache, b, kv_head, key[None, :], d[:, None])   # (BLOCK_D, BLOCK_N) = K^T
-        scores = kd.dot(q_tile, k_tile_t) * scale
-        if SOFTCAP:
-            scores = cap * kd.tanh(scores / cap)
-        visible = ((key[None, :] <= pos[:, None]) & (key[None, :] > pos[:, None] - window)
-                   & (key[None, :] < S))
-        scores = kd.where(visible, scores, float("-inf"))
-        new_max = kd.maximum(row_max, kd.max(scores, axis=1))
-        rescale = kd.exp(row_max - new_max)
-        p = kd.exp(scores - new_max[:, None])
-        row_sum.set(row_sum * rescale + kd.sum(p, axis=1))
-        v_tile = kd.load(v_cache, b, kv_head, key[:, None], d[None, :])
-        # p in the cache dtype so the second product runs on tensor cores like the first
-        acc.set(acc * rescale[:, None] + kd.dot(p.to(v_cache.dtype), v_tile))
-        row_max.set(new_max)
+    key_start, key_stop = visible_keys(pos, row_valid, S, window, BLOCK_N)
+    acc, row_max, row_sum = attend(q_tile, pos, k_cache, v_cache, b, kv_head, d, key_start, key_stop, S,
+                                   scale=scale, cap=cap, window=window, SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N)
 
     out = kd.output((B, T, Hq, D), q.dtype)
     seen_any = kd.where(row_sum > 0, row_sum, 1.0)   # padding rows saw no key: 0, not 0/0
@@ -147,8 +164,13 @@ def _kernel_kwargs(q, k_cache, scale, softcap, window) -> dict:
 
 
 def attention(q, k_cache, v_cache, positions, scale, *, softcap=None, window=None):
-    """kilnx.ops.attention: q (B, T, Hq, D) over caches (B, Hk, S, D) -> (B, T, Hq, D) in q.dtype."""
-    return attention_kernel(q, k_cache, v_cache, positions, **_kernel_kwargs(q, k_cache, scale, softcap, window))
+    """kilnx.ops.attention: q (B, T, Hq, D) over caches (B, Hk, S, D) -> (B, T, Hq, D) in q.dtype. A GPU
+    decode step with fewer (row, KV head) pairs than SMs splits the keys (attention_split.py)."""
+    from kilnx.kernels import attention_split
+    kw = _kernel_kwargs(q, k_cache, scale, softcap, window)
+    if attention_split.use_split(q, k_cache):
+        return attention_split.attention_split(q, k_cache, v_cache, positions, kw)
+    return attention_kernel(q, k_cache, v_cache, positions, **kw)
 
 
 def _attn_problem_args(problem: dict, device: str):

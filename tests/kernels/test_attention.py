@@ -143,3 +143,35 @@ def test_attention_rejects_bad_head_counts_and_window():
     q, k_cache, v_cache, positions = inputs(1, 1, 2, 1, 16, "f32", seed=0)
     with pytest.raises(ValueError, match="window"):
         A.attention(q, k_cache, v_cache, positions, 0.25, window=0)
+
+
+# ---- split over keys (flash-decoding): partial softmaxes per key range, merged ------------------------
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(B=st.sampled_from([1, 2]), T=st.sampled_from([1, 3]), heads=heads, softcap=st.sampled_from([None, 2.0]),
+       window=st.sampled_from([None, 4, 9]), keys_per_split=st.sampled_from([16, 32]),
+       dtype=st.sampled_from(["f32", "bf16"]), seed=st.integers(0, 2**16))
+def test_split_attention_matches_formula(B, T, heads, softcap, window, keys_per_split, dtype, seed):
+    """Ranges of 16-32 keys over contexts up to 45: several ranges per row, some past every query's
+    position (no keys: weight 0 in the merge), windows that start inside a range."""
+    from kilnx.kernels import attention_split as AS
+    Hq, Hk = heads
+    D = 16
+    q, k_cache, v_cache, positions = inputs(B, T, Hq, Hk, D, dtype, seed, spare=20)
+    want = A.attention_formula(q, k_cache, v_cache, positions, D ** -0.5, softcap, window)
+    kw = A._kernel_kwargs(q, k_cache, D ** -0.5, softcap, window)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "KEYS_PER_SPLIT": keys_per_split}
+    for backend in ("triton", "reference"):
+        check(AS.attention_split(q, k_cache, v_cache, positions, kw, config=cfg, backend=backend), want, dtype)
+
+
+def test_split_attention_on_numba_and_the_split_rule():
+    from kilnx.kernels import attention_split as AS
+    q, k_cache, v_cache, positions = inputs(1, 1, 4, 2, 16, "f32", seed=4, spare=30)
+    want = A.attention_formula(q, k_cache, v_cache, positions, 0.25, None, None)
+    kw = A._kernel_kwargs(q, k_cache, 0.25, None, None)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "KEYS_PER_SPLIT": 16}
+    check(AS.attention_split(q, k_cache, v_cache, positions, kw, config=cfg, backend="numba"), want, "f32")
+    assert not AS.use_split(q, k_cache)                   # the CPU keeps the one-pass kernel
+    big = torch.zeros(1, 8, 4096, 128)
+    assert AS.keys_per_split(torch.zeros(1, 1, 32, 128), big, programs=264) == 128    # 8 x 32 programs
+    assert AS.keys_per_split(torch.zeros(1, 1, 32, 128), big, programs=16) == 2048

@@ -51,6 +51,13 @@ xw = torch.randn(2, 4096).bfloat16()
 compile_for_target(P.add_rms_norm_prep, (xw, xw, torch.ones(4096).bfloat16()), {},
                    kw={"eps": 1e-5, "offset": 0.0, "PER": 8, "GROUP": 64})
 compile_for_target(P.silu_mul_prep, (torch.randn(2, 2 * 448).bfloat16(),), {}, kw={"PER": 4, "GROUP": 64})
+from kilnx.kernels import attention as A, attention_split as AS
+q, kc = torch.randn(1, 1, 32, 128).bfloat16(), torch.randn(1, 8, 1024, 128).bfloat16()
+kw = A._kernel_kwargs(q, kc, 128 ** -0.5, None, None)
+parts = AS._split_spec(q, kc, kc, torch.tensor([[700]]), KEYS_PER_SPLIT=128, **kw)
+compile_for_target(AS.attention_split_kernel, (q, kc, kc, torch.tensor([[700]])),
+                   {"BLOCK_M": 16, "BLOCK_N": 64, "KEYS_PER_SPLIT": 128}, kw=kw)
+compile_for_target(AS.attention_merge, (*parts, q), {})
 from kilnx.kernels import rope
 q, k, v = torch.randn(3, 8, 128).bfloat16(), torch.randn(3, 2, 128).bfloat16(), torch.randn(3, 2, 128).bfloat16()
 pos, rows, inv = torch.arange(3), torch.zeros(3, dtype=torch.long), torch.ones(64)

@@ -20,7 +20,10 @@ for s in "$@"; do case $s in
   gpuengine) step gpuengine 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_prepared.py tests/runtime/test_engine_gpu.py tests/tuner/test_tuner_gpu.py ;;
   fp4) KILNX_BENCH_ONLY=fp4 step fp4 90 python3 bench/bench_kernels.py --suite quant --out $OUT/fp4 ;;
   gateup) KILNX_BENCH_ONLY=gate_up step gateup 200 python3 bench/bench_kernels.py --suite quant --out $OUT/gateup ;;
-  profdecode) step profdecode 120 python3 bench/profile_decode.py ${PROFILE_MODEL:-llama-3.1-8b} ;;
+  profdecode) step profdecode 120 python3 bench/profile_decode.py ${PROFILE_MODEL:-llama-3.1-8b} ${PROFILE_ARGS:-} ;;
+  profsplit) for a in "128 2113" "2048 2113"; do for sp in 1 0; do
+               echo "== profile prompt/cache $a split=$sp"; KILNX_ATTENTION_SPLIT=$sp timeout 100 python3 bench/profile_decode.py llama-3.1-8b $a 2>&1 \
+               | grep -E "decode after|attention|qmv_h2 |rope|Self CUDA time total"; done; done > $OUT/profsplit.log 2>&1; cat $OUT/profsplit.log ;;
   ncu) step ncu 240 ncu --clock-control none --set detailed -k regex:qmv --launch-skip 4 --launch-count 2 \
          python3 bench/profile_qmv.py ${PROFILE_CONFIGS:-} ;;
   qmm) KILNX_BENCH_ONLY=qmm step qmm ${QMM_SECS:-200} python3 bench/bench_kernels.py --suite quant --out $OUT/qmm ;;

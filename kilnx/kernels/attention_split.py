@@ -12,6 +12,8 @@ ranges is fixed by the cache length, so one CUDA graph serves every step.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 import kilnx.dsl as kd
@@ -140,10 +142,11 @@ def attention_split(q, k_cache, v_cache, positions, kwargs: dict, *, config: dic
 
 def use_split(q, k_cache) -> bool:
     """On the GPU, a decode step (the query heads of a row's tokens fit one tile) with fewer (batch
-    row, KV head) programs than SMs and a cache long enough to split."""
+    row, KV head) programs than SMs and a cache long enough to split. KILNX_ATTENTION_SPLIT=0 turns
+    it off (for comparisons)."""
     B, T, Hq, _ = q.shape
     Hk, S = k_cache.shape[1], k_cache.shape[2]
-    if not q.is_cuda or T * (Hq // Hk) > 16 or S < 512:
+    if not q.is_cuda or T * (Hq // Hk) > 16 or S < 512 or os.environ.get("KILNX_ATTENTION_SPLIT") == "0":
         return False
     return B * Hk < _sm_count(q.device)
 

@@ -122,15 +122,16 @@ def moe(x: torch.Tensor, w_gate_up, w_down, expert_ids: torch.Tensor, routing_we
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-              scale: float, *, softcap: float | None = None, window: int | None = None) -> torch.Tensor:
+              scale: float, *, softcap: float | None = None, window: int | None = None, prepared=None):
     """Causal attention of new queries over a KV cache.
 
     q (B, T, Hq, D); k_cache, v_cache (B, Hk, S, D) already holding the new keys at their positions;
     positions (B, T) int: query t of row b sees keys j <= positions[b, t] (and j > positions - window
-    when a sliding window is given). Hq is a multiple of Hk (grouped-query). Returns (B, T, Hq, D).
+    when a sliding window is given). Hq is a multiple of Hk (grouped-query). Returns (B, T, Hq, D), or
+    with `prepared` (a format from prepared_format for the o projection) a PreparedX of (B*T, Hq*D).
     """
     from kilnx.kernels import attention as attn
-    return attn.attention(q, k_cache, v_cache, positions, scale, softcap=softcap, window=window)
+    return attn.attention(q, k_cache, v_cache, positions, scale, softcap=softcap, window=window, prepared=prepared)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

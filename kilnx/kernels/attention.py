@@ -163,14 +163,16 @@ def _kernel_kwargs(q, k_cache, scale, softcap, window) -> dict:
                 window=int(window) if window is not None else NO_WINDOW, SOFTCAP=softcap is not None)
 
 
-def attention(q, k_cache, v_cache, positions, scale, *, softcap=None, window=None):
+def attention(q, k_cache, v_cache, positions, scale, *, softcap=None, window=None, prepared=None):
     """kilnx.ops.attention: q (B, T, Hq, D) over caches (B, Hk, S, D) -> (B, T, Hq, D) in q.dtype. A GPU
-    decode step with fewer (row, KV head) pairs than SMs splits the keys (attention_split.py)."""
+    decode step with fewer (row, KV head) pairs than SMs splits the keys (attention_split.py). With
+    `prepared` = (PER, GROUP) from prepared_format, the result comes as a PreparedX of (B*T, Hq*D)."""
     from kilnx.kernels import attention_split
     kw = _kernel_kwargs(q, k_cache, scale, softcap, window)
     if attention_split.use_split(q, k_cache):
-        return attention_split.attention_split(q, k_cache, v_cache, positions, kw)
-    return attention_kernel(q, k_cache, v_cache, positions, **kw)
+        return attention_split.attention_split(q, k_cache, v_cache, positions, kw, prepared=prepared)
+    out = attention_kernel(q, k_cache, v_cache, positions, **kw)
+    return out if prepared is None else attention_split.prepare(out, prepared)
 
 
 def _attn_problem_args(problem: dict, device: str):

@@ -134,10 +134,64 @@ def attention_merge(part_acc, part_max, part_sum, q, *, BLOCK_S: kd.constexpr, B
     return out
 
 
-def attention_split(q, k_cache, v_cache, positions, kwargs: dict, *, config: dict | None = None, backend=None):
-    """Decode attention over key ranges, merged: (B, T, Hq, D) in q.dtype (kwargs: _kernel_kwargs)."""
+def _merge_prep_spec(part_acc, part_max, part_sum, q, *, PER, GROUP, **_):
+    from kilnx.kernels.qmv_h2 import _prep_spec
+    out = _merge_spec(part_acc, part_max, part_sum, q)
+    B, T, Hq, D = out.shape
+    return _prep_spec(out.reshape(B * T, Hq * D).float(), PER=PER, GROUP=GROUP)
+
+
+@kd.kernel(tune={"num_warps": kd.choice(1, 2, 4, default=2)},
+           key=lambda part_acc, *_, **__: {"NS": part_acc.shape[0], "D": part_acc.shape[-1]}, spec=_merge_prep_spec,
+           specialize=lambda part_acc, part_max, part_sum, q: {"BLOCK_S": _next_pow2(part_acc.shape[0]),
+                                                               "HEAD_D": part_acc.shape[4]})
+def attention_merge_prep(part_acc, part_max, part_sum, q, *, PER: kd.constexpr, GROUP: kd.constexpr,
+                         BLOCK_S: kd.constexpr, HEAD_D: kd.constexpr):
+    """attention_merge's output (rows b*T + t, columns h*D + d), rounded to q.dtype and written in
+    qmv_h2's prepared form for the o projection: each program merges one head, whose D values are whole
+    quantization groups (HEAD_D % GROUP == 0), so it also owns their planes, sums and scales."""
+    from kilnx.kernels import qmv_h2 as H
+    NS, B, T, Hq, D = part_acc.shape
+    r = kd.grid(B * T * Hq)
+    b, t, h = r // (T * Hq), (r // Hq) % T, r % Hq
+    s = kd.arange(0, BLOCK_S)
+    top = kd.max(kd.load(part_max, s, b, t, h, other=MASKED_MAX))
+    total = kd.sum(kd.exp(kd.load(part_max, s, b, t, h, other=MASKED_MAX) - top) * kd.load(part_sum, s, b, t, h))
+    DW = HEAD_D // PER                          # packed words of one head
+    lo_i, hi_i = H.code_pairs_index(kd.arange(0, DW), PER)
+    lo = kd.zeros((DW, PER // 2), kd.f32)
+    hi = kd.zeros((DW, PER // 2), kd.f32)
+    for split in kd.range(0, NS):
+        w = kd.exp(kd.load(part_max, split, b, t, h) - top)
+        lo += kd.load(part_acc, split, b, t, h, lo_i) * w
+        hi += kd.load(part_acc, split, b, t, h, hi_i) * w
+    norm = 1.0 / kd.where(total > 0, total, 1.0)
+    y_lo = (lo * norm).astype(q.dtype).f32()
+    y_hi = (hi * norm).astype(q.dtype).f32()
+    return H.store_prepared(y_lo, y_hi, b * T + t, h * DW, h * DW + kd.arange(0, DW), B * T, Hq * HEAD_D,
+                            PER=PER, GROUP=GROUP)
+
+
+def attention_split(q, k_cache, v_cache, positions, kwargs: dict, *, config: dict | None = None, backend=None,
+                    prepared: tuple[int, int] | None = None):
+    """Decode attention over key ranges, merged: (B, T, Hq, D) in q.dtype (kwargs: _kernel_kwargs); with
+    `prepared` = (PER, GROUP), the merge writes it as a PreparedX of (B*T, Hq*D) for qmatmul instead."""
     parts = attention_split_kernel(q, k_cache, v_cache, positions, config=config, backend=backend, **kwargs)
-    return attention_merge(*parts, q, backend=backend)
+    if prepared is not None and q.shape[3] % prepared[1] == 0:
+        from kilnx.kernels.prepared import PreparedX
+        planes, sums, xs = attention_merge_prep(*parts, q, PER=prepared[0], GROUP=prepared[1], backend=backend)
+        return PreparedX(planes, sums, xs, q.dtype)
+    out = attention_merge(*parts, q, backend=backend)
+    return out if prepared is None else prepare(out, prepared)
+
+
+def prepare(out, fmt):
+    """(B, T, Hq, D) attention output -> PreparedX of (B*T, Hq*D) through qmv_h2_prep."""
+    from kilnx.kernels import qmv_h2 as H
+    from kilnx.kernels.prepared import PreparedX
+    B, T, Hq, D = out.shape
+    planes, sums, xs = H.qmv_h2_prep(out.reshape(B * T, Hq * D), PER=fmt[0], GROUP=fmt[1])
+    return PreparedX(planes, sums, xs, out.dtype)
 
 
 def use_split(q, k_cache) -> bool:

@@ -175,3 +175,21 @@ def test_split_attention_on_numba_and_the_split_rule():
     big = torch.zeros(1, 8, 4096, 128)
     assert AS.keys_per_split(torch.zeros(1, 1, 32, 128), big, programs=264) == 128    # 8 x 32 programs
     assert AS.keys_per_split(torch.zeros(1, 1, 32, 128), big, programs=16) == 2048
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference", "numba"])
+def test_split_attention_merge_writes_the_o_projections_prepared_input(backend):
+    """With prepared=(PER, GROUP) the merge writes qmv_h2's input form of (B*T, Hq*D) directly: the
+    same activations as merging, then preparing."""
+    from kilnx.kernels import attention_split as AS
+    from kilnx.kernels import qmv_h2 as H
+    q, k_cache, v_cache, positions = inputs(2, 1, 4, 2, 64, "f32", seed=9, spare=30)
+    kw = A._kernel_kwargs(q, k_cache, 0.125, None, None)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "KEYS_PER_SPLIT": 16}
+    for fmt in ((8, 64), (4, 32)):
+        got = AS.attention_split(q, k_cache, v_cache, positions, kw, config=cfg, backend=backend, prepared=fmt)
+        out = AS.attention_split(q, k_cache, v_cache, positions, kw, config=cfg, backend="reference")
+        want = H._prep_spec(out.reshape(2, 4 * 64).float(), PER=fmt[0], GROUP=fmt[1])
+        assert got.shape == (2, 256) and got.format == fmt
+        assert torch.equal(got.xs, want[2])
+        torch.testing.assert_close(H._x_of(got.planes, got.xs), H._x_of(want[0], want[2]), rtol=2e-3, atol=1e-6)

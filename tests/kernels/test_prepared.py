@@ -115,6 +115,8 @@ def test_llama_forward_with_prepared_producers_matches_plain(monkeypatch):
 
     plain = forward()
     monkeypatch.setattr(qmatmul_rows, "choice_for", lambda *a: {"QMV_MAX_ROWS": 8, "GEMV": "qmv_h2"})
+    from kilnx.dsl.kernel import forget_remembered_configs
+    forget_remembered_configs()        # as the runtime does when it reloads tuned configs
     made = []
     for name in ("add_rms_norm_prepared", "silu_mul_prepared"):
         real = getattr(prepared, name)
@@ -163,3 +165,6 @@ def test_split_decode_attention_on_the_gpu_matches_the_one_pass_kernel():
         want = A.attention_formula(q, k, v, pos, 128 ** -0.5)
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(got.float(), one_pass.float(), rtol=2e-2, atol=2e-2)
+        xp = A.attention(q, k, v, pos, 128 ** -0.5, prepared=(8, 64))      # the merge writes o's input
+        assert isinstance(xp, prepared.PreparedX) and xp.shape == (B, 32 * 128)
+        torch.testing.assert_close(_x_of(xp), got.reshape(B, -1).float(), rtol=2 ** -7, atol=1e-3)

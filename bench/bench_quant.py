@@ -167,15 +167,23 @@ def _bench_fp4(rec, label, n, k, mode, dev, copy_bw, smoke):
     sets = [F.make_fp4_args(p, dev) for _ in range(copies_for(wbytes, smoke))]
     x0, wq0, s0, g0 = sets[0]
     ref = x0.float() @ F.dense_weight(wq0, s0, g0).float().to(x0.device).T
+    from kilnx.kernels import fp4_qmv_h2 as F2
     results = []
-    for cfg in [F.fp4_qmv.space.default()] + QMV_CONFIGS[: (2 if smoke else None)]:
-        cfg = {key: v for key, v in cfg.items() if key in F.fp4_qmv.space.params}
-        run = lambda x, wq, s, g, cfg=cfg: F.run_fp4_qmv(x, wq, s, g, config=cfg)  # noqa: E731
-        t = _measure(f"qmv_{mode} {cfg}", run, sets, ref)
-        if t is not None:
-            results.append((t, cfg))
+    paths = [("fp4_qmv", F.run_fp4_qmv, F.fp4_qmv, QMV_CONFIGS), ("fp4_qmv_h2", F2.run_fp4_qmv_h2, F2.fp4_qmv_h2, H2_CONFIGS)]
+    for path, call, kernel, configs in paths:
+        for cfg in [kernel.default_config(*kernel.make_args(p, dev))] + configs[: (2 if smoke else None)]:
+            cfg = {key: v for key, v in cfg.items() if key in kernel.space.params}
+            run = lambda x, wq, s, g, cfg=cfg, call=call: call(x, wq, s, g, config=cfg)  # noqa: E731
+            t = _measure(f"qmv_{mode} {path} {cfg}", run, sets, ref)
+            if t is not None:
+                results.append((t, {"path": path, **cfg}))
     best = min(results, key=lambda r: r[0])
     case = f"qmv_{mode}_M1_{label}"
+    for path in ("fp4_qmv", "fp4_qmv_h2"):
+        mine = [r for r in results if r[1]["path"] == path]
+        if mine:
+            t, cfg = min(mine, key=lambda r: r[0])
+            rec.add("quant", case, f"pct_of_copy_{path}", 100 * wbytes / t / 1e9 / copy_bw, "config", str(cfg))
     rec.add("quant", case, "GBps", wbytes / best[0] / 1e9, "copy_GBps", copy_bw)
     rec.add("quant", case, "pct_of_copy", 100 * wbytes / best[0] / 1e9 / copy_bw, "best_config", str(best[1]))
 

@@ -258,7 +258,13 @@ def fp4_qmatmul(x: torch.Tensor, w) -> torch.Tensor:
     gscale = None if w.global_scale is None else w.global_scale.reshape(1)
     args = (x2, w.packed, w.scales, gscale)
     max_rows = FP4_QMV_MAX_ROWS if x.is_cuda else 1
-    y = run_fp4_qmv(*args) if x2.shape[0] <= max_rows else fp4_qmm(*args)
+    if x2.shape[0] > max_rows:
+        y = fp4_qmm(*args)
+    elif x.is_cuda:   # two codes per fp16 instruction (fp4_qmv_h2.py); numba would emulate fp16 slowly
+        from kilnx.kernels.fp4_qmv_h2 import run_fp4_qmv_h2
+        y = run_fp4_qmv_h2(*args)
+    else:
+        y = run_fp4_qmv(*args)
     return y.reshape(*lead, n)
 
 

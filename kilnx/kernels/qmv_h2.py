@@ -56,11 +56,13 @@ def _exact_pairs(words, bits: int):
     return [_exact_pair(words, bits, p) for p in range(len(PAIRS[bits]))]
 
 
-def _group_scale(amax):
-    """(xs, 1/xs): the power of two just above each group's largest |x|, and its inverse, by exponent
-    arithmetic (exact; a group of zeros gets 2^-126)."""
-    e = kd.minimum((amax.bitcast(kd.i32) >> 23) & 0xFF, 253)
-    return ((e + 1) << 23).bitcast(kd.f32), ((253 - e) << 23).bitcast(kd.f32)
+def _group_scale(amax, bias: int = 0):
+    """(xs, 1/xs): the power of two just above each group's largest |x| divided by 2^bias, and its
+    inverse, by exponent arithmetic (exact), so |x / xs| < 2^bias. A group of zeros (or of values
+    below 2^(bias-126)) gets 2^(-126) as if its largest were there."""
+    e = (amax.bitcast(kd.i32) >> 23) & 0xFF
+    e = kd.minimum(kd.maximum(e, bias), 253) if bias else kd.minimum(e, 253)
+    return ((e + (1 - bias)) << 23).bitcast(kd.f32), (((253 + bias) - e) << 23).bitcast(kd.f32)
 
 
 def _pairs_of(x, per):
@@ -70,19 +72,19 @@ def _pairs_of(x, per):
     return v.permute(0, 3, 1, 2)
 
 
-def _prep_spec(x, *, PER, GROUP, **_):
+def _prep_spec(x, *, PER, GROUP, BIAS=0, **_):
     m, k = x.shape
     g = x.float().reshape(m, k // GROUP, GROUP)
     amax = g.abs().amax(-1)
-    e = torch.clamp((amax.view(torch.int32) >> 23) & 0xFF, max=253)
-    xs = ((e + 1) << 23).view(torch.float32)
+    e = torch.clamp((amax.view(torch.int32) >> 23) & 0xFF, min=BIAS, max=253)
+    xs = ((e + 1 - BIAS) << 23).view(torch.float32)
     scaled = (g / xs[..., None]).reshape(m, k)
     h = _pairs_of(scaled, PER).to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
     planes = (h[..., 0] | (h[..., 1] << 16)).contiguous().view(torch.uint32)
     return planes, g.sum(-1), xs
 
 
-def store_prepared(lo, hi, row, w0, w, M, K, *, PER: int, GROUP: int):
+def store_prepared(lo, hi, row, w0, w, M, K, *, PER: int, GROUP: int, BIAS: int = 0):
     """Store x in qmv_h2's input form, from fp32 tiles lo/hi (BW, PER/2) = x[w*PER + p] and
     x[w*PER + p + PER/2] of words w = w0 + arange(BW) (whole groups: w0 and BW multiples of GROUP/PER): the packed fp16 planes
     scaled per group by a power of two, the group sums and the group scales. Shared by qmv_h2_prep
@@ -94,7 +96,7 @@ def store_prepared(lo, hi, row, w0, w, M, K, *, PER: int, GROUP: int):
     p = kd.arange(0, HALF)
     amax = kd.maximum(kd.max(kd.reshape(kd.abs(lo), (NG, WPG * HALF)), axis=1),
                       kd.max(kd.reshape(kd.abs(hi), (NG, WPG * HALF)), axis=1))
-    xs, inv = _group_scale(amax)
+    xs, inv = _group_scale(amax, BIAS)
     inv_w = kd.reshape(kd.broadcast_to(inv[:, None], (NG, WPG)), (BW,))[:, None]
     planes = kd.output((M, HALF, K // PER), kd.u32, name="planes")
     kd.store(planes, row, p[:, None], w[None, :], kd.trans(kd.h2_pack(lo * inv_w, hi * inv_w)))
@@ -116,14 +118,15 @@ def code_pairs_index(w, PER: int):
 
 @kd.kernel(tune={"BLOCK_KW": kd.pow2(16, 512, default=128), "num_warps": kd.choice(1, 2, 4, default=4)},
            key=lambda x, **kw: {"M": x.shape[0], "K": x.shape[1]}, spec=_prep_spec)
-def qmv_h2_prep(x, *, PER: kd.constexpr, GROUP: kd.constexpr, BLOCK_KW):
+def qmv_h2_prep(x, *, PER: kd.constexpr, GROUP: kd.constexpr, BIAS: kd.constexpr = 0, BLOCK_KW):
+    """x (M, K) -> (planes, group sums, group scales xs): |planes| < 2^BIAS (see _group_scale)."""
     M, K = x.shape
     BW = max(BLOCK_KW, GROUP // PER)      # whole groups per program
     row, pw = kd.grid(M, kd.cdiv(kd.cdiv(K, PER), BW))
     w = pw * BW + kd.arange(0, BW)
     lo_i, hi_i = code_pairs_index(w, PER)
     return store_prepared(kd.load(x, row, lo_i).f32(), kd.load(x, row, hi_i).f32(), row, pw * BW, w, M, K,
-                          PER=PER, GROUP=GROUP)
+                          PER=PER, GROUP=GROUP, BIAS=BIAS)
 
 
 def _x_of(planes, xs):

@@ -167,6 +167,12 @@ for mode, gscale, swap in (("mxfp4", None, True), ("nvfp4", torch.tensor([3.0]),
     # the e2m1 decode reads 0.5 as an fp32 subnormal: flushing it to zero would lose every +-0.5
     assert "ftz" not in k.asm["ptx"] + k1.asm["ptx"], "fp32 subnormals are flushed"
     compile_for_target(F.fp4_qmv, (planes, *args), {"SPLIT_K": 2, "BLOCK_KW": 64})
+    from kilnx.kernels import fp4_qmv_h2 as F2
+    from kilnx.kernels.qmv_h2 import _prep_spec
+    p2, _, xs = _prep_spec(x.float(), PER=8, GROUP=w.group_size, BIAS=F2.X_BIAS)
+    for rows, cfg in ((1, {"STAGES": 3}), (4, {"SPLIT_K": 2, "BLOCK_KW": 64, "STAGES": 2})):
+        k2 = compile_for_target(F2.fp4_qmv_h2, (p2[:rows], xs[:rows], *args), cfg, kw={"OUT": "bf16"}, aligned=True)
+        assert k2.asm["ptx"].count("fma.rn.f16x2") >= 4 and "cp.async" in k2.asm["ptx"]
 print("ok")
 """
 
@@ -188,3 +194,55 @@ def test_tuner_inputs_meet_the_spec_within_the_tuners_tolerance(kernel):
     rtol, atol = kernel.tolerance(args)
     assert got.dtype == want.dtype
     torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol)
+
+
+# ---- fp4_qmv_h2: two codes per fp16 instruction (the GPU's fp4 GEMV) -------------------------------
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=interpreter_only), "reference"])
+def test_fp16_pairs_hold_every_code_times_2_to_the_minus_14(backend):
+    """All 16 codes at all 8 nibble positions: pair p's halves are codes p and p + 4, each exactly
+    e2m1(code) * 2^-14 as fp16 (signed zero and the subnormal 0.5 * 2^-14 included)."""
+    from kilnx.kernels import fp4_qmv_h2 as F2
+
+    @kd.kernel
+    def pairs_of(words):
+        kd.grid(1)
+        w = kd.arange(0, 16)
+        words_t = kd.load(words, w)
+        out = kd.output((16, 4), kd.u32, name="pairs")
+        for p in kd.static_range(4):
+            kd.store(out, w, p, F2.fp16_pair(words_t, p))
+        return out
+
+    rng = np.random.default_rng(1)
+    codes = rng.permuted(np.tile(np.arange(16, dtype=np.uint32), 8).reshape(8, 16), axis=1).T
+    words = np.bitwise_or.reduce(codes << (4 * np.arange(8, dtype=np.uint32)), axis=1).astype(np.uint32)
+    got = pairs_of(torch.from_numpy(words.view(np.int32)), backend=backend).numpy().view(np.uint32)
+    halves = np.stack([got & 0xFFFF, got >> 16], axis=-1).astype(np.uint16).view(np.float16)   # (16, 4, 2)
+    want = E2M1_VALUES[codes].reshape(16, 2, 4).transpose(0, 2, 1) * np.float32(2.0 ** -14)
+    assert np.array_equal(halves.astype(np.float32).view(np.uint32), want.astype(np.float16).astype(np.float32).view(np.uint32))
+    assert np.array_equal(halves.astype(np.float32), want)                     # exact: no rounding
+
+
+@interpreter_only
+@pytest.mark.parametrize("m,x_scale", [(1, 1.0), (3, 1e-3), (2, 3e4)])
+@pytest.mark.parametrize("mode", ["mxfp4", "nvfp4"])
+def test_fp4_qmv_h2_matches_mlx(mode, m, x_scale):
+    """Any activation range: x is scaled per group to |x'| < 2^14 before the fp16 products."""
+    from kilnx.kernels import fp4_qmv_h2 as F2
+    k = SHAPE_K[mode]
+    x, qw, want = mlx_case(mode, m, N, k, seed=20 + m)
+    x, want = x * x_scale, want * x_scale
+    for cfg in (QMV_CONFIG, {"BLOCK_N": 8, "BLOCK_KW": 8, "STAGES": 2, "SPLIT_K": 2}):
+        got = F2.run_fp4_qmv_h2(*kernel_args(x, qw), backend="triton", config=cfg)
+        # fp16 products and 4-term fp16 sums: relative 2^-11 of each word's partial sum
+        tol = 2e-3 * (k ** 0.5) * float(want.abs().max()) + 1e-6 * x_scale
+        assert got.shape == want.shape and torch.isfinite(got).all()
+        assert (got.double() - want.double()).abs().max().item() <= tol
+
+
+@interpreter_only
+def test_fp4_qmv_h2_with_nvfp4_global_scale_on_numba():
+    from kilnx.kernels import fp4_qmv_h2 as F2
+    x, qw, want = mlx_case("nvfp4", 1, N, 160, seed=4, global_scale=37.5)
+    got = F2.run_fp4_qmv_h2(*kernel_args(x, qw), backend="numba", config=QMV_CONFIG)
+    assert (got.double() - want.double()).abs().max().item() <= 2e-3 * (160 ** 0.5) * float(want.abs().max())

@@ -71,3 +71,6 @@ def test_fp4_qmatmul_on_gpu(mode, m):
     want = x.double().cpu() @ F.dense_weight(wq, scales, gscale).double().cpu().T
     got = F.run_fp4_qmv(x, wq, scales, gscale) if m <= F.FP4_QMV_MAX_ROWS else F.fp4_qmm(x, wq, scales, gscale)
     close(got, want, 1024)
+    if m <= F.FP4_QMV_MAX_ROWS:   # the GPU's fp4 GEMV: two codes per fp16 instruction
+        from kilnx.kernels.fp4_qmv_h2 import run_fp4_qmv_h2
+        close(run_fp4_qmv_h2(x, wq, scales, gscale), want, 1024)

@@ -23,7 +23,7 @@ class Frame:
 
     def __init__(self, N, KW, *, WPG: int, BLOCK_N: int, BLOCK_KW: int, SPLIT_K: int, N_DIV: int, KW_DIV: int,
                  STAGES: int = 1):
-        self.WPG, self.BLOCK_N, self.STAGES = WPG, BLOCK_N, STAGES
+        self.N, self.WPG, self.BLOCK_N, self.STAGES = N, WPG, BLOCK_N, STAGES
         self.check_m = False          # whether activation rows past M are visited (see rows())
         self.G = max(BLOCK_KW // WPG, 1)            # groups per chunk
         self.CHUNK = self.G * WPG                    # words per chunk: whole groups
@@ -80,6 +80,17 @@ class Frame:
             term = values[j] * self.x_tile(planes, m, j, wc)
             qx = term if qx is None else qx + term
         return qx
+
+    def h2_group_dot(self, pair, pairs, planes, m, wc, n_pairs: int):
+        """Per-group fp32 sums (BLOCK_N, G) of code * x for activation row m, two codes per HFMA2:
+        code pair p is pairs[p] (decoded once for every row) or pair(p) (decoded where it is used, so
+        one row keeps one pair tile live); planes hold x as fp16 pairs in the same order."""
+        d = None
+        for p in kd.static_range(n_pairs):
+            code = pairs[p] if pairs is not None else pair(p)
+            xp = self.x_tile(planes, m, p, wc)
+            d = kd.h2_fma(code, xp, 0) if d is None else kd.h2_fma(code, xp, d)
+        return self.per_group(kd.h2_sum(d))                      # fp32 from here
 
     def per_group(self, qx):
         """(BLOCK_N, CHUNK) per-word partial sums -> (BLOCK_N, G) per-group sums."""

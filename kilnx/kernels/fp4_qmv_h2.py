@@ -20,9 +20,9 @@ from __future__ import annotations
 import kilnx.dsl as kd
 from kilnx.kernels import _gemv as gemv
 from kilnx.kernels import qmv_h2 as H
-from kilnx.kernels.qmatmul_fp4 import (CODES_PER_WORD, OUT_DTYPES, TORCH_DTYPE_OF, _dense_product, _global_factor,
-                                       _group_of, _group_scales, _key, _pow2_at_least, _pow2_dividing, _shift_left,
-                                       _specialize, make_fp4_args)
+from kilnx.kernels.qmatmul_fp4 import (CODES_PER_WORD, OUT_DTYPES, TORCH_DTYPE_OF, _dense_product, _group_of, _key,
+                                       _pow2_at_least, _pow2_dividing, _shift_left, _specialize, fp4_chunks,
+                                       fp4_frame, fp4_store, make_fp4_args)
 
 X_BIAS = 14                              # fp16 holds a code's value times 2^-14: x is prepared 2^14 larger
 CODE_UNSCALE = 2.0 ** X_BIAS
@@ -66,27 +66,17 @@ def fp4_qmv_h2(planes, xs, wq, scales, global_scale, *, GROUP: kd.constexpr, E4M
     """planes (M, 4, K/8) u32 and xs (M, K/GROUP) from qmv_h2_prep(BIAS=14), wq (N, K/8) words, scales
     (N, K/GROUP) uint8 codes, global_scale (1,) fp32 or None -> (M, N) in OUT (fp32 with split-K)."""
     M = planes.shape[0]
-    N, KW = wq.shape
-    f = gemv.Frame(N, KW, WPG=GROUP // CODES_PER_WORD, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW, SPLIT_K=SPLIT_K,
-                   N_DIV=N_DIV, KW_DIV=KW_DIV, STAGES=STAGES)
+    f = fp4_frame(wq, GROUP, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW, SPLIT_K=SPLIT_K, N_DIV=N_DIV, KW_DIV=KW_DIV,
+                  STAGES=STAGES)
     acc = kd.zeros((BLOCK_M, BLOCK_N), kd.f32)
-    for w0 in f.chunks():
-        # words past K (or rows past N) read 0: +0 codes; their scales read code 0: finite
-        wc, g, words = f.chunk(wq, w0)
-        s = _group_scales(f.per_weight_row(scales, g), E4M3)
+    for wc, g, words, s in fp4_chunks(f, wq, scales, E4M3):
         pairs = [fp16_pair(words, p) for p in kd.static_range(CODES_PER_WORD // 2)] if BLOCK_M > 1 else None
         for m in f.rows(M, BLOCK_M):
-            d = None
-            for p in kd.static_range(CODES_PER_WORD // 2):
-                code = pairs[p] if pairs is not None else fp16_pair(words, p)
-                xp = f.x_tile(planes, m, p, wc)
-                d = kd.h2_fma(code, xp, 0) if d is None else kd.h2_fma(code, xp, d)
+            qx_g = f.h2_group_dot(lambda p: fp16_pair(words, p), pairs, planes, m, wc, CODES_PER_WORD // 2)
             # x = planes * xs and the codes are value * 2^-14: the group's sum times s * xs * 2^14
-            row = kd.sum(f.per_group(kd.h2_sum(d)) * s * (f.per_x_row(xs, m, g) * CODE_UNSCALE)[None, :], axis=1)
+            row = kd.sum(qx_g * s * (f.per_x_row(xs, m, g) * CODE_UNSCALE)[None, :], axis=1)
             acc += gemv.into_row(row, m, BLOCK_M)
-    if global_scale is not None:
-        acc *= _global_factor(global_scale, f.n)[None, :]
-    return f.store(acc, M, N, OUT, SPLIT_K)
+    return fp4_store(f, acc, global_scale, M, OUT, SPLIT_K)
 
 
 def run_fp4_qmv_h2(x, wq, scales, global_scale=None, *, backend=None, config=None, prep_config=None):

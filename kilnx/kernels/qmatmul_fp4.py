@@ -150,21 +150,35 @@ def fp4_qmv(planes, wq, scales, global_scale, *, GROUP: kd.constexpr, E4M3: kd.c
     """planes (M, 8, K/8) fp32 from qmv_prep, wq (N, K/8) words, scales (N, K/GROUP) uint8 codes,
     global_scale (1,) fp32 or None -> (M, N) in OUT (fp32 with split-K, whose partial sums add up)."""
     M = planes.shape[0]
-    N, KW = wq.shape
-    f = gemv.Frame(N, KW, WPG=GROUP // CODES_PER_WORD, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW, SPLIT_K=SPLIT_K,
-                   N_DIV=N_DIV, KW_DIV=KW_DIV, STAGES=STAGES)
+    f = fp4_frame(wq, GROUP, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW, SPLIT_K=SPLIT_K, N_DIV=N_DIV, KW_DIV=KW_DIV,
+                  STAGES=STAGES)
     acc = kd.zeros((BLOCK_M, BLOCK_N), kd.f32)
-    for w0 in f.chunks():
-        # words past K (or rows past N) read 0, which decodes to +0; their scales read code 0: finite
-        wc, g, words = f.chunk(wq, w0)
-        s = _group_scales(f.per_weight_row(scales, g), E4M3)
+    for wc, g, words, s in fp4_chunks(f, wq, scales, E4M3):
         values = [_e2m1(words, j) for j in kd.static_range(CODES_PER_WORD)]
         for m in f.rows(M, BLOCK_M):   # every row reuses the decoded values
             row = kd.sum(f.per_group(f.dot(values, planes, m, wc)) * s, axis=1)
             acc += gemv.into_row(row, m, BLOCK_M)
+    return fp4_store(f, acc, global_scale, M, OUT, SPLIT_K)
+
+
+def fp4_frame(wq, GROUP: int, **blocks) -> gemv.Frame:
+    """The GEMV frame over fp4 words (8 codes each) in groups of GROUP codes."""
+    return gemv.Frame(wq.shape[0], wq.shape[1], WPG=GROUP // CODES_PER_WORD, **blocks)
+
+
+def fp4_chunks(f: gemv.Frame, wq, scales, E4M3: bool):
+    """The frame's chunk loop: (word indices, group indices, words, fp32 group scales) per chunk.
+    Words past K (or rows past N) read 0, which decodes to +0; their scales read code 0: finite."""
+    for w0 in f.chunks():
+        wc, g, words = f.chunk(wq, w0)
+        yield wc, g, words, _group_scales(f.per_weight_row(scales, g), E4M3)
+
+
+def fp4_store(f: gemv.Frame, acc, global_scale, M, OUT: str, SPLIT_K: int):
+    """nvfp4's global scale applied to the fp32 sums, then the frame's store."""
     if global_scale is not None:
         acc *= _global_factor(global_scale, f.n)[None, :]
-    return f.store(acc, M, N, OUT, SPLIT_K)
+    return f.store(acc, M, f.N, OUT, SPLIT_K)
 
 
 def run_fp4_qmv(x, wq, scales, global_scale=None, *, backend=None, config=None, prep_config=None):

@@ -192,12 +192,7 @@ def qmv_h2(planes, sums, xs, wq, scales, biases, *, BITS: kd.constexpr, GROUP: k
         # only one pair tile is live at a time)
         pairs = _exact_pairs(words, BITS) if BLOCK_M > 1 else None
         for m in f.rows(M, BLOCK_M):
-            d = None
-            for p in kd.static_range(PER // 2):
-                code = pairs[p] if pairs is not None else _exact_pair(words, BITS, p)
-                xp = f.x_tile(planes, m, p, wc)
-                d = kd.h2_fma(code, xp, 0) if d is None else kd.h2_fma(code, xp, d)
-            qx_g = f.per_group(kd.h2_sum(d))                                        # fp32 from here
+            qx_g = f.h2_group_dot(lambda p: _exact_pair(words, BITS, p), pairs, planes, m, wc, PER // 2)
             row = kd.sum(qx_g * s * f.per_x_row(xs, m, g)[None, :] + b * f.per_x_row(sums, m, g)[None, :], axis=1)
             acc += gemv.into_row(row, m, BLOCK_M)
     return f.store(acc, M, N, scales.dtype, SPLIT_K)

@@ -112,12 +112,14 @@ def _gather_gemm(x, wq, scales, biases, sorted_ids, block_expert, routing, *, ac
     return out
 
 
-def _slot_rows_dot(x, x_row, wq, scales, biases, expert, row_tiles, valid, BITS, GROUP, BLOCK_KW, MAGIC, check):
+def _slot_rows_dot(x, x_row, wq, scales, biases, expert, row_tiles, valid, BITS, GROUP, BLOCK_KW, MAGIC, check,
+                   STAGES=1):
     """For each tile row r and each tile of weight rows: sum_k W[expert[r]][rows[r], k] * x[x_row[r], k],
     fp32 (R,) tiles, over rows where `valid`. One pass over K serves every row tile; code j of every
     packed word is consumed as soon as x's plane j arrives, so few tiles are live at once.
     sum_k w_k x_k = sum_g s_g sum_{k in g} q_k x_k + b_g sum_{k in g} x_k (scale, bias once per group).
-    `check`: bounds checks on the (row, K) dims; experts and x rows of valid rows exist."""
+    `check`: bounds checks on the (row, K) dims; experts and x rows of valid rows exist. STAGES > 1
+    pipelines the chunk loop's loads (kd.range stages; see _gemv.Frame)."""
     PER = 32 // BITS
     WPG = GROUP // PER               # words per group
     G = max(BLOCK_KW // WPG, 1)      # whole groups per chunk
@@ -127,7 +129,7 @@ def _slot_rows_dot(x, x_row, wq, scales, biases, expert, row_tiles, valid, BITS,
     chk = (False, *check)
     live = valid[:, None]
     accs = [kd.zeros((R,), kd.f32) for _ in row_tiles]
-    for w0 in kd.range(0, wq.shape[2], CHUNK):
+    for w0 in kd.range(0, wq.shape[2], CHUNK, stages=STAGES if STAGES > 1 else None):
         word = w0 + kd.arange(0, CHUNK)[None, :] + kd.full((R, 1), 0, kd.i32)
         words = [kd.load(wq, expert[:, None], rows[:, None], word, mask=live, hint="stream", check=chk)
                  for rows in row_tiles]
@@ -158,7 +160,7 @@ def _gemv_checks(DIVS, BITS, GROUP, BLOCK_N, BLOCK_KW):
 
 
 def _gather_gemv(x, wq, scales, biases, expert_ids, routing_weights, *, act, BITS, GROUP, X_BY_TOKEN, DIVS, SLOTS,
-                 BLOCK_N, BLOCK_KW, MAGIC):
+                 BLOCK_N, BLOCK_KW, MAGIC, STAGES=1):
     """A program: one token, BLOCK_N output rows, all its top_k slots at once. Tile row r is slot
     r // BLOCK_N and output row r % BLOCK_N: every slot's expert is read in the same pass (no serial
     loop over slots), and when x is per token all rows share its loads."""
@@ -173,7 +175,8 @@ def _gather_gemv(x, wq, scales, biases, expert_ids, routing_weights, *, act, BIT
     expert = kd.load(expert_ids, token, k)
     x_row = token if X_BY_TOKEN else (token * TOP_K + k)[:, None]
     tiles = [n, n + n_out] if act else [n]
-    accs = _slot_rows_dot(x, x_row, wq, scales, biases, expert, tiles, valid, BITS, GROUP, BLOCK_KW, MAGIC, check)
+    accs = _slot_rows_dot(x, x_row, wq, scales, biases, expert, tiles, valid, BITS, GROUP, BLOCK_KW, MAGIC, check,
+                          STAGES)
     y = ACTIVATIONS[act](accs[0]) * accs[1] if act else accs[0]
     if routing_weights is None:
         out = kd.output((T * TOP_K, n_out), x.dtype)
@@ -233,9 +236,10 @@ def _gemv_default(x, wq, scales, biases, expert_ids, *rest, SLOTS, **_):
 GEMM_TUNE = {"BLOCK_N": kd.pow2(16, 256, default=64), "BLOCK_K": kd.pow2(32, 256, default=64),
              "MAGIC": kd.boolean(default=True),
              "num_warps": kd.choice(2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=3)}
+# the GEMVs' loop has no dot: a launch's num_stages pipelines nothing there, the loop's STAGES does
 GEMV_TUNE = {"BLOCK_N": kd.pow2(1, 64, default=1), "BLOCK_KW": kd.pow2(8, 512, default=128),
              "MAGIC": kd.boolean(default=True),
-             "num_warps": kd.choice(1, 2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=3)}
+             "num_warps": kd.choice(1, 2, 4, 8, default=4), "STAGES": kd.choice(1, 2, 3, 4, default=1)}
 
 
 def _hooks(*, gemm: bool, glu: bool = False, combine: bool = False) -> dict:
@@ -294,32 +298,32 @@ def gather_qmm_combine(x, wq, scales, biases, sorted_ids, block_expert, routing_
 
 @kd.kernel(**_hooks(gemm=False))
 def gather_qmv(x, wq, scales, biases, expert_ids, *, BITS: kd.constexpr, GROUP: kd.constexpr,
-               X_BY_TOKEN: kd.constexpr, DIVS: kd.constexpr, SLOTS: kd.constexpr, BLOCK_N, BLOCK_KW, MAGIC):
+               X_BY_TOKEN: kd.constexpr, DIVS: kd.constexpr, SLOTS: kd.constexpr, BLOCK_N, BLOCK_KW, MAGIC, STAGES):
     """(T * top_k, N): slot i = x[row of i] @ W[expert_ids.flat[i]]^T, a GEMV per slot."""
     return _gather_gemv(x, wq, scales, biases, expert_ids, None, act=None, BITS=BITS, GROUP=GROUP,
                         X_BY_TOKEN=X_BY_TOKEN, DIVS=DIVS, SLOTS=SLOTS, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW,
-                        MAGIC=MAGIC)
+                        MAGIC=MAGIC, STAGES=STAGES)
 
 
 @kd.kernel(**_hooks(gemm=False, glu=True))
 def gather_qmv_glu(x, wq, scales, biases, expert_ids, *, BITS: kd.constexpr, GROUP: kd.constexpr,
                    X_BY_TOKEN: kd.constexpr, ACT: kd.constexpr = "silu", DIVS: kd.constexpr, SLOTS: kd.constexpr,
-                   BLOCK_N, BLOCK_KW, MAGIC):
+                   BLOCK_N, BLOCK_KW, MAGIC, STAGES):
     """(T * top_k, N / 2): act(gate) * up per slot, one pass over x for both halves."""
     return _gather_gemv(x, wq, scales, biases, expert_ids, None, act=ACT, BITS=BITS, GROUP=GROUP,
                         X_BY_TOKEN=X_BY_TOKEN, DIVS=DIVS, SLOTS=SLOTS, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW,
-                        MAGIC=MAGIC)
+                        MAGIC=MAGIC, STAGES=STAGES)
 
 
 @kd.kernel(**_hooks(gemm=False, combine=True))
 def gather_qmv_combine(x, wq, scales, biases, expert_ids, routing_weights, *, BITS: kd.constexpr,
                        GROUP: kd.constexpr, X_BY_TOKEN: kd.constexpr, DIVS: kd.constexpr, SLOTS: kd.constexpr,
-                       BLOCK_N, BLOCK_KW, MAGIC):
+                       BLOCK_N, BLOCK_KW, MAGIC, STAGES):
     """(T, N) in x.dtype = sum_k routing_weights[t, k] * (x[row of (t, k)] @ W[expert_ids[t, k]]^T),
     summed inside the program (no atomics)."""
     return _gather_gemv(x, wq, scales, biases, expert_ids, routing_weights, act=None, BITS=BITS, GROUP=GROUP,
                         X_BY_TOKEN=X_BY_TOKEN, DIVS=DIVS, SLOTS=SLOTS, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW,
-                        MAGIC=MAGIC)
+                        MAGIC=MAGIC, STAGES=STAGES)
 
 
 def _hash_with_helpers(kernel, *helpers):

@@ -160,16 +160,17 @@ def make_align_args(scatter: bool):
 # Where the tuner starts (besides the default). Decode: a program holds a token's top_k slots times
 # BLOCK_N rows (top-8: 8 to 64 rows), and a tile is rows x BLOCK_KW words: about 1-2k words keeps
 # the registers in check. Prefill: the usual tensor-core tiles.
+# (BLOCK_N, BLOCK_KW, num_warps, STAGES): pipelined and plain chunk loops both (not yet measured for MoE)
 GEMV_SEEDS = {
-    "glu": [(1, 128, 4, 3), (2, 128, 4, 3), (1, 256, 4, 3), (2, 64, 4, 3), (4, 64, 4, 3), (4, 32, 2, 3),
-            (8, 32, 4, 3)],
-    "combine": [(1, 128, 4, 3), (2, 64, 4, 3), (4, 32, 4, 3), (1, 64, 2, 3), (2, 128, 4, 3), (8, 16, 4, 3)]}
+    "glu": [(1, 128, 4, 1), (2, 128, 4, 3), (1, 256, 4, 1), (2, 64, 4, 3), (4, 64, 4, 1), (4, 32, 2, 3),
+            (8, 32, 4, 1)],
+    "combine": [(1, 128, 4, 1), (2, 64, 4, 3), (4, 32, 4, 1), (1, 64, 2, 3), (2, 128, 4, 1), (8, 16, 4, 3)]}
 GEMM_SEEDS = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3), (128, 128, 8, 3), (32, 64, 4, 4), (64, 64, 8, 4)]
 
 
 def gemv_seeds(kind: str) -> list[dict]:
-    return [{"BLOCK_N": bn, "BLOCK_KW": kw, "num_warps": nw, "num_stages": ns, "MAGIC": True}
-            for bn, kw, nw, ns in GEMV_SEEDS[kind]]
+    return [{"BLOCK_N": bn, "BLOCK_KW": kw, "num_warps": nw, "STAGES": st, "MAGIC": True}
+            for bn, kw, nw, st in GEMV_SEEDS[kind]]
 
 
 def gemm_seeds() -> list[dict]:

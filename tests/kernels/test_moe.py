@@ -119,8 +119,9 @@ def test_align_groups_slots_by_expert_in_padded_blocks(T, k, E, bm, distinct, se
 @settings(max_examples=8, deadline=None, derandomize=True)
 @given(bits=st.sampled_from([2, 4, 8]), gs=st.sampled_from([32, 64]), T=st.sampled_from([1, 3, 17]),
        E=st.sampled_from([4, 8]), N=st.sampled_from([7, 40, 64]), groups=st.sampled_from([1, 2, 3]),
-       x_rows=st.sampled_from(["token", "slot"]), bm=st.sampled_from([16, 32]), magic=st.booleans())
-def test_gather_kernels_match_mlx_gather_qmm(bits, gs, T, E, N, groups, x_rows, bm, magic):
+       x_rows=st.sampled_from(["token", "slot"]), bm=st.sampled_from([16, 32]), magic=st.booleans(),
+       stages=st.sampled_from([1, 3]))
+def test_gather_kernels_match_mlx_gather_qmm(bits, gs, T, E, N, groups, x_rows, bm, magic, stages):
     K, k = gs * groups, 2
     mw, w = experts(E, N, K, bits, gs, seed=bits * 100 + T)
     ids, _ = routing(T, k, E, seed=T * 7 + E)
@@ -133,7 +134,7 @@ def test_gather_kernels_match_mlx_gather_qmm(bits, gs, T, E, N, groups, x_rows, 
         close(got, want, K)
         if T <= 3:   # the decode kernel: one program per slot and column tile
             got = M.gather_qmv(x, w.packed, w.scales, w.biases, ids, backend=backend,
-                               config={**GEMV_CFG, "MAGIC": magic})
+                               config={**GEMV_CFG, "MAGIC": magic, "STAGES": stages})
             close(got, want, K)
 
 

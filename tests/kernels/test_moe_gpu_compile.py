@@ -36,6 +36,9 @@ for bits in (2, 4, 8):
     for kernel, args in cases:
         for magic in ((True, False) if bits == 4 else (True,)):
             compile_for_target(kernel, args, {"MAGIC": magic})
+        if kernel in (M.gather_qmv_glu, M.gather_qmv_combine):   # the pipelined chunk loop
+            ck = compile_for_target(kernel, args, {"STAGES": 3, "BLOCK_KW": 16}, aligned=True)
+            assert "cp.async" in ck.asm["ptx"], kernel.name
 print("ok")
 """
 

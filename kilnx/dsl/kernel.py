@@ -35,10 +35,22 @@ def forget_remembered_configs() -> None:
     _tuning_generation[0] += 1
 
 
+# os.environ's own mapping (its keys encoded, bytes on POSIX): read per call without the encoding
+_ENVIRON = getattr(os.environ, "_data", None)
+_INTERPRET_KEY = os.environ.encodekey("TRITON_INTERPRET") if hasattr(os.environ, "encodekey") else None
+if _INTERPRET_KEY is None:
+    _ENVIRON = None
+
+
+def _interpret_setting():
+    """TRITON_INTERPRET as the environment holds it now (tests flip it at run time: not cacheable)."""
+    return _ENVIRON.get(_INTERPRET_KEY) if _ENVIRON is not None else os.environ.get("TRITON_INTERPRET")
+
+
 def _call_key(args, backend, kw):
     """What decides a call's config and specialization, or None when an argument is not hashable."""
     # the default backend follows TRITON_INTERPRET, which tests flip at run time
-    key = [backend or os.environ.get("TRITON_INTERPRET")]
+    key = [backend or _interpret_setting()]
     for a in args:
         if isinstance(a, torch.Tensor):
             key.append((a.shape, a.stride(), a.dtype, a.get_device()))   # get_device: -1 on the CPU

@@ -20,9 +20,12 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 import kilnx.dsl as kd
+from kilnx.dsl.kernel import _tuning_generation
 from kilnx.kernels import _gemv as gemv
 
 
@@ -339,11 +342,20 @@ QMV_MAX_ROWS = 8
 DEQUANT_MM_MIN_ROWS = 256
 
 
+_SERVED: dict = {}
+"""(id(weight), rows, dtype, device, tuning generation) -> (weakref to the weight, its call): the
+decisions of a qmatmul call (checks, routing, format) made once per weight and row count."""
+
+
 def qmatmul(x: torch.Tensor, w) -> torch.Tensor:
     """x (..., K) @ w.T for a QWeight (affine) or a dense (N, K) tensor -> (..., N) in x.dtype."""
     from kilnx.quant import QWeight
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
+    key = (id(w), x2.shape[0], k, x.dtype, x.device, _tuning_generation[0])
+    served = _SERVED.get(key)
+    if served is not None and served[0]() is w:
+        return served[1](x2, w.packed, w.scales, w.biases).reshape(*lead, w.shape[0])
     if not isinstance(w, QWeight):
         if w.dim() != 2 or w.shape[1] != k:
             raise ValueError(f"qmatmul: weight shape {tuple(w.shape)} does not match x's last dim {k}")
@@ -361,7 +373,11 @@ def qmatmul(x: torch.Tensor, w) -> torch.Tensor:
     args = (x2, w.packed, w.scales, w.biases)
     from kilnx.kernels.routing import qmatmul_rows
     # which GEMV, and up to how many rows, is the tuned choice of this device (kilnx tune stores it)
-    return qmatmul_rows.serve(x2, *args[1:], qmatmul_rows.choice_for(*args)).reshape(*lead, w.shape[0])
+    call = qmatmul_rows.server(*args, qmatmul_rows.choice_for(*args))
+    if len(_SERVED) > 4096:
+        _SERVED.clear()
+    _SERVED[key] = (weakref.ref(w), call)
+    return call(*args).reshape(*lead, w.shape[0])
 
 
 def make_qmatmul_args(problem: dict, device: str):

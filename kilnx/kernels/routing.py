@@ -79,15 +79,26 @@ class QmatmulRowsRoute:
     # -- the choice itself ----------------------------------------------------------------------------
     def serve(self, x, wq, scales, biases, chosen: dict, backend: str | None = None):
         """One qmatmul call (x (M, K), 2D) under the choice `chosen` ({QMV_MAX_ROWS, GEMV})."""
+        return self.server(x, wq, scales, biases, chosen, backend)(x, wq, scales, biases)
+
+    def server(self, x, wq, scales, biases, chosen: dict, backend: str | None = None):
+        """The call `serve` makes for x's row count and this weight format, as a function of
+        (x, wq, scales, biases): qmatmul keeps it per weight and row count (a decode step makes a
+        hundred qmatmul calls, each of which would otherwise redo these decisions)."""
         qm = self._qm
-        bits = qm._format_of(x, wq, scales, biases)["BITS"]
+        f = qm._format_of(x, wq, scales, biases)
+        bits, group = f["BITS"], f["GROUP"]
         if x.shape[0] <= chosen["QMV_MAX_ROWS"] and 32 % bits == 0:
             h2 = chosen["GEMV"] == "qmv_h2" and bits in self._h2.BITS_SERVED
-            y = (self._h2.run_qmv_h2 if h2 else qm.run_qmv)(x, wq, scales, biases, backend=backend)
-            return y if y.dtype == x.dtype else y.to(x.dtype)
+            prep, gemv = (self._h2.qmv_h2_prep, self._h2.qmv_h2) if h2 else (qm.qmv_prep, qm.qmv)
+
+            def gemv_call(x, wq, scales, biases):
+                y = gemv(*prep(x, PER=32 // bits, GROUP=group, backend=backend), wq, scales, biases, backend=backend)
+                return y if y.dtype == x.dtype else y.to(x.dtype)
+            return gemv_call
         if x.is_cuda and x.shape[0] >= qm.DEQUANT_MM_MIN_ROWS and 32 % bits == 0:
-            return qm.dequant_mm(x, wq, scales, biases)
-        return qm.qmm(x, wq, scales, biases, backend=backend)
+            return qm.dequant_mm
+        return lambda x, wq, scales, biases: qm.qmm(x, wq, scales, biases, backend=backend)
 
     def choice_for(self, x, wq, scales, biases) -> dict:
         """The stored choice for this device and weight (the default where none was tuned), looked up

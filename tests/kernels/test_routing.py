@@ -35,15 +35,18 @@ def test_every_choice_gives_the_reference_sweep(limit, gemv):
 def test_rows_up_to_the_limit_take_the_gemv(monkeypatch):
     from kilnx.kernels import qmv_h2 as H
     used = []
-    monkeypatch.setattr(Q, "run_qmv", lambda *a, **k: used.append("qmv") or Q.qmm(*a[:4], **k))
-    monkeypatch.setattr(H, "run_qmv_h2", lambda *a, **k: used.append("qmv_h2") or Q.qmm(*a[:4], **k))
-    monkeypatch.setattr(Q, "qmm", (lambda f: lambda *a, **k: used.append("qmm") or f(*a, **k))(Q.qmm))
+
+    def spy(module, name):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, **k: used.append(name) or real(*a, **k))
+    spy(Q, "qmv"), spy(H, "qmv_h2"), spy(Q, "qmm")
     x, wq, s, b = qmatmul_rows.make_args(PROBLEM, "cpu")
+    want = Q._dense_spec(x[:5], wq, s, b, 4, 64)
     for gemv in ("qmv", "qmv_h2"):
         for m in (1, 4, 5):
-            qmatmul_rows.serve(x[:m], wq, s, b, {"QMV_MAX_ROWS": 4, "GEMV": gemv}, backend="reference")
-    # each GEMV's stand-in calls qmm itself
-    assert used == ["qmv", "qmm", "qmv", "qmm", "qmm", "qmv_h2", "qmm", "qmv_h2", "qmm", "qmm"]
+            y = qmatmul_rows.serve(x[:m], wq, s, b, {"QMV_MAX_ROWS": 4, "GEMV": gemv}, backend="reference")
+            torch.testing.assert_close(y.float(), want[:m].float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    assert used == ["qmv", "qmv", "qmm", "qmv_h2", "qmv_h2", "qmm"]
 
 
 def test_the_stored_choice_is_what_the_runtime_reads(tmp_path, monkeypatch):
@@ -87,3 +90,22 @@ def test_a_tune_records_a_choice(tmp_path):
     assert not results[0].error, results[0].error
     assert [(r.kernel, r.bucket) for r in stored] == [("qmatmul_rows_crossover", "N=24,K=128,bits=4,gs=64")]
     assert stored[0].config["QMV_MAX_ROWS"] in (0, 1, 2, 4, 8, 16) and stored[0].config["GEMV"] in ("qmv", "qmv_h2")
+
+
+def test_qmatmul_decides_once_per_weight_and_row_count(monkeypatch):
+    """qmatmul keeps the route's call per (weight, rows): repeated calls skip the decisions, another
+    weight of the same shape gets its own, and reloaded tuned configs make it decide again."""
+    from kilnx.dsl.kernel import forget_remembered_configs
+    from kilnx.quant import QWeight
+    asked = []
+    real = qmatmul_rows.server
+    monkeypatch.setattr(qmatmul_rows, "server", lambda *a, **k: asked.append(a[0].shape[0]) or real(*a, **k))
+    x = torch.randn(1, 128)
+    weights = [QWeight.quantize(torch.randn(24, 128, generator=torch.Generator().manual_seed(i))) for i in (1, 2)]
+    for _ in range(3):
+        for w in weights:
+            torch.testing.assert_close(Q.qmatmul(x, w), x @ w.dequantize(torch.float32).T, rtol=1e-4, atol=1e-4)
+    assert asked == [1, 1]
+    forget_remembered_configs()
+    Q.qmatmul(x, weights[0])
+    assert asked == [1, 1, 1]

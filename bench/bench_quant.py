@@ -110,13 +110,16 @@ def _bench_qmv(rec, label, n, k, m, bits, dev, copy_bw, smoke):
     sets = _qargs(m, n, k, bits, dev, copies_for(wbytes, smoke))
     case = f"qmv_b{bits}_M{m}_{label}"
     ref = qmatmul._dense_peer(*sets[0]).float()
-    # (path, call, its configs: the default first); each path's results are timed on the same inputs
+    problem = {"M": m, "N": n, "K": k, "bits": bits, "gs": 64}
+    # (path, call, its configs: the runtime's default first); each path's results are timed on the same inputs
     wanted = os.environ.get("QMV_PATHS", "qmv,qmv_h2,qmm").split(",")
     paths = []
     if "qmv" in wanted or bits not in qmv_h2.BITS_SERVED:
-        paths.append(("qmv", qmatmul.run_qmv, [qmatmul.qmv.space.default()] + QMV_CONFIGS[: (3 if smoke else None)]))
+        default = qmatmul.qmv.default_config(*qmatmul.make_qmv_args(problem, dev))
+        paths.append(("qmv", qmatmul.run_qmv, [default] + QMV_CONFIGS[: (3 if smoke else None)]))
     if bits in qmv_h2.BITS_SERVED and "qmv_h2" in wanted:
-        paths.append(("qmv_h2", qmv_h2.run_qmv_h2, [qmv_h2.qmv_h2.space.default()] + H2_CONFIGS[: (2 if smoke else None)]))
+        default = qmv_h2.qmv_h2.default_config(*qmv_h2.make_qmv_h2_args(problem, dev))
+        paths.append(("qmv_h2", qmv_h2.run_qmv_h2, [default] + H2_CONFIGS[: (2 if smoke else None)]))
     if (m > 1 or not smoke) and "qmm" in wanted:
         paths.append(("qmm", qmatmul.qmm, WIDE_CONFIGS[: (2 if smoke else None)]))
     results = []   # (seconds, path, config)
@@ -128,7 +131,6 @@ def _bench_qmv(rec, label, n, k, m, bits, dev, copy_bw, smoke):
                 results.append((t, path, cfg))
                 if os.environ.get("QMV_SWEEP_ROWS"):   # every config's time, for choosing defaults
                     rec.add("quant_sweep", case, "us", t * 1e6, "config", f"{path} {cfg}")
-    problem = {"M": m, "N": n, "K": k, "bits": bits, "gs": 64}
 
     def gemv_alone(path, kernel, make_args):
         """(best path result, the GEMV alone on prepared inputs with that config, seconds)"""

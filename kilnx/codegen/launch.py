@@ -41,7 +41,17 @@ def cache_dir() -> Path:
     return p
 
 
+# os.environ's own mapping (keys encoded, bytes on POSIX): every kernel call asks, so the lookup skips
+# os.environ's per-call key encoding; tests flip the variable at run time, so it is never cached
+_ENVIRON = getattr(os.environ, "_data", None) if hasattr(os.environ, "encodekey") else None
+_INTERPRET = os.environ.encodekey("TRITON_INTERPRET") if _ENVIRON is not None else None
+_ONE = os.environ.encodevalue("1") if _ENVIRON is not None else None
+
+
 def interpreting() -> bool:
+    """Whether TRITON_INTERPRET=1 now: Triton kernels on CPU tensors run in Triton's interpreter."""
+    if _ENVIRON is not None:
+        return _ENVIRON.get(_INTERPRET) == _ONE
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 

@@ -52,7 +52,7 @@ class _Gen(StatementEmitter):
     def loop_header(self, n: Node, bounds: str) -> str:
         # an explicit num_stages is what makes Triton pipeline loads that no dot consumes
         stages = n.arg.stages
-        return f"tl.range({bounds}, num_stages={stages})" if stages is not None else f"range({bounds})"
+        return f"tl.range({bounds}, num_stages={stages})" if stages is not None else super().loop_header(n, bounds)
 
     def stmts(self, n: Node) -> list[str]:
         stmt = self.stmt(n)

@@ -13,10 +13,12 @@ import hashlib
 import inspect
 import os
 import sys
+import weakref
 from typing import Any, Callable
 
 import torch
 
+from kilnx.codegen import launch as _launch
 from kilnx.dsl import lang
 from kilnx.dsl.ir import DSLError, KernelIR, dsl_error, dtype_of, fmt_ir
 from kilnx.dsl.tunables import Space, Tunable
@@ -35,22 +37,34 @@ def forget_remembered_configs() -> None:
     _tuning_generation[0] += 1
 
 
-# os.environ's own mapping (its keys encoded, bytes on POSIX): read per call without the encoding
-_ENVIRON = getattr(os.environ, "_data", None)
-_INTERPRET_KEY = os.environ.encodekey("TRITON_INTERPRET") if hasattr(os.environ, "encodekey") else None
-if _INTERPRET_KEY is None:
-    _ENVIRON = None
+class PerObjectMemo:
+    """Answers remembered per (objects, key) until tuned configs reload: what a hot path (a decode
+    step's hundred qmatmul calls) would otherwise decide again on every call. The objects (weights)
+    are held weakly and checked on a hit, so a freed object's reused id never answers for another."""
 
+    MISSING = object()
 
-def _interpret_setting():
-    """TRITON_INTERPRET as the environment holds it now (tests flip it at run time: not cacheable)."""
-    return _ENVIRON.get(_INTERPRET_KEY) if _ENVIRON is not None else os.environ.get("TRITON_INTERPRET")
+    def __init__(self, limit: int = 4096):
+        self._store: dict = {}
+        self._limit = limit
+
+    def get(self, objs: tuple, key):
+        hit = self._store.get((tuple(map(id, objs)), key, _tuning_generation[0]))
+        if hit is not None and all(ref() is o for ref, o in zip(hit[0], objs)):
+            return hit[1]
+        return self.MISSING
+
+    def put(self, objs: tuple, key, value):
+        if len(self._store) >= self._limit:
+            self._store.clear()
+        self._store[(tuple(map(id, objs)), key, _tuning_generation[0])] = (tuple(map(weakref.ref, objs)), value)
+        return value
 
 
 def _call_key(args, backend, kw):
     """What decides a call's config and specialization, or None when an argument is not hashable."""
     # the default backend follows TRITON_INTERPRET, which tests flip at run time
-    key = [backend or _interpret_setting()]
+    key = [backend or _launch.interpreting()]
     for a in args:
         if isinstance(a, torch.Tensor):
             key.append((a.shape, a.stride(), a.dtype, a.get_device()))   # get_device: -1 on the CPU

@@ -21,10 +21,10 @@ class Frame:
     through shared memory instead of waiting on one chunk's loads before it issues the next (an un-
     pipelined GEMV is latency-bound: ncu showed DRAM half busy at 25% occupancy on the H200)."""
 
-    def __init__(self, N, KW, *, WPG: int, BLOCK_N: int, BLOCK_KW: int, SPLIT_K: int, N_DIV: int, KW_DIV: int,
-                 STAGES: int = 1):
-        self.N, self.WPG, self.BLOCK_N, self.STAGES = N, WPG, BLOCK_N, STAGES
-        self.check_m = False          # whether activation rows past M are visited (see rows())
+    def __init__(self, N, KW, *, WPG: int, BLOCK_M: int, BLOCK_N: int, BLOCK_KW: int, SPLIT_K: int, N_DIV: int,
+                 KW_DIV: int, STAGES: int = 1):
+        self.N, self.WPG, self.BLOCK_M, self.BLOCK_N, self.STAGES = N, WPG, BLOCK_M, BLOCK_N, STAGES
+        self.check_m = BLOCK_M > 1 and STAGES > 1    # activation rows past M are visited (see rows())
         self.G = max(BLOCK_KW // WPG, 1)            # groups per chunk
         self.CHUNK = self.G * WPG                    # words per chunk: whole groups
         self.ROWS_IN, self.K_IN = N_DIV % BLOCK_N == 0, KW_DIV % self.CHUNK == 0
@@ -49,15 +49,12 @@ class Frame:
         """(BLOCK_N, G) of a per-group weight tensor (scales, biases), as loaded."""
         return kd.load(t, self.n[:, None], g[None, :], check=(not self.ROWS_IN, not self.K_IN))
 
-    def rows(self, M, BLOCK_M: int):
+    def rows(self, M):
         """The loop over activation rows. One row needs no loop; a pipelined chunk loop unrolls the rows
         (Triton pipelines only innermost loops), visiting all BLOCK_M rows with the ones past M masked."""
-        if BLOCK_M == 1:
+        if self.BLOCK_M == 1:
             return kd.static_range(1)
-        if self.STAGES > 1:
-            self.check_m = True
-            return kd.static_range(BLOCK_M)
-        return kd.range(0, M)
+        return kd.static_range(self.BLOCK_M) if self.check_m else kd.range(0, M)
 
     def per_x_row(self, t, m, g):
         """(G,) of a per-group activation tensor (group sums, group scales) for activation row m."""

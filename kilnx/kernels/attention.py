@@ -172,7 +172,10 @@ def attention(q, k_cache, v_cache, positions, scale, *, softcap=None, window=Non
     if attention_split.use_split(q, k_cache):
         return attention_split.attention_split(q, k_cache, v_cache, positions, kw, prepared=prepared)
     out = attention_kernel(q, k_cache, v_cache, positions, **kw)
-    return out if prepared is None else attention_split.prepare(out, prepared)
+    if prepared is None:
+        return out
+    from kilnx.kernels.prepared import prepare
+    return prepare(out.reshape(-1, out.shape[2] * out.shape[3]), prepared)
 
 
 def _attn_problem_args(problem: dict, device: str):

@@ -120,18 +120,28 @@ def _merge_spec(part_acc, part_max, part_sum, q, **_):
                                                                "BLOCK_D": max(_next_pow2(part_acc.shape[4]), 16)})
 def attention_merge(part_acc, part_max, part_sum, q, *, BLOCK_S: kd.constexpr, BLOCK_D: kd.constexpr):
     """out[b, t, h] = sum_s w_s acc_s / sum_s w_s l_s with w_s = exp(m_s - max_s m_s), in q.dtype."""
-    NS, B, T, Hq, D = part_acc.shape
+    B, T, Hq, D = q.shape
+    b, t, h, top, w, norm = _merge_weights(part_max, part_sum, B, T, Hq, BLOCK_S)
+    d = kd.arange(0, BLOCK_D)
+    s = kd.arange(0, BLOCK_S)
+    acc = kd.sum(kd.load(part_acc, s[:, None], b, t, h, d[None, :]) * w[:, None], axis=0)
+    out = kd.output((B, T, Hq, D), q.dtype)
+    kd.store(out, b, t, h, d, acc * norm)
+    return out
+
+
+def _merge_weights(part_max, part_sum, B, T, Hq, BLOCK_S: int):
+    """The merge of one (row, token, head) per program: (b, t, h, the ranges' largest max, each range's
+    weight exp(m_s - max) as a (BLOCK_S,) tile, 1 / sum_s weight_s l_s). A range without keys has
+    m = MASKED_MAX and l = 0: weight 0. A head that saw no key at all divides by 1, not 0."""
     r = kd.grid(B * T * Hq)
     b, t, h = r // (T * Hq), (r // Hq) % T, r % Hq
     s = kd.arange(0, BLOCK_S)
-    d = kd.arange(0, BLOCK_D)
     m = kd.load(part_max, s, b, t, h, other=MASKED_MAX)
-    w = kd.exp(m - kd.max(m))
+    top = kd.max(m)
+    w = kd.exp(m - top)
     total = kd.sum(w * kd.load(part_sum, s, b, t, h))
-    acc = kd.sum(kd.load(part_acc, s[:, None], b, t, h, d[None, :]) * w[:, None], axis=0)
-    out = kd.output((B, T, Hq, D), q.dtype)
-    kd.store(out, b, t, h, d, acc / kd.where(total > 0, total, 1.0))
-    return out
+    return b, t, h, top, w, 1.0 / kd.where(total > 0, total, 1.0)
 
 
 def _merge_prep_spec(part_acc, part_max, part_sum, q, *, PER, GROUP, **_):
@@ -151,21 +161,17 @@ def attention_merge_prep(part_acc, part_max, part_sum, q, *, PER: kd.constexpr, 
     qmv_h2's prepared form for the o projection: each program merges one head, whose D values are whole
     quantization groups (HEAD_D % GROUP == 0), so it also owns their planes, sums and scales."""
     from kilnx.kernels import qmv_h2 as H
-    NS, B, T, Hq, D = part_acc.shape
-    r = kd.grid(B * T * Hq)
-    b, t, h = r // (T * Hq), (r // Hq) % T, r % Hq
-    s = kd.arange(0, BLOCK_S)
-    top = kd.max(kd.load(part_max, s, b, t, h, other=MASKED_MAX))
-    total = kd.sum(kd.exp(kd.load(part_max, s, b, t, h, other=MASKED_MAX) - top) * kd.load(part_sum, s, b, t, h))
+    NS = part_acc.shape[0]
+    B, T, Hq, D = q.shape
+    b, t, h, top, _, norm = _merge_weights(part_max, part_sum, B, T, Hq, BLOCK_S)
     DW = HEAD_D // PER                          # packed words of one head
     lo_i, hi_i = H.code_pairs_index(kd.arange(0, DW), PER)
     lo = kd.zeros((DW, PER // 2), kd.f32)
     hi = kd.zeros((DW, PER // 2), kd.f32)
-    for split in kd.range(0, NS):
+    for split in kd.range(0, NS):   # a (DW, PER/2) tile per range: its weight is read as a scalar
         w = kd.exp(kd.load(part_max, split, b, t, h) - top)
         lo += kd.load(part_acc, split, b, t, h, lo_i) * w
         hi += kd.load(part_acc, split, b, t, h, hi_i) * w
-    norm = 1.0 / kd.where(total > 0, total, 1.0)
     y_lo = (lo * norm).astype(q.dtype).f32()
     y_hi = (hi * norm).astype(q.dtype).f32()
     return H.store_prepared(y_lo, y_hi, b * T + t, h * DW, h * DW + kd.arange(0, DW), B * T, Hq * HEAD_D,
@@ -177,21 +183,12 @@ def attention_split(q, k_cache, v_cache, positions, kwargs: dict, *, config: dic
     """Decode attention over key ranges, merged: (B, T, Hq, D) in q.dtype (kwargs: _kernel_kwargs); with
     `prepared` = (PER, GROUP), the merge writes it as a PreparedX of (B*T, Hq*D) for qmatmul instead."""
     parts = attention_split_kernel(q, k_cache, v_cache, positions, config=config, backend=backend, **kwargs)
+    from kilnx.kernels.prepared import PreparedX, prepare
     if prepared is not None and q.shape[3] % prepared[1] == 0:
-        from kilnx.kernels.prepared import PreparedX
         planes, sums, xs = attention_merge_prep(*parts, q, PER=prepared[0], GROUP=prepared[1], backend=backend)
         return PreparedX(planes, sums, xs, q.dtype)
     out = attention_merge(*parts, q, backend=backend)
-    return out if prepared is None else prepare(out, prepared)
-
-
-def prepare(out, fmt):
-    """(B, T, Hq, D) attention output -> PreparedX of (B*T, Hq*D) through qmv_h2_prep."""
-    from kilnx.kernels import qmv_h2 as H
-    from kilnx.kernels.prepared import PreparedX
-    B, T, Hq, D = out.shape
-    planes, sums, xs = H.qmv_h2_prep(out.reshape(B * T, Hq * D), PER=fmt[0], GROUP=fmt[1])
-    return PreparedX(planes, sums, xs, out.dtype)
+    return out if prepared is None else prepare(out.reshape(-1, out.shape[2] * out.shape[3]), prepared)
 
 
 def use_split(q, k_cache) -> bool:

@@ -38,10 +38,6 @@ def fp16_pair(words, p: int):
     return (magnitude | sign).bitcast(kd.u32)
 
 
-def _format(planes, xs, wq, scales, global_scale):
-    return _specialize(wq, scales)
-
-
 def _spec(planes, xs, wq, scales, global_scale, *, OUT="f32", **_):
     return _dense_product(H._x_of(planes, xs), wq, scales, global_scale, TORCH_DTYPE_OF[OUT])
 
@@ -58,7 +54,7 @@ def _default(planes, *_, **__):
     key=lambda planes, xs, wq, scales, gscale, **_: _key(planes.shape[0], wq, scales),
     spec=_spec, default=_default,
     specialize=lambda planes, xs, wq, scales, gscale: {
-        **_format(planes, xs, wq, scales, gscale), "BLOCK_M": _pow2_at_least(planes.shape[0]),
+        **_specialize(wq, scales), "BLOCK_M": _pow2_at_least(planes.shape[0]),
         "KW_DIV": _pow2_dividing(wq.shape[1])})
 def fp4_qmv_h2(planes, xs, wq, scales, global_scale, *, GROUP: kd.constexpr, E4M3: kd.constexpr,
                BLOCK_M: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr, OUT: kd.constexpr = "f32",
@@ -66,12 +62,12 @@ def fp4_qmv_h2(planes, xs, wq, scales, global_scale, *, GROUP: kd.constexpr, E4M
     """planes (M, 4, K/8) u32 and xs (M, K/GROUP) from qmv_h2_prep(BIAS=14), wq (N, K/8) words, scales
     (N, K/GROUP) uint8 codes, global_scale (1,) fp32 or None -> (M, N) in OUT (fp32 with split-K)."""
     M = planes.shape[0]
-    f = fp4_frame(wq, GROUP, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW, SPLIT_K=SPLIT_K, N_DIV=N_DIV, KW_DIV=KW_DIV,
-                  STAGES=STAGES)
+    f = fp4_frame(wq, GROUP, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW, SPLIT_K=SPLIT_K,
+                  N_DIV=N_DIV, KW_DIV=KW_DIV, STAGES=STAGES)
     acc = kd.zeros((BLOCK_M, BLOCK_N), kd.f32)
     for wc, g, words, s in fp4_chunks(f, wq, scales, E4M3):
         pairs = [fp16_pair(words, p) for p in kd.static_range(CODES_PER_WORD // 2)] if BLOCK_M > 1 else None
-        for m in f.rows(M, BLOCK_M):
+        for m in f.rows(M):
             qx_g = f.h2_group_dot(lambda p: fp16_pair(words, p), pairs, planes, m, wc, CODES_PER_WORD // 2)
             # x = planes * xs and the codes are value * 2^-14: the group's sum times s * xs * 2^14
             row = kd.sum(qx_g * s * (f.per_x_row(xs, m, g) * CODE_UNSCALE)[None, :], axis=1)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 import kilnx.dsl as kd
+from kilnx.dsl.kernel import PerObjectMemo
 from kilnx.kernels import qmv_h2 as H
 from kilnx.kernels.qmatmul import _pow2_at_least
 
@@ -46,18 +47,32 @@ class PreparedX:
         return self.planes.device
 
 
+_FORMATS = PerObjectMemo()
+"""parts, (rows, K, device) -> answer: a model asks for every linear layer of every step; the answer
+changes only with the route's stored choice."""
+
+
 def prepared_format(parts, x: torch.Tensor) -> tuple[int, int] | None:
     """(PER, GROUP) when every weight in `parts` would multiply activations shaped like x (rows, K)
     through qmv_h2 (the route's choice for this device and row count) in one shared format; else None,
     and the caller produces plain activations."""
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    known = _FORMATS.get(tuple(parts), (rows, k, x.device))
+    if known is not PerObjectMemo.MISSING:
+        return known
+    return _FORMATS.put(tuple(parts), (rows, k, x.device), _prepared_format(parts, x.reshape(rows, k)))
+
+
+def _prepared_format(parts, x):
     from kilnx.kernels.routing import qmatmul_rows
     from kilnx.quant import QWeight
-    rows, k = x.reshape(-1, x.shape[-1]).shape
+    rows, k = x.shape
     fmt = None
     for w in parts:
         if not isinstance(w, QWeight) or w.mode != "affine" or len(w.shape) != 2 or w.bits not in H.BITS_SERVED:
             return None
-        chosen = qmatmul_rows.choice_for(x.reshape(-1, k), w.packed, w.scales, w.biases)
+        chosen = qmatmul_rows.choice_for(x, w.packed, w.scales, w.biases)
         if rows > chosen["QMV_MAX_ROWS"] or chosen["GEMV"] != "qmv_h2":
             return None
         f = (32 // w.bits, w.group_size)
@@ -119,6 +134,14 @@ def silu_mul_prep(gate_up, *, PER: kd.constexpr, GROUP: kd.constexpr, BLOCK_KW):
     hi = kd.silu(kd.load(gate_up, row, hi_i, mask=hi_in).f32()) * kd.load(gate_up, row, hi_i + F, mask=hi_in).f32()
     return H.store_prepared(lo.astype(gate_up.dtype).f32(), hi.astype(gate_up.dtype).f32(), row, pw * BW, words,
                             M, F, PER=PER, GROUP=GROUP)
+
+
+def prepare(x, fmt) -> PreparedX:
+    """x (M, K) prepared by qmv_h2_prep in format `fmt` (PER, GROUP): for producers without a fused
+    variant (the one-pass attention)."""
+    per, group = fmt
+    planes, sums, xs = H.qmv_h2_prep(x, PER=per, GROUP=group)
+    return PreparedX(planes, sums, xs, x.dtype)
 
 
 def add_rms_norm_prepared(x, residual, w, eps, fmt, *, weight_offset=0.0):

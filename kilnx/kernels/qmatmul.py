@@ -20,12 +20,10 @@
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 import kilnx.dsl as kd
-from kilnx.dsl.kernel import _tuning_generation
+from kilnx.dsl.kernel import PerObjectMemo
 from kilnx.kernels import _gemv as gemv
 
 
@@ -151,15 +149,15 @@ def qmv(planes, sums, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.const
     M = planes.shape[0]
     N, KW = wq.shape
     PER = 32 // BITS                 # codes per word
-    f = gemv.Frame(N, KW, WPG=GROUP // PER, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW, SPLIT_K=SPLIT_K,
-                   N_DIV=N_DIV, KW_DIV=KW_DIV, STAGES=STAGES)
+    f = gemv.Frame(N, KW, WPG=GROUP // PER, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW,
+                   SPLIT_K=SPLIT_K, N_DIV=N_DIV, KW_DIV=KW_DIV, STAGES=STAGES)
     acc = kd.zeros((BLOCK_M, BLOCK_N), kd.f32)
     for w0 in f.chunks():
         wc, g, words = f.chunk(wq, w0)
         hi = words >> 16
         s, b = f.per_weight_row(scales, g).f32(), f.per_weight_row(biases, g).f32()
         codes = [_code(words, hi, j, BITS, MAGIC) for j in kd.static_range(PER)]
-        for m in f.rows(M, BLOCK_M):   # every row reuses the codes in registers
+        for m in f.rows(M):   # every row reuses the codes in registers
             qx_g = f.per_group(f.dot(codes, planes, m, wc))
             row = kd.sum(qx_g * s + b * f.per_x_row(sums, m, g)[None, :], axis=1)
             acc += gemv.into_row(row, m, BLOCK_M)
@@ -342,9 +340,8 @@ QMV_MAX_ROWS = 8
 DEQUANT_MM_MIN_ROWS = 256
 
 
-_SERVED: dict = {}
-"""(id(weight), rows, dtype, device, tuning generation) -> (weakref to the weight, its call): the
-decisions of a qmatmul call (checks, routing, format) made once per weight and row count."""
+_SERVED = PerObjectMemo()
+"""weight, (rows, K, dtype, device) -> its call: a qmatmul call's checks, routing and format decided once."""
 
 
 def qmatmul(x: torch.Tensor, w) -> torch.Tensor:
@@ -352,10 +349,10 @@ def qmatmul(x: torch.Tensor, w) -> torch.Tensor:
     from kilnx.quant import QWeight
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    key = (id(w), x2.shape[0], k, x.dtype, x.device, _tuning_generation[0])
-    served = _SERVED.get(key)
-    if served is not None and served[0]() is w:
-        return served[1](x2, w.packed, w.scales, w.biases).reshape(*lead, w.shape[0])
+    key = (x2.shape[0], k, x.dtype, x.device)
+    served = _SERVED.get((w,), key)
+    if served is not PerObjectMemo.MISSING:
+        return served(x2, w.packed, w.scales, w.biases).reshape(*lead, w.shape[0])
     if not isinstance(w, QWeight):
         if w.dim() != 2 or w.shape[1] != k:
             raise ValueError(f"qmatmul: weight shape {tuple(w.shape)} does not match x's last dim {k}")
@@ -373,10 +370,7 @@ def qmatmul(x: torch.Tensor, w) -> torch.Tensor:
     args = (x2, w.packed, w.scales, w.biases)
     from kilnx.kernels.routing import qmatmul_rows
     # which GEMV, and up to how many rows, is the tuned choice of this device (kilnx tune stores it)
-    call = qmatmul_rows.server(*args, qmatmul_rows.choice_for(*args))
-    if len(_SERVED) > 4096:
-        _SERVED.clear()
-    _SERVED[key] = (weakref.ref(w), call)
+    call = _SERVED.put((w,), key, qmatmul_rows.server(*args, qmatmul_rows.choice_for(*args)))
     return call(*args).reshape(*lead, w.shape[0])
 
 

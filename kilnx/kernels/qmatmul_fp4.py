@@ -150,12 +150,12 @@ def fp4_qmv(planes, wq, scales, global_scale, *, GROUP: kd.constexpr, E4M3: kd.c
     """planes (M, 8, K/8) fp32 from qmv_prep, wq (N, K/8) words, scales (N, K/GROUP) uint8 codes,
     global_scale (1,) fp32 or None -> (M, N) in OUT (fp32 with split-K, whose partial sums add up)."""
     M = planes.shape[0]
-    f = fp4_frame(wq, GROUP, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW, SPLIT_K=SPLIT_K, N_DIV=N_DIV, KW_DIV=KW_DIV,
-                  STAGES=STAGES)
+    f = fp4_frame(wq, GROUP, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW, SPLIT_K=SPLIT_K,
+                  N_DIV=N_DIV, KW_DIV=KW_DIV, STAGES=STAGES)
     acc = kd.zeros((BLOCK_M, BLOCK_N), kd.f32)
     for wc, g, words, s in fp4_chunks(f, wq, scales, E4M3):
         values = [_e2m1(words, j) for j in kd.static_range(CODES_PER_WORD)]
-        for m in f.rows(M, BLOCK_M):   # every row reuses the decoded values
+        for m in f.rows(M):   # every row reuses the decoded values
             row = kd.sum(f.per_group(f.dot(values, planes, m, wc)) * s, axis=1)
             acc += gemv.into_row(row, m, BLOCK_M)
     return fp4_store(f, acc, global_scale, M, OUT, SPLIT_K)

@@ -182,8 +182,8 @@ def qmv_h2(planes, sums, xs, wq, scales, biases, *, BITS: kd.constexpr, GROUP: k
     M = planes.shape[0]
     N, KW = wq.shape
     PER = 32 // BITS                 # codes per word
-    f = gemv.Frame(N, KW, WPG=GROUP // PER, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW, SPLIT_K=SPLIT_K,
-                   N_DIV=N_DIV, KW_DIV=KW_DIV, STAGES=STAGES)
+    f = gemv.Frame(N, KW, WPG=GROUP // PER, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW,
+                   SPLIT_K=SPLIT_K, N_DIV=N_DIV, KW_DIV=KW_DIV, STAGES=STAGES)
     acc = kd.zeros((BLOCK_M, BLOCK_N), kd.f32)
     for w0 in f.chunks():
         wc, g, words = f.chunk(wq, w0)
@@ -191,7 +191,7 @@ def qmv_h2(planes, sums, xs, wq, scales, biases, *, BITS: kd.constexpr, GROUP: k
         # every row reuses the decoded pairs (one row decodes each pair right where it is used, so
         # only one pair tile is live at a time)
         pairs = _exact_pairs(words, BITS) if BLOCK_M > 1 else None
-        for m in f.rows(M, BLOCK_M):
+        for m in f.rows(M):
             qx_g = f.h2_group_dot(lambda p: _exact_pair(words, BITS, p), pairs, planes, m, wc, PER // 2)
             row = kd.sum(qx_g * s * f.per_x_row(xs, m, g)[None, :] + b * f.per_x_row(sums, m, g)[None, :], axis=1)
             acc += gemv.into_row(row, m, BLOCK_M)

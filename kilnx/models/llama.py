@@ -27,7 +27,6 @@ class LlamaModel:
         gemma = config.arch == "gemma3"
         self._gemma = gemma
         self._norm_offset = config.norm_weight_offset
-        self._prepared_memo: dict = {}
         # Rotary frequencies live on the device once; gemma3's sliding layers use their own base.
         inv = config.inv_freq()
         if weights.rope_freq_factors is not None:
@@ -77,20 +76,9 @@ class LlamaModel:
     # ------------------------------------------------------------------ blocks
     def _prepared_format(self, parts, x):
         """The format in which the GEMV of `parts` takes x prepared, or None (plain x): producers then
-        emit prepared activations in the same launch (kernels/prepared.py). Remembered per weight, row
-        count and device until tuned configs are reloaded (the answer follows the stored route)."""
+        emit prepared activations in the same launch (kernels/prepared.py)."""
         ask = getattr(self.ops, "prepared_format", None)
-        if ask is None:
-            return None
-        from kilnx.dsl.kernel import _tuning_generation
-        key = (id(parts[0]), x.shape[0] if x.dim() == 2 else x.reshape(-1, x.shape[-1]).shape[0], x.device,
-               _tuning_generation[0])
-        memo = self._prepared_memo
-        if key not in memo:
-            if len(memo) > 4096:
-                memo.clear()
-            memo[key] = ask(parts, x)
-        return memo[key]
+        return ask(parts, x) if ask is not None else None
 
     def _add_norm(self, x, residual, norm, parts):
         """(residual, normed x) for the linear layer `parts`, prepared for its GEMV where it takes that."""

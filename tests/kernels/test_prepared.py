@@ -82,6 +82,9 @@ def test_qmatmul_of_prepared_activations_and_mismatched_formats(monkeypatch):
     w4, w8 = _qweight(24, 128, 4, 64), _qweight(24, 128, 8, 64, seed=1)
     assert ops.prepared_format([w4], x) is None            # the CPU route's GEMV takes plain x
     monkeypatch.setattr(qmatmul_rows, "choice_for", lambda *a: {"QMV_MAX_ROWS": 8, "GEMV": "qmv_h2"})
+    assert ops.prepared_format([w4], x) is None           # remembered until tuned configs reload
+    from kilnx.dsl.kernel import forget_remembered_configs
+    forget_remembered_configs()
     assert ops.prepared_format([w4], x) == (8, 64)
     assert ops.prepared_format([w4, w8], x) is None       # one prepared form cannot serve both
     assert ops.prepared_format([w4], torch.randn(9, 128)) is None   # more rows than the GEMV takes

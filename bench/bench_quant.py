@@ -14,7 +14,7 @@ import traceback
 import torch
 
 from bench_kernels import copies_for, time_calls
-from kilnx.kernels import qmatmul, qmv_h2
+from kilnx.kernels import qmatmul, qmv_h2, qmv_tc
 
 LLAMA8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 # (BLOCK_N, BLOCK_KW, SPLIT_K, num_warps) x STAGES: STAGES > 1 pipelines the chunk loop's loads
@@ -27,7 +27,13 @@ QMV_CONFIGS = [dict(BLOCK_N=bn, BLOCK_KW=kw, SPLIT_K=sk, num_warps=nw, STAGES=st
 WIDE_CONFIGS = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns, MAGIC=True, SWAP=True)
                 for bn, bk, nw, ns in [(64, 128, 4, 3), (128, 128, 4, 3), (64, 256, 4, 3), (128, 256, 8, 3),
                                        (128, 64, 4, 4), (256, 128, 8, 3), (32, 256, 4, 4)]]
-QMM_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns, MAGIC=mg, SWAP=sw)
+Q# qmv_tc: (BLOCK_N, SPLIT_K, num_warps, STAGES, SWAP)
+TC_CONFIGS = [dict(BLOCK_N=bn, SPLIT_K=sk, num_warps=nw, STAGES=st, SWAP=sw)
+              for bn, sk, nw, st, sw in [
+                  (64, 1, 4, 3, True), (128, 1, 4, 4, True), (64, 1, 4, 6, True), (128, 1, 8, 4, True),
+                  (256, 1, 8, 3, True), (64, 2, 4, 4, True), (128, 2, 4, 4, True), (32, 1, 2, 4, False),
+                  (64, 1, 4, 4, False), (16, 2, 1, 4, False), (64, 4, 4, 4, True), (32, 2, 2, 6, False)]]
+MM_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns, MAGIC=mg, SWAP=sw)
                for bm, bn, bk, nw, ns, mg, sw in [
                    (128, 128, 64, 8, 3, False, False), (128, 256, 64, 8, 3, True, False),
                    (64, 128, 64, 4, 4, True, False), (128, 128, 128, 8, 3, True, False),
@@ -40,6 +46,12 @@ H2_TILES = [(16, 128, 1, 2), (32, 128, 1, 4), (16, 64, 1, 1), (8, 256, 1, 4), (4
 H2_CONFIGS = [dict(BLOCK_N=bn, BLOCK_KW=kw, SPLIT_K=sk, num_warps=nw, STAGES=st)
               for st in [int(v) for v in os.environ.get("H2_STAGES", "1,2,3").split(",")]
               for bn, kw, sk, nw in H2_TILES]
+# qmv_tc: (BLOCK_N, SPLIT_K, num_warps, STAGES, SWAP)
+TC_CONFIGS = [dict(BLOCK_N=bn, SPLIT_K=sk, num_warps=nw, STAGES=st, SWAP=sw)
+              for bn, sk, nw, st, sw in [
+                  (64, 1, 4, 3, True), (128, 1, 4, 4, True), (64, 1, 4, 6, True), (128, 1, 8, 4, True),
+                  (256, 1, 8, 3, True), (64, 2, 4, 4, True), (128, 2, 4, 4, True), (32, 1, 2, 4, False),
+                  (64, 1, 4, 4, False), (16, 2, 1, 4, False), (64, 4, 4, 4, True), (32, 2, 2, 6, False)]]
 MM_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
               for bm, bn, bk, nw, ns in [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
                                          (128, 256, 32, 8, 4), (64, 256, 64, 4, 4)]]
@@ -112,14 +124,18 @@ def _bench_qmv(rec, label, n, k, m, bits, dev, copy_bw, smoke):
     ref = qmatmul._dense_peer(*sets[0]).float()
     problem = {"M": m, "N": n, "K": k, "bits": bits, "gs": 64}
     # (path, call, its configs: the runtime's default first); each path's results are timed on the same inputs
-    wanted = os.environ.get("QMV_PATHS", "qmv,qmv_h2,qmm").split(",")
+    wanted = os.environ.get("QMV_PATHS", "qmv,qmv_h2,qmv_tc,qmm").split(",")
+    extra = int(os.environ.get("QMV_CONFIGS_MAX", "1000")) if not smoke else 2   # configs per path past its default
     paths = []
     if "qmv" in wanted or bits not in qmv_h2.BITS_SERVED:
         default = qmatmul.qmv.default_config(*qmatmul.make_qmv_args(problem, dev))
         paths.append(("qmv", qmatmul.run_qmv, [default] + QMV_CONFIGS[: (3 if smoke else None)]))
     if bits in qmv_h2.BITS_SERVED and "qmv_h2" in wanted:
         default = qmv_h2.qmv_h2.default_config(*qmv_h2.make_qmv_h2_args(problem, dev))
-        paths.append(("qmv_h2", qmv_h2.run_qmv_h2, [default] + H2_CONFIGS[: (2 if smoke else None)]))
+        paths.append(("qmv_h2", qmv_h2.run_qmv_h2, [default] + H2_CONFIGS[:int(os.environ.get("QMV_H2_MAX", extra))]))
+    if "qmv_tc" in wanted and dev == "cuda":
+        default = qmv_tc.qmv_tc.default_config(*sets[0])
+        paths.append(("qmv_tc", qmv_tc.run_qmv_tc, [default] + TC_CONFIGS[:extra]))
     if (m > 1 or not smoke) and "qmm" in wanted:
         paths.append(("qmm", qmatmul.qmm, WIDE_CONFIGS[: (2 if smoke else None)]))
     results = []   # (seconds, path, config)
@@ -155,6 +171,11 @@ def _bench_qmv(rec, label, n, k, m, bits, dev, copy_bw, smoke):
         h2_best, t_h2 = gemv_alone("qmv_h2", qmv_h2.qmv_h2, qmv_h2.make_qmv_h2_args)
         rec.add("quant", case, "us_qmv_h2_path_best", h2_best[0] * 1e6, "config", str(h2_best[2]))
         rec.add("quant", case, "us_gemv_h2_only", t_h2 * 1e6, "us_qmv_h2_path_default", h2[0][0] * 1e6)
+    tc = [r for r in results if r[1] == "qmv_tc"]
+    if tc:
+        tc_best = min(tc, key=lambda r: r[0])
+        rec.add("quant", case, "us_qmv_tc_best", tc_best[0] * 1e6, "config", str(tc_best[2]))
+        rec.add("quant", case, "us_qmv_tc_default", tc[0][0] * 1e6)
     wide = [r for r in results if r[1] == "qmm"]
     if wide:
         rec.add("quant", case, "us_qmm_swap_best", min(wide, key=lambda r: r[0])[0] * 1e6)

@@ -46,6 +46,14 @@ for bits in (3, 4, 8):
                 ck = compile_for_target(H.qmv_h2, pargs, cfg)
                 assert ck.asm["ptx"].count("fma.rn.f16x2") >= 2, "qmv_h2 without packed fp16 math"
                 assert ("cp.async" in ck.asm["ptx"]) == (cfg.get("STAGES", 1) > 1), "STAGES is not what pipelines"
+from kilnx.kernels import qmv_tc as T
+for bits in (4, 8):
+    w = QWeight.quantize(torch.randn(256, 512), bits=bits, group_size=64)
+    for dt in (torch.bfloat16, torch.float16):
+        targs = (torch.randn(4, 512).to(dt), w.packed, w.scales.to(dt), w.biases.to(dt))
+        for cfg in ({"SWAP": True, "STAGES": 3}, {"SWAP": False, "SPLIT_K": 2, "BLOCK_N": 32}):
+            ptx = compile_for_target(T.qmv_tc, targs, cfg).asm["ptx"]
+            assert ("wgmma" in ptx) if cfg["SWAP"] else ("mma.sync" in ptx), "qmv_tc off the tensor cores"
 from kilnx.kernels import prepared as P
 xw = torch.randn(2, 4096).bfloat16()
 compile_for_target(P.add_rms_norm_prep, (xw, xw, torch.ones(4096).bfloat16()), {},

@@ -46,6 +46,18 @@ def test_qmv_h2_on_gpu(bits, m, cfg):
     close(H.run_qmv_h2(big, wq, s, b, config=cfg), want * 3e4, 1024)
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("m", [1, 4, 16, 40])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cfg", [{}, {"SWAP": False, "BLOCK_N": 32, "SPLIT_K": 2}, {"BLOCK_N": 128, "STAGES": 6}])
+def test_qmv_tc_on_gpu(bits, m, dtype, cfg):
+    from kilnx.kernels import qmv_tc as T
+    x, wq, s, b, want = case(m, 200, 1024, bits)
+    got = T.run_qmv_tc(x.to(dtype), wq, s.to(dtype), b.to(dtype), config=cfg)
+    assert got.dtype == dtype
+    close(got, want, 1024)
+
+
 @pytest.mark.parametrize("bits", [3, 4, 8])
 @pytest.mark.parametrize("m", [5, 130])
 @pytest.mark.parametrize("cfg", [{"MAGIC": True, "SWAP": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128},

@@ -17,12 +17,15 @@ import torch
 from kilnx.dsl.kernel import _tuning_generation, format_key
 from kilnx.dsl.tunables import Space, choice
 
-ROUTING_VERSION = "2"
+ROUTING_VERSION = "3"
+TC_NEVER = 65            # past qmv_tc.MAX_ROWS: the tensor-core GEMV is never chosen
+TC_MIN_ROWS = TC_NEVER   # until measured on the device (kilnx tune stores the crossover per device)
 
 
 class QmatmulRowsRoute:
     """Which GEMV `qmatmul` uses (`GEMV`: the fp32 qmv or the packed-fp16 qmv_h2, where its bit width
-    allows) and up to how many rows (`QMV_MAX_ROWS`); more rows take the tile GEMM.
+    allows) and up to how many rows (`QMV_MAX_ROWS`); more rows take the tile GEMM. From `TC_MIN_ROWS`
+    rows up to qmv_tc.MAX_ROWS, 16-bit activations take the tensor-core GEMV (qmv_tc) instead.
 
     Args are those of one qmatmul call at the largest row count of the sweep: x (ROWS[-1], K) and the
     packed weight. The bucket is the weight's shape and format (the choice does not depend on M).
@@ -33,15 +36,16 @@ class QmatmulRowsRoute:
 
     def __init__(self):
         from kilnx.kernels import qmatmul as qm
-        from kilnx.kernels import qmv_h2
-        self._qm, self._h2 = qm, qmv_h2
+        from kilnx.kernels import qmv_h2, qmv_tc
+        self._qm, self._h2, self._tc = qm, qmv_h2, qmv_tc
         self.space = Space({"QMV_MAX_ROWS": choice(0, 1, 2, 4, 8, 16, default=qm.QMV_MAX_ROWS),
                             # qmv_h2 was 1.06-1.53x faster than qmv at every llama-3.1-8b shape, M = 1..8
                             # (H200, bench/results/2026-12-02_h200_qmv_h2_s3.csv)
-                            "GEMV": choice("qmv", "qmv_h2", default="qmv_h2")})
+                            "GEMV": choice("qmv", "qmv_h2", default="qmv_h2"),
+                            "TC_MIN_ROWS": choice(1, 2, 3, 5, 9, 17, TC_NEVER, default=TC_MIN_ROWS)})
         self._chosen: dict = {}
         parts = (ROUTING_VERSION + qm.qmv.source_hash + qm.qmm.source_hash + qm.qmv_prep.source_hash
-                 + qmv_h2.qmv_h2.source_hash + qmv_h2.qmv_h2_prep.source_hash)
+                 + qmv_h2.qmv_h2.source_hash + qmv_h2.qmv_h2_prep.source_hash + qmv_tc.qmv_tc.source_hash)
         self.source_hash = hashlib.sha256(parts.encode()).hexdigest()
         self.tolerance = qm._matmul_tolerance
         self.peer = None
@@ -55,7 +59,7 @@ class QmatmulRowsRoute:
         if x.device.type == "cpu":
             # numba: qmv's row loop compiles slowly and qmv_h2's fp16 helpers are scalar calls, so one
             # row per GEMV call and the fp32 GEMV (the GPU defaults are the space's: see qmatmul.py)
-            return self.space.validate({"QMV_MAX_ROWS": 1, "GEMV": "qmv"})
+            return self.space.validate({"QMV_MAX_ROWS": 1, "GEMV": "qmv", "TC_MIN_ROWS": TC_NEVER})
         return self.space.default()
 
     def sample_problems(self) -> list[dict]:
@@ -88,6 +92,8 @@ class QmatmulRowsRoute:
         qm = self._qm
         f = qm._format_of(x, wq, scales, biases)
         bits, group = f["BITS"], f["GROUP"]
+        if x.shape[0] >= chosen.get("TC_MIN_ROWS", TC_NEVER) and self._tc.serves(x, wq, scales, biases):
+            return lambda x, wq, scales, biases: self._tc.run_qmv_tc(x, wq, scales, biases, backend=backend)
         if x.shape[0] <= chosen["QMV_MAX_ROWS"] and 32 % bits == 0:
             h2 = chosen["GEMV"] == "qmv_h2" and bits in self._h2.BITS_SERVED
             prep, gemv = (self._h2.qmv_h2_prep, self._h2.qmv_h2) if h2 else (qm.qmv_prep, qm.qmv)

@@ -10,7 +10,7 @@ import torch
 
 from kilnx.cache import TuningDB
 from kilnx.kernels import qmatmul as Q
-from kilnx.kernels.routing import QmatmulRowsRoute, qmatmul_rows
+from kilnx.kernels.routing import TC_NEVER, QmatmulRowsRoute, qmatmul_rows
 from kilnx.runtime import dispatch
 from kilnx.runtime.device import cpu_info
 
@@ -22,10 +22,11 @@ short_route = QmatmulRowsRoute()
 short_route.ROWS = (1, 2)
 
 
-@pytest.mark.parametrize("limit,gemv", [(0, "qmv"), (2, "qmv"), (16, "qmv"), (4, "qmv_h2")])
-def test_every_choice_gives_the_reference_sweep(limit, gemv):
+@pytest.mark.parametrize("limit,gemv,tc", [(0, "qmv", TC_NEVER), (2, "qmv", TC_NEVER), (16, "qmv", TC_NEVER),
+                                           (4, "qmv_h2", TC_NEVER), (16, "qmv_h2", 2)])
+def test_every_choice_gives_the_reference_sweep(limit, gemv, tc):
     args = qmatmul_rows.make_args(PROBLEM, "cpu")
-    got = qmatmul_rows.compile({"QMV_MAX_ROWS": limit, "GEMV": gemv}, *args, backend="triton")(*args)
+    got = qmatmul_rows.compile({"QMV_MAX_ROWS": limit, "GEMV": gemv, "TC_MIN_ROWS": tc}, *args, backend="triton")(*args)
     want = qmatmul_rows.reference(*args)
     assert got.shape == (sum(qmatmul_rows.ROWS), 24)
     rtol, atol = qmatmul_rows.tolerance(args)
@@ -49,18 +50,33 @@ def test_rows_up_to_the_limit_take_the_gemv(monkeypatch):
     assert used == ["qmv", "qmv", "qmm", "qmv_h2", "qmv_h2", "qmm"]
 
 
+def test_rows_from_the_tensor_core_limit_take_qmv_tc(monkeypatch):
+    from kilnx.kernels import qmv_h2 as H, qmv_tc as T
+    used = []
+    for module, name in ((H, "qmv_h2"), (T, "qmv_tc"), (Q, "qmm")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **k: used.append(name) or real(*a, **k))
+    x, wq, s, b = qmatmul_rows.make_args(PROBLEM, "cpu")
+    for m in (1, 4, 5, 16):
+        qmatmul_rows.serve(x[:m], wq, s, b, {"QMV_MAX_ROWS": 4, "GEMV": "qmv_h2", "TC_MIN_ROWS": 5}, backend="reference")
+    # fp32 activations are not qmv_tc's: they keep the GEMV / tile GEMM
+    qmatmul_rows.serve(x[:5].float(), wq, s, b, {"QMV_MAX_ROWS": 4, "GEMV": "qmv_h2", "TC_MIN_ROWS": 5},
+                       backend="reference")
+    assert used == ["qmv_h2", "qmv_h2", "qmv_tc", "qmv_tc", "qmm"]
+
+
 def test_the_stored_choice_is_what_the_runtime_reads(tmp_path, monkeypatch):
     url = f"sqlite:///{tmp_path}/tuned.db"
     monkeypatch.setenv("KILNX_DB", url)
     dispatch.reset()
     args = qmatmul_rows.make_args(PROBLEM, "cpu")
     # nothing tuned: the device's default (on the CPU, one row per GEMV call through the fp32 qmv)
-    assert qmatmul_rows.choice_for(*args) == {"QMV_MAX_ROWS": 1, "GEMV": "qmv"}
+    assert qmatmul_rows.choice_for(*args) == {"QMV_MAX_ROWS": 1, "GEMV": "qmv", "TC_MIN_ROWS": TC_NEVER}
     with TuningDB(url) as db:
         db.record_result(kernel=qmatmul_rows.name, source_hash=qmatmul_rows.source_hash, device=cpu_info(),
-                         bucket=qmatmul_rows.key(*args), config={"QMV_MAX_ROWS": 16, "GEMV": "qmv_h2"}, time_s=1e-5)
+                         bucket=qmatmul_rows.key(*args), config={"QMV_MAX_ROWS": 16, "GEMV": "qmv_h2", "TC_MIN_ROWS": 5}, time_s=1e-5)
     dispatch.reset()
-    assert qmatmul_rows.choice_for(*args) == {"QMV_MAX_ROWS": 16, "GEMV": "qmv_h2"}
+    assert qmatmul_rows.choice_for(*args) == {"QMV_MAX_ROWS": 16, "GEMV": "qmv_h2", "TC_MIN_ROWS": 5}
     # a choice recorded for other kernel sources is stale and not served
     with TuningDB(url) as db:
         db.record_result(kernel=qmatmul_rows.name, source_hash="0" * 64, device=cpu_info(),

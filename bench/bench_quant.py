@@ -27,13 +27,13 @@ QMV_CONFIGS = [dict(BLOCK_N=bn, BLOCK_KW=kw, SPLIT_K=sk, num_warps=nw, STAGES=st
 WIDE_CONFIGS = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns, MAGIC=True, SWAP=True)
                 for bn, bk, nw, ns in [(64, 128, 4, 3), (128, 128, 4, 3), (64, 256, 4, 3), (128, 256, 8, 3),
                                        (128, 64, 4, 4), (256, 128, 8, 3), (32, 256, 4, 4)]]
-Q# qmv_tc: (BLOCK_N, SPLIT_K, num_warps, STAGES, SWAP)
+# qmv_tc: (BLOCK_N, SPLIT_K, num_warps, STAGES, SWAP)
 TC_CONFIGS = [dict(BLOCK_N=bn, SPLIT_K=sk, num_warps=nw, STAGES=st, SWAP=sw)
               for bn, sk, nw, st, sw in [
                   (64, 1, 4, 3, True), (128, 1, 4, 4, True), (64, 1, 4, 6, True), (128, 1, 8, 4, True),
                   (256, 1, 8, 3, True), (64, 2, 4, 4, True), (128, 2, 4, 4, True), (32, 1, 2, 4, False),
                   (64, 1, 4, 4, False), (16, 2, 1, 4, False), (64, 4, 4, 4, True), (32, 2, 2, 6, False)]]
-MM_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns, MAGIC=mg, SWAP=sw)
+QMM_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns, MAGIC=mg, SWAP=sw)
                for bm, bn, bk, nw, ns, mg, sw in [
                    (128, 128, 64, 8, 3, False, False), (128, 256, 64, 8, 3, True, False),
                    (64, 128, 64, 4, 4, True, False), (128, 128, 128, 8, 3, True, False),

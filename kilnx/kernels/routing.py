@@ -19,7 +19,10 @@ from kilnx.dsl.tunables import Space, choice
 
 ROUTING_VERSION = "3"
 TC_NEVER = 65            # past qmv_tc.MAX_ROWS: the tensor-core GEMV is never chosen
-TC_MIN_ROWS = TC_NEVER   # until measured on the device (kilnx tune stores the crossover per device)
+# On the H200 qmv_tc took the same time at 1, 4 and 8 rows and beat qmv_h2 at 8 on every llama-3.1-8b
+# shape (by 9-15%), lost at 4 (by 29-71%) (bench/results/2026-12-03_h200_quant_s5.csv); kilnx tune
+# stores the crossover per device.
+TC_MIN_ROWS = 8
 
 
 class QmatmulRowsRoute:
@@ -42,7 +45,7 @@ class QmatmulRowsRoute:
                             # qmv_h2 was 1.06-1.53x faster than qmv at every llama-3.1-8b shape, M = 1..8
                             # (H200, bench/results/2026-12-02_h200_qmv_h2_s3.csv)
                             "GEMV": choice("qmv", "qmv_h2", default="qmv_h2"),
-                            "TC_MIN_ROWS": choice(1, 2, 3, 5, 9, 17, TC_NEVER, default=TC_MIN_ROWS)})
+                            "TC_MIN_ROWS": choice(1, 2, 4, 6, 8, 12, 16, TC_NEVER, default=TC_MIN_ROWS)})
         self._chosen: dict = {}
         parts = (ROUTING_VERSION + qm.qmv.source_hash + qm.qmm.source_hash + qm.qmv_prep.source_hash
                  + qmv_h2.qmv_h2.source_hash + qmv_h2.qmv_h2_prep.source_hash + qmv_tc.qmv_tc.source_hash)

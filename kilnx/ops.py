@@ -9,6 +9,12 @@ from __future__ import annotations
 import torch
 
 
+def embedding(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows of `table` (V, H) at integer `ids` (any shape, flattened) -> (n, H)."""
+    from kilnx.kernels import embedding as e
+    return e.embedding(table, ids)
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, *, weight_offset: float = 0.0) -> torch.Tensor:
     """y = x / sqrt(mean(x², -1) + eps) * (weight_offset + w), computed in fp32, returned in x.dtype."""
     from kilnx.kernels import norms
@@ -78,6 +84,11 @@ def qmatmul(x, w) -> torch.Tensor:
     from kilnx.kernels.prepared import PreparedX, qmatmul_prepared
     if isinstance(x, PreparedX):
         return qmatmul_prepared(x, w)
+    if x.device.type == "cpu":
+        # decode on the CPU: the row-interleaved GEMV (kernels/qmv_cpu.py), 2-3x qmv's rate there
+        from kilnx.kernels import qmv_cpu
+        if qmv_cpu.serves(x, w):
+            return qmv_cpu.qmatmul_cpu(x, w)
     return qm.qmatmul(x, w)
 
 

@@ -21,6 +21,10 @@ def _rms(x32: torch.Tensor, w: torch.Tensor, eps: float, weight_offset: float) -
     return y * (w.float() + weight_offset)
 
 
+def embedding(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return table[ids.reshape(-1)]
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, *, weight_offset: float = 0.0) -> torch.Tensor:
     """y = x / sqrt(mean(x², -1) + eps) * (weight_offset + w), computed in fp32, returned in x.dtype."""
     return _rms(x.float(), w, eps, weight_offset).to(x.dtype)

@@ -105,6 +105,8 @@ class Launch:
     def __call__(self, tensors: dict, scalars: dict):
         if self.backend == "numba":
             return self._numba(self, tensors, scalars)
+        if _recorder is not None:
+            _recorder.refuse(f"{self.ir.name} runs on the {self.backend} backend")
         device = next((t.device for t in tensors.values()), torch.device("cpu"))
         outs = {}
         for p, shape_nodes, zero in self.ir.outputs:
@@ -235,6 +237,11 @@ class _NumbaLaunch:
         for slot, name, shape, dtype, alloc in lay.outs:
             o = outs[name] = alloc(shape, dtype=dtype)
             args[slot] = o.data_ptr()
+        if _recorder is not None:
+            if lay.copies:   # a replay would not redo the contiguous copies of strided operands
+                _recorder.refuse(f"{self.ir.name} copies a strided operand")
+            _recorder.launch(self, lay, args, list(tensors.values()) + list(outs.values()),
+                             [outs[name] for _, name, _, _, alloc in lay.outs if alloc is torch.zeros])
         self.run(lay, args)
         for t, c in back:
             t.copy_(c)
@@ -299,11 +306,57 @@ class _PreparedCall:
                 o = o.view(view)
             outs[name] = o
             a[slot] = o.data_ptr()
+        if _recorder is not None:
+            _recorder.launch(self.launch, self.lay, a, list(args) + list(outs.values()),
+                             [outs[o[1]] for o in self.outs if o[5]])
         self.launch.run(self.lay, a)
         r = self.returns
         if r is None:
             return None
         return tuple(outs[n] for n in r) if isinstance(r, tuple) else outs[r]
+
+
+class Recorder:
+    """The numba launches of a stretch of host code, recorded to be replayed with the same addresses.
+
+    A CPU decode step is a few hundred kernel calls whose Python dispatch (argument checks, memo
+    lookups, output allocation) cost ~8 ms of a ~27 ms SmolLM2-135M step; its launches are the same every
+    step but for the data. `replay()` reruns the recorded launches (outputs zeroed where the kernel asks)
+    over the same tensors, which the recorder keeps alive: like a CUDA graph, it is right only if every
+    write of the recorded code is a kernel's and its inputs live in the same tensors at replay (the
+    engine checks the torch calls of the recorded step; runtime/engine.py)."""
+
+    def __init__(self):
+        self.steps: list = []      # (numba launch, layout, arguments, tensors to zero first)
+        self.keep: list = []       # every tensor a recorded launch reads or writes
+        self.refused: list[str] = []
+
+    def launch(self, numba_launch, lay, args, tensors, zeroed):
+        self.steps.append((numba_launch, lay, list(args), zeroed))
+        self.keep += tensors
+
+    def refuse(self, why: str):
+        self.refused.append(why)
+
+    def __enter__(self):
+        global _recorder
+        if _recorder is not None:
+            raise RuntimeError("kernel launches are already being recorded")
+        _recorder = self
+        return self
+
+    def __exit__(self, *exc):
+        global _recorder
+        _recorder = None
+
+    def replay(self):
+        for numba_launch, lay, args, zeroed in self.steps:
+            for t in zeroed:
+                t.zero_()
+            numba_launch.run(lay, args)
+
+
+_recorder: Recorder | None = None
 
 
 class _LaunchMode:

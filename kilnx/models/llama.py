@@ -34,6 +34,7 @@ class LlamaModel:
         self._inv_freq = inv.to(self.device)
         self._inv_freq_local = (config.inv_freq(local=True).to(self.device)
                                 if config.rope_local_theta is not None else self._inv_freq)
+        self._rows: dict = {}
 
     # ------------------------------------------------------------------ public
     @property
@@ -45,9 +46,10 @@ class LlamaModel:
         cfg, ops, w = self.config, self.ops, self.weights
         B, T = input_ids.shape
         eps, off = cfg.rms_norm_eps, self._norm_offset
-        h = w.embed[input_ids.reshape(-1)]                     # (B*T, H) gather
+        emb = getattr(ops, "embedding", None)
+        h = emb(w.embed, input_ids) if emb is not None else w.embed[input_ids.reshape(-1)]   # (B*T, H) gather
         pos_flat = positions.reshape(-1)
-        rows_flat = torch.arange(B, device=positions.device).repeat_interleave(T)   # cache row of each token
+        rows_flat = self._rows_of(B, T, positions.device)      # cache row of each token
         residual = None
         for i, layer in enumerate(w.layers):
             if residual is None:
@@ -72,6 +74,17 @@ class LlamaModel:
         return logits
 
     __call__ = forward
+
+    def _rows_of(self, B: int, T: int, device) -> torch.Tensor:
+        """The cache row of each token, made once per (B, T): a step then runs no torch op that writes
+        data outside the kernels, which the CPU engine's step replay relies on (runtime/engine.py)."""
+        key = (B, T, device)
+        got = self._rows.get(key)
+        if got is None:
+            if len(self._rows) >= 64:   # prefill chunk lengths vary: keep the memo small
+                self._rows.clear()
+            got = self._rows[key] = torch.arange(B, device=device).repeat_interleave(T)
+        return got
 
     # ------------------------------------------------------------------ blocks
     def _prepared_format(self, parts, x):

@@ -84,3 +84,34 @@ def test_dsl_kernels_on_cpu_give_the_torch_peers_logits(arch, cpu_backend, monke
     want = _full_logits(tiny_model(arch, ops="torch", device="cpu"), ids)
     got = _full_logits(tiny_model(arch, ops="kilnx", device="cpu"), ids)
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("arch,replayed", [("llama", True), ("qwen2", False)])
+def test_cpu_replay_equals_eager_decode(arch, replayed, monkeypatch):
+    """The CPU engine records its first decode step's launches and replays them: the logits of every
+    later step are those of eager steps. qwen2's bias add is a torch op in the step, so it stays eager."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    model = tiny_model(arch, ops="kilnx", device="cpu")
+    ids = torch.randint(0, 256, (6,), generator=torch.Generator().manual_seed(3)).tolist()
+    runs = {}
+    for replay in (False, True):
+        eng = Engine(model, max_seq=32, cpu_replay=replay)
+        tok = int(eng.prefill(ids).argmax())
+        runs[replay] = []
+        for t in range(6, 12):
+            logits = eng.decode(torch.tensor([tok]), torch.tensor([t]))[0].clone()   # replay reuses the buffer
+            runs[replay].append(logits)
+            tok = int(logits.argmax())
+    assert (eng._replays[1] is not None) == replayed, eng.replay_refused
+    torch.testing.assert_close(torch.stack(runs[True]), torch.stack(runs[False]), rtol=0, atol=0)
+
+
+def test_recorder_refuses_a_strided_copy(monkeypatch):
+    """A launch that copies a strided operand first cannot be replayed (the copy is not a launch)."""
+    from kilnx.codegen.launch import Recorder
+    from kilnx.kernels import activations
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x = torch.randn(8, 4).t()        # last stride 8
+    with Recorder() as rec:
+        activations.scaled_add(x, torch.randn(4, 8), 0.5)
+    assert rec.refused and len(rec.steps) == 1

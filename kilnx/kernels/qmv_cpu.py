@@ -1,0 +1,149 @@
+"""The CPU GEMV: affine 2/4/8-bit weights repacked once so that vector lanes run along weight rows.
+
+Why: `qmatmul.qmv` lays x out in planes so the GPU's lanes run along the packed words; its numba
+lowering vectorizes the word loop well (~34 AVX-512 instructions per 128 codes) but then needs the
+per-group sums of adjacent lanes, which on the CPU are shuffles, gathers of scales and a masked tail:
+in SmolLM2-135M's decode (2 EPYC cores) the qmv calls reached 5-12 GMAC/s and took ~22 of a ~38 ms step.
+
+Here the weight is repacked at first use into interleaved blocks: `wq_il[b, w, l]` is word w of weight
+row b*IL + l (IL = 16 rows, one 512-bit vector of fp32), with scales and biases as `[b, g, l]`. A
+program owns R such blocks; for each quantization group it loads the group's words as (R, IL) tiles,
+and every code becomes one and + one int->float convert + one fma against a scalar x broadcast to all
+lanes. Scale and bias apply once per group as two more fmas; no reduction crosses lanes. x is read in
+its own layout (no prep kernel, no prep launch): each program forms the group sums of x itself.
+
+- Codes are decoded without a shift: `word & (MASK << s)` converts to code * 2^s exactly, and x is
+  pre-multiplied by 2^-s (a scalar, exact: a power of two). The top code of a word would be negative
+  as an i32, so it is shifted down as usual.
+- Per group, the terms are summed in one chain per word (PER fmas) and the chains then added: with a
+  single chain over the group the fma latency, not throughput, would set the pace.
+
+Used by `kilnx.ops.qmatmul` for CPU activations with up to MAX_ROWS rows (decode); prefill keeps the
+tile GEMM. The repacked copy is made once per weight and kept while the weight lives.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import kilnx.dsl as kd
+from kilnx.dsl.kernel import PerObjectMemo
+from kilnx.kernels.qmatmul import _dense_spec, _matmul_tolerance, _pow2_dividing, make_qmatmul_args
+
+IL = 16          # weight rows per interleaved block: one AVX-512 register of fp32 (two AVX2 ones)
+MAX_ROWS = 4     # activation rows served here; more take the tile GEMM (prefill)
+
+
+def interleave(wq: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, il: int = IL):
+    """(N, KW) words and (N, G) scales/biases -> (ceil(N/il), KW, il) and (ceil(N/il), G, il); rows past N
+    are zero (their outputs are not stored)."""
+    n = wq.shape[0]
+    pad = -n % il
+
+    def blocks(t):
+        if pad:
+            t = torch.cat([t, t.new_zeros(pad, t.shape[1])])
+        return t.reshape(-1, il, t.shape[1]).transpose(1, 2).contiguous()
+    return blocks(wq), blocks(scales), blocks(biases)
+
+
+def _format(x, wq, scales, biases):
+    k = x.shape[1]
+    bits = wq.shape[1] * 32 // k
+    return {"BITS": bits, "GROUP": k // scales.shape[1]}
+
+
+def _key(x, wq, scales, biases, **_):
+    f = _format(x, wq, scales, biases)
+    return {"M": x.shape[0], "N": wq.shape[0] * wq.shape[2], "K": x.shape[1], "bits": f["BITS"], "gs": f["GROUP"]}
+
+
+def _plain(wq, scales, biases):
+    """The interleaved weight back in (N padded, KW) / (N padded, G) rows."""
+    return tuple(t.transpose(1, 2).reshape(-1, t.shape[1]) for t in (wq, scales, biases))
+
+
+def _spec(x, wq, scales, biases, *, BITS, GROUP, **_):
+    return _dense_spec(x, *_plain(wq, scales, biases), BITS, GROUP)
+
+
+def _tree_sum(terms):
+    while len(terms) > 1:
+        terms = [terms[i] + terms[i + 1] if i + 1 < len(terms) else terms[i] for i in range(0, len(terms), 2)]
+    return terms[0]
+
+
+@kd.kernel(tune={"R": kd.pow2(1, 8, default=4), "num_warps": kd.choice(1, 2, 4, default=4)},
+           key=_key, spec=_spec,
+           specialize=lambda x, wq, s, b: {**_format(x, wq, s, b), "NB_DIV": _pow2_dividing(wq.shape[0])})
+def qmv_il(x, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr,
+           NB_DIV: kd.constexpr, R):
+    """x (M, K) @ W.T -> (M, NB * IL) in x.dtype (padded rows give 0), W interleaved (see `interleave`)."""
+    M, K = x.shape
+    NB = wq.shape[0]
+    PER = 32 // BITS                 # codes per word
+    WPG = GROUP // PER               # words per group
+    MASK = (1 << BITS) - 1
+    B_IN = NB_DIV % R == 0           # whole block ranges: no bounds checks on the block index
+    m, pb = kd.grid(M, kd.cdiv(NB, R))
+    blk = (pb * R + kd.arange(0, R))[:, None]        # (R, 1)
+    lane = kd.arange(0, IL)[None, :]                 # (1, IL)
+    chk = (not B_IN, False, False)
+    acc = kd.zeros((R, IL), kd.f32)
+    for g in kd.range(0, K // GROUP):
+        chains, xs = [], []
+        for wi in kd.static_range(WPG):
+            w = g * WPG + wi
+            words = kd.load(wq, blk, w, lane, check=chk)
+            chain = None
+            for j in kd.static_range(PER):
+                xv = kd.load(x, m, w * PER + j, check=False).f32()
+                xs.append(xv)
+                if j == PER - 1:    # the top code: as a masked i32 it would be negative
+                    t = ((words >> (j * BITS)) & MASK).f32() * xv
+                else:               # code * 2^(j*BITS), exactly; x carries the 2^-(j*BITS)
+                    t = (words & (MASK << (j * BITS))).f32() * (xv * (2.0 ** (-j * BITS)))
+                chain = t if chain is None else chain + t
+            chains.append(chain)
+        dot = _tree_sum(chains)
+        s = kd.load(scales, blk, g, lane, check=chk).f32()
+        b = kd.load(biases, blk, g, lane, check=chk).f32()
+        acc += dot * s + b * _tree_sum(xs)
+    out = kd.output((M, NB * IL), x.dtype)
+    kd.store(out, m, blk * IL + lane, acc, check=(False, not B_IN))
+    return out
+
+
+_IL = PerObjectMemo()
+"""weight -> its interleaved (wq, scales, biases)."""
+
+
+def interleaved(w):
+    got = _IL.get((w,), None)
+    if got is PerObjectMemo.MISSING:
+        got = _IL.put((w,), None, interleave(w.packed, w.scales, w.biases))
+    return got
+
+
+def serves(x: torch.Tensor, w) -> bool:
+    """Whether `qmatmul_cpu` takes this call: CPU activations with few rows, affine 2/4/8-bit codes."""
+    from kilnx.quant import QWeight
+    return (isinstance(w, QWeight) and w.mode == "affine" and len(w.shape) == 2 and 32 % w.bits == 0
+            and x.device.type == "cpu" and x.shape[-1] == w.shape[1] and w.shape[1] % w.group_size == 0
+            and 0 < x.numel() // x.shape[-1] <= MAX_ROWS)
+
+
+def qmatmul_cpu(x: torch.Tensor, w) -> torch.Tensor:
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = w.shape[0]
+    y = qmv_il(x.reshape(-1, k), *interleaved(w))
+    return (y if y.shape[1] == n else y[:, :n]).reshape(*lead, n)
+
+
+def make_args(problem: dict, device: str):
+    x, wq, s, b = make_qmatmul_args(problem, device)
+    return (x, *interleave(wq, s, b))
+
+
+qmv_il.tuning(make_args=make_args, problems=[{"M": 1, "N": 3072, "K": 576, "bits": 4, "gs": 32}])
+qmv_il.tolerance = lambda args: _matmul_tolerance((args[0], *_plain(*args[1:])))

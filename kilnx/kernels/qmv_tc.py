@@ -27,8 +27,8 @@ import torch
 
 import kilnx.dsl as kd
 from kilnx.kernels import _gemv as gemv
-from kilnx.kernels.qmatmul import (_dense_peer, _dense_spec, _format_of, _matmul_tolerance, _pow2_at_least,
-                                   _pow2_dividing, make_qmatmul_args)
+from kilnx.kernels.qmatmul import (_dense_peer, _format_of, _matmul_tolerance, _pow2_at_least, _pow2_dividing,
+                                   _qmm_spec, _qmv_key, make_qmatmul_args)
 
 MAX_ROWS = 64                       # a (BLOCK_M <= 64, GROUP) x tile per group: past that qmm's tiles win
 DTYPES_SERVED = (torch.bfloat16, torch.float16)
@@ -60,15 +60,6 @@ def decoded_tile(words, BITS: int, dtype: str):
     return kd.reshape(v, (n, cw * PER)).to(dtype), offset
 
 
-def _key(x, wq, scales, biases, **_):
-    f = _format_of(x, wq, scales, biases)
-    return {"M": x.shape[0], "N": wq.shape[0], "K": x.shape[1], "bits": f["BITS"], "gs": f["GROUP"]}
-
-
-def _spec(x, wq, scales, biases, *, BITS, GROUP, **_):
-    return _dense_spec(x, wq, scales, biases, BITS, GROUP)
-
-
 def _default(x, wq, scales, biases, **_):
     """The best of 13 configs on every llama-3.1-8b shape at M = 1, 4 and 8 on the H200 (bench/results/
     2026-12-03_h200_quant_s5.csv): 64 weight rows, K split in 4, 4 warps, 4 stages, weight on the left."""
@@ -81,7 +72,7 @@ def _default(x, wq, scales, biases, **_):
     tune={"BLOCK_N": kd.pow2(16, 256, default=64), "SPLIT_K": kd.choice(1, 2, 4, 8, default=1),
           "num_warps": kd.choice(1, 2, 4, 8, default=4), "STAGES": kd.choice(1, 2, 3, 4, 6, default=3),
           "SWAP": kd.boolean(default=True)},
-    key=_key, spec=_spec, default=_default,
+    key=_qmv_key, spec=_qmm_spec, default=_default,
     specialize=lambda x, wq, s, b: {**_format_of(x, wq, s, b), "BLOCK_M": max(16, _pow2_at_least(x.shape[0])),
                                     "N_DIV": _pow2_dividing(wq.shape[0]), "KW_DIV": _pow2_dividing(wq.shape[1])})
 def qmv_tc(x, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr, BLOCK_M: kd.constexpr,

@@ -8,19 +8,9 @@ import pytest
 import torch
 
 from kilnx.kernels import qmv_cpu as C
-from kilnx.quant import QWeight
 
-mx = pytest.importorskip("mlx.core")
-
-
-def mlx_case(m, n, k, bits, gs, seed):
-    rng = np.random.default_rng(seed)
-    w = rng.standard_normal((n, k)).astype(np.float32)
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    wq, s, b = mx.quantize(mx.array(w), group_size=gs, bits=bits)
-    want = mx.quantized_matmul(mx.array(x), wq, s, b, transpose=True, group_size=gs, bits=bits)
-    qw = QWeight.from_mlx(np.array(wq), np.array(s), np.array(b), bits=bits, group_size=gs)
-    return torch.from_numpy(x), qw, torch.from_numpy(np.array(want))
+pytest.importorskip("mlx.core")   # the reference (mlx_cases.py)
+from mlx_cases import mlx_case  # noqa: E402
 
 
 def check(got, want, k):

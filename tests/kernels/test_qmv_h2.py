@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -17,20 +16,10 @@ from hypothesis import strategies as st
 
 from kilnx.kernels import qmv_h2 as H
 
-mx = pytest.importorskip("mlx.core")
+pytest.importorskip("mlx.core")   # the reference (mlx_cases.py)
+from mlx_cases import mlx_case  # noqa: E402
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="Triton kernels run on CPU only under TRITON_INTERPRET=1")
-
-
-def mlx_case(m, n, k, bits, gs, seed, x_scale=1.0):
-    from kilnx.quant import QWeight
-    rng = np.random.default_rng(seed)
-    w = rng.standard_normal((n, k)).astype(np.float32)
-    x = (rng.standard_normal((m, k)) * x_scale).astype(np.float32)
-    wq, s, b = mx.quantize(mx.array(w), group_size=gs, bits=bits)
-    want = mx.quantized_matmul(mx.array(x), wq, s, b, transpose=True, group_size=gs, bits=bits)
-    qw = QWeight.from_mlx(np.array(wq), np.array(s), np.array(b), bits=bits, group_size=gs)
-    return torch.from_numpy(x), qw, torch.from_numpy(np.array(want))
 
 
 def check(got, want, x, qw):

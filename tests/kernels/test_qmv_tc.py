@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -16,21 +15,10 @@ from hypothesis import strategies as st
 
 from kilnx.kernels import qmv_tc as T
 
-mx = pytest.importorskip("mlx.core")
+pytest.importorskip("mlx.core")   # the reference (mlx_cases.py)
+from mlx_cases import mlx_case  # noqa: E402
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="Triton kernels run on CPU only under TRITON_INTERPRET=1")
-
-
-def mlx_case(m, n, k, bits, gs, dtype, seed):
-    """MLX quantizes and multiplies in fp32 on x already rounded to `dtype`: the exact target."""
-    from kilnx.quant import QWeight
-    rng = np.random.default_rng(seed)
-    w = rng.standard_normal((n, k)).astype(np.float32)
-    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(dtype)
-    wq, s, b = mx.quantize(mx.array(w), group_size=gs, bits=bits)
-    want = mx.quantized_matmul(mx.array(x.float().numpy()), wq, s, b, transpose=True, group_size=gs, bits=bits)
-    qw = QWeight.from_mlx(np.array(wq), np.array(s), np.array(b), bits=bits, group_size=gs)
-    return x, qw, torch.from_numpy(np.array(want))
 
 
 def check(got, want, x, qw):
@@ -50,7 +38,7 @@ def check(got, want, x, qw):
        dtype=st.sampled_from([torch.bfloat16, torch.float16]), swap=st.booleans(), split_k=st.sampled_from([1, 2]))
 def test_qmv_tc_matches_mlx_on_the_interpreter(bits, gs, m, n, groups, dtype, swap, split_k):
     """N and K off the block sizes, rows past 16 (a 32-row tile), both operand orders, split-K."""
-    x, qw, want = mlx_case(m, n, gs * groups, bits, gs, dtype, seed=bits * 100 + m * 10 + n)
+    x, qw, want = mlx_case(m, n, gs * groups, bits, gs, seed=bits * 100 + m * 10 + n, x_dtype=dtype)
     s, b = qw.scales.to(dtype), qw.biases.to(dtype)
     got = T.run_qmv_tc(x, qw.packed, s, b, backend="triton",
                        config={"BLOCK_N": 32, "SWAP": swap, "SPLIT_K": split_k, "STAGES": 1})
@@ -63,7 +51,7 @@ def test_qmv_tc_matches_mlx_on_the_interpreter(bits, gs, m, n, groups, dtype, sw
 @pytest.mark.parametrize("backend", ["reference", "numba"])
 @pytest.mark.parametrize("bits,dtype", [(4, torch.bfloat16), (8, torch.bfloat16), (4, torch.float16)])
 def test_qmv_tc_other_backends(backend, bits, dtype):
-    x, qw, _ = mlx_case(5, 24, 256, bits, 64, dtype, seed=5)
+    x, qw, _ = mlx_case(5, 24, 256, bits, 64, seed=5, x_dtype=dtype)
     s, b = qw.scales.to(dtype), qw.biases.to(dtype)
     from kilnx.kernels.qmatmul import _dense_spec
     got = T.run_qmv_tc(x, qw.packed, s, b, backend=backend, config={"BLOCK_N": 16, "SPLIT_K": 2})
@@ -71,7 +59,7 @@ def test_qmv_tc_other_backends(backend, bits, dtype):
 
 
 def test_qmv_tc_refuses_what_it_does_not_serve():
-    x, qw, _ = mlx_case(2, 16, 64, 4, 64, torch.bfloat16, seed=1)
+    x, qw, _ = mlx_case(2, 16, 64, 4, 64, seed=1, x_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="bf16/fp16"):
         T.run_qmv_tc(x.float(), qw.packed, qw.scales, qw.biases)
     with pytest.raises(ValueError, match="at most 64 rows"):

@@ -84,11 +84,6 @@ def qmatmul(x, w) -> torch.Tensor:
     from kilnx.kernels.prepared import PreparedX, qmatmul_prepared
     if isinstance(x, PreparedX):
         return qmatmul_prepared(x, w)
-    if x.device.type == "cpu":
-        # decode on the CPU: the row-interleaved GEMV (kernels/qmv_cpu.py), 2-3x qmv's rate there
-        from kilnx.kernels import qmv_cpu
-        if qmv_cpu.serves(x, w):
-            return qmv_cpu.qmatmul_cpu(x, w)
     return qm.qmatmul(x, w)
 
 

@@ -18,8 +18,8 @@ its own layout (no prep kernel, no prep launch): each program forms the group su
 - Per group, the terms are summed in one chain per word (PER fmas) and the chains then added: with a
   single chain over the group the fma latency, not throughput, would set the pace.
 
-Used by `kilnx.ops.qmatmul` for CPU activations with up to MAX_ROWS rows (decode); prefill keeps the
-tile GEMM. The repacked copy is made once per weight and kept while the weight lives.
+qmatmul's route (kernels/routing.py) takes it for CPU activations with up to 4 rows by default (decode);
+prefill keeps the tile GEMM. The repacked copy is made once per weight and kept while the weight lives.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from kilnx.dsl.kernel import PerObjectMemo
 from kilnx.kernels.qmatmul import _dense_spec, _matmul_tolerance, _pow2_dividing, make_qmatmul_args
 
 IL = 16          # weight rows per interleaved block: one AVX-512 register of fp32 (two AVX2 ones)
-MAX_ROWS = 4     # activation rows served here; more take the tile GEMM (prefill)
 
 
 def interleave(wq: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, il: int = IL):
@@ -115,29 +114,16 @@ def qmv_il(x, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr,
 
 
 _IL = PerObjectMemo()
-"""weight -> its interleaved (wq, scales, biases)."""
+"""packed weight -> its interleaved (wq, scales, biases)."""
 
 
-def interleaved(w):
-    got = _IL.get((w,), None)
-    if got is PerObjectMemo.MISSING:
-        got = _IL.put((w,), None, interleave(w.packed, w.scales, w.biases))
-    return got
-
-
-def serves(x: torch.Tensor, w) -> bool:
-    """Whether `qmatmul_cpu` takes this call: CPU activations with few rows, affine 2/4/8-bit codes."""
-    from kilnx.quant import QWeight
-    return (isinstance(w, QWeight) and w.mode == "affine" and len(w.shape) == 2 and 32 % w.bits == 0
-            and x.device.type == "cpu" and x.shape[-1] == w.shape[1] and w.shape[1] % w.group_size == 0
-            and 0 < x.numel() // x.shape[-1] <= MAX_ROWS)
-
-
-def qmatmul_cpu(x: torch.Tensor, w) -> torch.Tensor:
-    lead, k = x.shape[:-1], x.shape[-1]
-    n = w.shape[0]
-    y = qmv_il(x.reshape(-1, k), *interleaved(w))
-    return (y if y.shape[1] == n else y[:, :n]).reshape(*lead, n)
+def run_qmv_il(x, wq, scales, biases, *, backend=None, config=None):
+    """x (M, K) @ W.T -> (M, N) for a packed (N, KW) weight, repacked on first use and kept while it lives."""
+    il = _IL.get((wq, scales, biases), None)
+    if il is PerObjectMemo.MISSING:
+        il = _IL.put((wq, scales, biases), None, interleave(wq, scales, biases))
+    y = qmv_il(x, *il, backend=backend, config=config)
+    return y if y.shape[1] == wq.shape[0] else y[:, :wq.shape[0]]
 
 
 def make_args(problem: dict, device: str):

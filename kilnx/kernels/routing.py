@@ -39,16 +39,16 @@ class QmatmulRowsRoute:
 
     def __init__(self):
         from kilnx.kernels import qmatmul as qm
-        from kilnx.kernels import qmv_h2, qmv_tc
-        self._qm, self._h2, self._tc = qm, qmv_h2, qmv_tc
+        from kilnx.kernels import qmv_cpu, qmv_h2, qmv_tc
+        self._qm, self._h2, self._tc, self._il = qm, qmv_h2, qmv_tc, qmv_cpu
         self.space = Space({"QMV_MAX_ROWS": choice(0, 1, 2, 4, 8, 16, default=qm.QMV_MAX_ROWS),
                             # qmv_h2 was 1.06-1.53x faster than qmv at every llama-3.1-8b shape, M = 1..8
                             # (H200, bench/results/2026-12-02_h200_qmv_h2_s3.csv)
-                            "GEMV": choice("qmv", "qmv_h2", default="qmv_h2"),
+                            "GEMV": choice("qmv", "qmv_h2", "qmv_il", default="qmv_h2"),
                             "TC_MIN_ROWS": choice(1, 2, 4, 6, 8, 12, 16, TC_NEVER, default=TC_MIN_ROWS)})
         self._chosen: dict = {}
         parts = (ROUTING_VERSION + qm.qmv.source_hash + qm.qmm.source_hash + qm.qmv_prep.source_hash
-                 + qmv_h2.qmv_h2.source_hash + qmv_h2.qmv_h2_prep.source_hash + qmv_tc.qmv_tc.source_hash)
+                 + qmv_h2.qmv_h2.source_hash + qmv_h2.qmv_h2_prep.source_hash + qmv_tc.qmv_tc.source_hash + qmv_cpu.qmv_il.source_hash)
         self.source_hash = hashlib.sha256(parts.encode()).hexdigest()
         self.tolerance = qm._matmul_tolerance
         self.peer = None
@@ -60,9 +60,9 @@ class QmatmulRowsRoute:
 
     def default_config(self, x, *args, **_) -> dict:
         if x.device.type == "cpu":
-            # numba: qmv's row loop compiles slowly and qmv_h2's fp16 helpers are scalar calls, so one
-            # row per GEMV call and the fp32 GEMV (the GPU defaults are the space's: see qmatmul.py)
-            return self.space.validate({"QMV_MAX_ROWS": 1, "GEMV": "qmv", "TC_MIN_ROWS": TC_NEVER})
+            # numba: the row-interleaved GEMV (kernels/qmv_cpu.py) ran SmolLM2's decode GEMVs 1.3-2.3x
+            # faster than qmv on 2 EPYC cores; prefill (more rows) takes the tile GEMM
+            return self.space.validate({"QMV_MAX_ROWS": 4, "GEMV": "qmv_il", "TC_MIN_ROWS": TC_NEVER})
         return self.space.default()
 
     def sample_problems(self) -> list[dict]:
@@ -97,6 +97,8 @@ class QmatmulRowsRoute:
         bits, group = f["BITS"], f["GROUP"]
         if x.shape[0] >= chosen.get("TC_MIN_ROWS", TC_NEVER) and self._tc.serves(x, wq, scales, biases):
             return lambda x, wq, scales, biases: self._tc.run_qmv_tc(x, wq, scales, biases, backend=backend)
+        if x.shape[0] <= chosen["QMV_MAX_ROWS"] and 32 % bits == 0 and chosen["GEMV"] == "qmv_il":
+            return lambda x, wq, scales, biases: self._il.run_qmv_il(x, wq, scales, biases, backend=backend)
         if x.shape[0] <= chosen["QMV_MAX_ROWS"] and 32 % bits == 0:
             h2 = chosen["GEMV"] == "qmv_h2" and bits in self._h2.BITS_SERVED
             prep, gemv = (self._h2.qmv_h2_prep, self._h2.qmv_h2) if h2 else (qm.qmv_prep, qm.qmv)

@@ -48,15 +48,23 @@ def test_block_ranges_past_the_end(r, monkeypatch):
 
 def test_ops_qmatmul_takes_it_on_cpu(monkeypatch):
     import kilnx.ops as ops
+    from kilnx.kernels import qmatmul as Q
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    Q._SERVED._store.clear()
+    used = []
+    real = C.run_qmv_il
+    monkeypatch.setattr(C, "run_qmv_il", lambda *a, **k: used.append(a[0].shape[0]) or real(*a, **k))
     x, qw, want = mlx_case(1, 40, 128, 4, 64, seed=11)
     bf = x.to(torch.bfloat16)
-    assert C.serves(bf, qw) and not C.serves(torch.zeros(C.MAX_ROWS + 1, 128), qw)
     got = ops.qmatmul(bf.reshape(1, 1, 128), qw)
+    ops.qmatmul(torch.zeros(5, 128, dtype=torch.bfloat16), qw)      # prefill rows: the tile GEMM
+    assert used == [1]
     assert got.shape == (1, 1, 40) and got.dtype == torch.bfloat16
     want_bf = C._dense_spec(bf, qw.packed, qw.scales, qw.biases, 4, 64)
     assert torch.allclose(got[0].float(), want_bf.float(), rtol=2e-2, atol=1e-2 * float(want_bf.abs().max()))
-    assert C.interleaved(qw) is C.interleaved(qw)     # repacked once per weight
+    first = C._IL.get((qw.packed, qw.scales, qw.biases), None)
+    ops.qmatmul(bf, qw)
+    assert C._IL.get((qw.packed, qw.scales, qw.biases), None) is first     # repacked once per weight
 
 
 def test_interleave_layout():

@@ -70,8 +70,8 @@ def test_the_stored_choice_is_what_the_runtime_reads(tmp_path, monkeypatch):
     monkeypatch.setenv("KILNX_DB", url)
     dispatch.reset()
     args = qmatmul_rows.make_args(PROBLEM, "cpu")
-    # nothing tuned: the device's default (on the CPU, one row per GEMV call through the fp32 qmv)
-    assert qmatmul_rows.choice_for(*args) == {"QMV_MAX_ROWS": 1, "GEMV": "qmv", "TC_MIN_ROWS": TC_NEVER}
+    # nothing tuned: the device's default (on the CPU, up to 4 rows through the row-interleaved GEMV)
+    assert qmatmul_rows.choice_for(*args) == {"QMV_MAX_ROWS": 4, "GEMV": "qmv_il", "TC_MIN_ROWS": TC_NEVER}
     with TuningDB(url) as db:
         db.record_result(kernel=qmatmul_rows.name, source_hash=qmatmul_rows.source_hash, device=cpu_info(),
                          bucket=qmatmul_rows.key(*args), config={"QMV_MAX_ROWS": 16, "GEMV": "qmv_h2", "TC_MIN_ROWS": 6}, time_s=1e-5)

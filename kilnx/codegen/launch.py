@@ -75,6 +75,12 @@ def load_module(source: str, prefix: str):
         return mod
 
 
+@functools.lru_cache(maxsize=None)
+def _pdl() -> bool:
+    from kilnx.codegen.triton_rt import pdl_enabled
+    return pdl_enabled()
+
+
 def default_backend(tensors) -> str:
     devs = {t.device.type for t in tensors if isinstance(t, torch.Tensor)}
     if "cuda" in devs:
@@ -139,7 +145,10 @@ class Launch:
 
     def _run_triton(self, allt, scalars, grid):
         args = self._flat_args(allt, scalars, lambda t: t)
-        self.fn[grid](*args, num_warps=self.ir.num_warps, num_stages=self.ir.num_stages)
+        if _pdl() and next(iter(allt.values())).is_cuda:
+            self.fn[grid](*args, num_warps=self.ir.num_warps, num_stages=self.ir.num_stages, launch_pdl=True)
+        else:
+            self.fn[grid](*args, num_warps=self.ir.num_warps, num_stages=self.ir.num_stages)
 
     def _run_reference(self, allt, scalars, grid):
         arrays = {name: _to_numpy(t) for name, t in allt.items()}

@@ -1,7 +1,8 @@
 """Lower the IR to Triton source: one statement per node, the author's names kept.
 
-The source is version-independent (plain `tl.*` calls present in Triton 3.2 and later), so golden
-files hold across the GPU's and CI's Triton versions. `interpret=True` upcasts dot operands to fp32,
+The source is version-independent (plain `tl.*` calls present in Triton 3.2 and later, and kilnx's
+`_rt` helpers for what has no `tl.*` spelling), so golden files hold across the GPU's and CI's Triton
+versions. `interpret=True` upcasts dot operands to fp32,
 because the Triton interpreter mis-computes 16-bit dots.
 """
 
@@ -25,10 +26,9 @@ def generate(ir: KernelIR, *, fn_name: str | None = None, interpret: bool = Fals
     if header:
         lines += [f"# {h}" for h in header.splitlines()]
     lines += ["@triton.jit", f"def {fn}({', '.join(param_names(ir))}):"]
-    body = g.block(ir.body, 1)
-    if any("_rt." in line for line in body):
-        lines.insert(2, "from kilnx.codegen import triton_rt as _rt")
-    lines += body or ["    pass"]
+    # first, before any memory access: the kernel may be scheduled before the previous one finished
+    lines += ["    _rt.grid_dependency_sync()"] + g.block(ir.body, 1)
+    lines.insert(2, "from kilnx.codegen import triton_rt as _rt")
     return "\n".join(lines) + "\n"
 
 

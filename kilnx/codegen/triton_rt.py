@@ -4,14 +4,57 @@ The packed-half2 ops (kilnx/dsl/opdefs.py) are one PTX instruction each on the G
 interpreter cannot run inline PTX, so under TRITON_INTERPRET=1 each helper computes the same bits
 with Triton ops instead (fp16 halves widened to fp64, where fp16 products and sums are exact, then
 rounded once). The choice is a constexpr: the compiled GPU kernel contains only the PTX.
+
+`grid_dependency_sync` opens every generated kernel: see `pdl_enabled`.
 """
 
+import functools
 import os
 
 import triton
 import triton.language as tl
 
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+try:   # Triton 3.3 and later spell grid dependency control here; older ones cannot launch with PDL
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - present in the Triton versions kilnx runs on
+    gdc_wait = gdc_launch_dependents = None
+
+
+@functools.lru_cache(maxsize=None)
+def pdl_enabled() -> bool:
+    """Whether kernels launch with programmatic dependent launch (PDL): on sm_90 and later, with a Triton
+    that has the `launch_pdl` launch option, unless KILNX_PDL=0.
+
+    A decode step is a chain of ~300 short dependent kernels, and without PDL each waits for the
+    previous one to finish before its blocks are even scheduled (~1 us a boundary on an H200). With
+    PDL the next kernel's blocks are scheduled while the previous one's last wave runs, and wait at
+    their first statement (`griddepcontrol.wait`) until it has finished and its writes are visible.
+    Because every kernel waits before it touches memory and before it can finish, a kernel's
+    completion still implies that of every kernel before it: dependences two launches apart hold."""
+    if INTERPRET or gdc_wait is None or os.environ.get("KILNX_PDL", "1") == "0":
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:  # pragma: no cover
+        return False
+    if "launch_pdl" not in getattr(CUDAOptions, "__dataclass_fields__", {}):
+        return False
+    import torch
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+PDL = tl.constexpr(pdl_enabled())
+
+
+@triton.jit
+def grid_dependency_sync():
+    """Wait for the previous kernel in the stream (a no-op unless launched with PDL), then let the next
+    one be scheduled. Generated kernels call this before any other statement."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit

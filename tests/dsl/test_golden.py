@@ -74,7 +74,10 @@ def test_golden_source_is_a_jit_kernel_of_plain_tl_calls(name):
     fns = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
     assert len(fns) == 1 and any(ast.unparse(d) == "triton.jit" for d in fns[0].decorator_list)
     imports = {ast.unparse(n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))}
-    assert imports == {"import triton", "import triton.language as tl"}
+    assert imports == {"import triton", "import triton.language as tl",
+                       "from kilnx.codegen import triton_rt as _rt"}
+    first = fns[0].body[0]
+    assert ast.unparse(first) == "_rt.grid_dependency_sync()"   # before any memory access (PDL)
     assert "interpret" not in text.lower()   # the GPU variant, not the interpreter's
 
 

@@ -120,6 +120,8 @@ class Interpreter:
             return (a.astype(np.float32) @ b.astype(np.float32)).astype(NUMPY_OF[n.dtype])
         if op == "load":
             return self.load(n, v)
+        if op in ("prefetch", "grid_sync"):   # cache hint and launch ordering: no effect on values
+            return None
         if op in ("store", "atomic_add"):
             self.store(n, v)
             return None

@@ -70,11 +70,13 @@ def const_literal(n: Node) -> str:
     return repr(int(v))
 
 
-def live_nodes(ir: KernelIR) -> set[int]:
-    """Ids of nodes the kernel body needs: those reaching a store, an atomic or an accumulator update.
-    Host-only arithmetic (grid sizes, output shapes) is left out of the generated kernel."""
+def live_nodes(ir: KernelIR, hints: bool = False) -> set[int]:
+    """Ids of nodes the kernel body needs: those reaching a store, an atomic or an accumulator update,
+    and with `hints` (the GPU) also prefetches and the grid-dependency sync. Host-only arithmetic
+    (grid sizes, output shapes) is left out of the generated kernel."""
     live: set[int] = set()
-    stack = [n for n in ir.walk() if n.op in ("store", "atomic_add", "assign")]
+    roots = ("store", "atomic_add", "assign") + (("prefetch", "grid_sync") if hints else ())
+    stack = [n for n in ir.walk() if n.op in roots]
     loops = [n for n in ir.walk() if n.op == "range"]
     while stack:
         n = stack.pop()

@@ -27,7 +27,9 @@ def generate(ir: KernelIR, *, fn_name: str | None = None, interpret: bool = Fals
         lines += [f"# {h}" for h in header.splitlines()]
     lines += ["@triton.jit", f"def {fn}({', '.join(param_names(ir))}):"]
     # first, before any memory access: the kernel may be scheduled before the previous one finished
-    lines += ["    _rt.grid_dependency_sync()"] + g.block(ir.body, 1)
+    # (unless the author placed it, after prefetches: kd.grid_dependency_sync checks the order)
+    explicit = any(n.op == "grid_sync" for n in ir.walk())
+    lines += ([] if explicit else ["    _rt.grid_dependency_sync()"]) + g.block(ir.body, 1)
     lines.insert(2, "from kilnx.codegen import triton_rt as _rt")
     return "\n".join(lines) + "\n"
 
@@ -35,7 +37,7 @@ def generate(ir: KernelIR, *, fn_name: str | None = None, interpret: bool = Fals
 class _Gen(StatementEmitter):
     def __init__(self, ir: KernelIR, interpret: bool):
         self.ir, self.interpret = ir, interpret
-        self.live = live_nodes(ir)
+        self.live = live_nodes(ir, hints=True)
         self.namer = Namer(ir, set(param_names(ir)) | {"tl", "triton", "range", "_rt"})
 
     def ref(self, n: Node) -> str:
@@ -117,6 +119,13 @@ class _Gen(StatementEmitter):
             if hint in HINTS:
                 args.append(f"eviction_policy='{HINTS[hint]}'")
             return f"{name} = tl.load({', '.join(args)})"
+        if op == "grid_sync":
+            return "_rt.grid_dependency_sync()"
+        if op == "prefetch":
+            ptr, mask = self.address(n, r, 0)
+            tname = n.arg[0]
+            # masked lanes prefetch the tensor's first line instead (no out-of-bounds address is formed)
+            return f"_rt.prefetch_l2(tl.where({mask}, {ptr}, {tname}_ptr))" if mask else f"_rt.prefetch_l2({ptr})"
         if op in ("store", "atomic_add"):
             ptr, mask = self.address(n, r, 1)
             val = f"{r[0]}.to({TL[n.dtype]})" if n.srcs[0].dtype != n.dtype else r[0]

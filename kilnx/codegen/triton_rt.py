@@ -49,6 +49,16 @@ PDL = tl.constexpr(pdl_enabled())
 
 
 @triton.jit
+def prefetch_l2(ptrs):
+    """Ask for the lines at `ptrs` in L2 (kd.prefetch); nothing under the interpreter."""
+    if INTERPRET:
+        pass
+    else:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0 unused", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
 def grid_dependency_sync():
     """Wait for the previous kernel in the stream (a no-op unless launched with PDL), then let the next
     one be scheduled. Generated kernels call this before any other statement."""

@@ -395,6 +395,35 @@ def atomic_add(t: TensorArg, *idx_and_value, mask=None, check=True):
                    arg=(t.param.name, checks, has_mask))
 
 
+def prefetch(t: TensorArg, *idx, mask=None, check=True):
+    """A hint: pull the lines holding t[idx...] into the GPU's L2 (masked and out-of-bounds lanes
+    skipped). It reads nothing into the kernel, so it may come before `grid_dependency_sync`: a
+    kernel launched early (PDL) warms its weights while the previous kernel still runs. L2 is the
+    GPU's point of coherence, so a line prefetched before another kernel writes it is never stale.
+    No effect on other backends."""
+    srcs, shape, has_mask = _mem_index(t, idx, mask, "prefetch")
+    checks = tuple(check) if isinstance(check, (tuple, list)) else (bool(check),) * t.ndim
+    builder().emit("prefetch", t.dtype, shape, srcs, arg=(t.param.name, checks, has_mask))
+
+
+def grid_dependency_sync():
+    """Where the kernel waits for the previous kernel in the stream to finish (and its writes to be
+    visible) when launched with PDL. Every Triton kernel has one; by default it is the first statement.
+    Placing it explicitly lets only `prefetch` and index arithmetic come before it: the call must be at
+    the kernel's top level, once, before any load, store or atomic."""
+    b = builder()
+    if b.block is not b.ir.body:
+        raise dsl_error("kd.grid_dependency_sync() must be at the kernel's top level, not inside a loop")
+    for n in b.ir.walk():
+        if n.op == "grid_sync":
+            raise dsl_error("kd.grid_dependency_sync() is called twice")
+        if n.op in ("load", "store", "atomic_add"):
+            raise dsl_error(f"kd.grid_dependency_sync() comes after a {n.op} of `{n.arg[0]}` ({n.loc}): "
+                            "memory written by the previous kernel may not be ready there; only kd.prefetch "
+                            "may precede it")
+    b.emit("grid_sync", "i32", ())
+
+
 def dot(a: Value, b: Value) -> Value:
     """(M, K) @ (K, N) -> (M, N) accumulated in fp32. Lowered to tensor cores when every dim >= 16,
     else to a broadcast multiply and a sum."""

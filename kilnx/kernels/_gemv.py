@@ -8,6 +8,9 @@ chunk is decoded and multiplied; `Frame` is the rest.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import kilnx.dsl as kd
 
 
@@ -34,6 +37,22 @@ class Frame:
         words_per_split = kd.cdiv(kd.cdiv(KW, SPLIT_K), self.CHUNK) * self.CHUNK
         self.w_start = pid_k * words_per_split
         self.w_stop = kd.minimum(self.w_start + words_per_split, KW)
+
+    def prefetch(self, t, start, stop, lines: int = 16):
+        """Ask L2 for this program's rows of `t` over columns [start, stop): one address per 128-byte
+        line, `lines` lines of a row per step. Placed before kd.grid_dependency_sync, the weights stream
+        in while the kernel that produces x still runs (the GEMV launched early under PDL)."""
+        per_line = 128 // _ITEM_BYTES[t.dtype]
+        for c0 in kd.range(start, stop, per_line * lines):
+            c = c0 + kd.arange(0, lines) * per_line
+            kd.prefetch(t, self.n[:, None], c[None, :], mask=c[None, :] < stop, check=(not self.ROWS_IN, False))
+
+    def prefetch_weights(self, wq, *per_group):
+        """The program's packed words and their per-group tensors (scales, biases), then the sync."""
+        self.prefetch(wq, self.w_start, self.w_stop)
+        for t in per_group:
+            self.prefetch(t, self.w_start // self.WPG, kd.cdiv(self.w_stop, self.WPG))
+        kd.grid_dependency_sync()
 
     def chunks(self):
         return kd.range(self.w_start, self.w_stop, self.CHUNK, stages=self.STAGES if self.STAGES > 1 else None)
@@ -103,6 +122,19 @@ class Frame:
             out = kd.output((M, N), kd.f32, zero=True)
             kd.atomic_add(out, rows[:, None], self.n[None, :], acc)
         return out
+
+
+_ITEM_BYTES = {"u32": 4, "i32": 4, "f32": 4, "bf16": 2, "f16": 2, "u8": 1, "i8": 1}
+
+
+@functools.lru_cache(maxsize=None)
+def prefetching() -> bool:
+    """Whether GEMVs prefetch their weights before the grid sync: only worth it when kernels launch
+    early (PDL, codegen/triton_rt.py); KILNX_GEMV_PREFETCH=0 turns it off for comparisons."""
+    if os.environ.get("KILNX_GEMV_PREFETCH", "1") == "0":
+        return False
+    from kilnx.codegen.triton_rt import pdl_enabled
+    return pdl_enabled()
 
 
 def into_row(row, m, BLOCK_M: int):

@@ -176,14 +176,18 @@ def _default(planes, sums, xs, wq, scales, biases, **_):
     key=_key, spec=_spec, default=_default,
     specialize=lambda p, su, xs, wq, sc, b: {**_format(p, su, xs, wq, sc, b), "BLOCK_M": _pow2_at_least(p.shape[0]),
                                              "N_DIV": _pow2_dividing(wq.shape[0]),
-                                             "KW_DIV": _pow2_dividing(wq.shape[1])})
+                                             "KW_DIV": _pow2_dividing(wq.shape[1]),
+                                             "PREFETCH": wq.is_cuda and gemv.prefetching()})
 def qmv_h2(planes, sums, xs, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr,
-           BLOCK_M: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr, BLOCK_N, BLOCK_KW, SPLIT_K, STAGES):
+           BLOCK_M: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr, PREFETCH: kd.constexpr = False,
+           BLOCK_N, BLOCK_KW, SPLIT_K, STAGES):
     M = planes.shape[0]
     N, KW = wq.shape
     PER = 32 // BITS                 # codes per word
     f = gemv.Frame(N, KW, WPG=GROUP // PER, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW,
                    SPLIT_K=SPLIT_K, N_DIV=N_DIV, KW_DIV=KW_DIV, STAGES=STAGES)
+    if PREFETCH:
+        f.prefetch_weights(wq, scales, biases)
     acc = kd.zeros((BLOCK_M, BLOCK_N), kd.f32)
     for w0 in f.chunks():
         wc, g, words = f.chunk(wq, w0)

@@ -77,3 +77,53 @@ def _reference_chain(x, w, gu):
         h, y = N.add_rms_norm_kernel(y, h, w, eps=1e-6, offset=0.0, backend="reference")
         y = A.silu_mul_kernel(torch.cat([y, gu[:, :4096]], dim=-1), backend="reference")
     return h, y
+
+
+import kilnx.dsl as kd  # noqa: E402
+
+
+@kd.kernel(tune={"B": kd.choice(16)})
+def _sync_after_a_load(x, *, B):
+    kd.grid(1)
+    v = kd.load(x, kd.arange(0, B))
+    kd.grid_dependency_sync()
+    out = kd.output((B,), kd.f32)
+    kd.store(out, kd.arange(0, B), v)
+    return out
+
+
+@kd.kernel(tune={"B": kd.choice(16)})
+def _sync_in_a_loop(x, *, B):
+    kd.grid(1)
+    out = kd.output((B,), kd.f32)
+    for i in kd.range(0, 2):
+        kd.grid_dependency_sync()
+    kd.store(out, kd.arange(0, B), kd.load(x, kd.arange(0, B)))
+    return out
+
+
+@kd.kernel(tune={"B": kd.choice(16)})
+def _prefetch_then_sync(x, *, B):
+    kd.grid(1)
+    r = kd.arange(0, B)
+    kd.prefetch(x, r * 4, mask=r * 4 < x.shape[0])
+    kd.grid_dependency_sync()
+    out = kd.output((B,), kd.f32)
+    kd.store(out, r, kd.load(x, r) * 2.0)
+    return out
+
+
+@pytest.mark.parametrize("kernel,message", [(_sync_after_a_load, "comes after a load of `x`"),
+                                            (_sync_in_a_loop, "top level")])
+def test_a_grid_sync_after_memory_access_or_in_a_loop_is_refused(kernel, message):
+    with pytest.raises(kd.DSLError, match=message):
+        kernel.triton_source(torch.zeros(16))
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"] + (["triton"] if __import__("os").environ.get("TRITON_INTERPRET") == "1" else []))
+def test_prefetch_is_a_hint_every_backend_computes_the_same(backend):
+    x = torch.arange(40, dtype=torch.float32)
+    torch.testing.assert_close(_prefetch_then_sync(x, backend=backend), x[:16] * 2)
+    src = _prefetch_then_sync.triton_source(x)
+    body = src.split("):\n", 1)[1]
+    assert body.index("_rt.prefetch_l2(") < body.index("_rt.grid_dependency_sync()") < body.index("tl.load(")

@@ -46,6 +46,8 @@ for bits in (3, 4, 8):
                 ck = compile_for_target(H.qmv_h2, pargs, cfg)
                 assert ck.asm["ptx"].count("fma.rn.f16x2") >= 2, "qmv_h2 without packed fp16 math"
                 assert ("cp.async" in ck.asm["ptx"]) == (cfg.get("STAGES", 1) > 1), "STAGES is not what pipelines"
+            ptx = compile_for_target(H.qmv_h2, pargs, {"STAGES": 3}, kw={"PREFETCH": True}).asm["ptx"]
+            assert "prefetch.global.L2" in ptx, "qmv_h2 PREFETCH emitted no L2 prefetch"
 from kilnx.kernels import qmv_tc as T
 for bits in (4, 8):
     w = QWeight.quantize(torch.randn(256, 512), bits=bits, group_size=64)

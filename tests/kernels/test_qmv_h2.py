@@ -54,6 +54,24 @@ def test_qmv_h2_other_backends(backend, bits, m, split_k, stages):
     check(got, want, x, qw)
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference", "numba"])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_prefetching_the_weights_before_the_grid_sync_changes_no_value(backend, split_k):
+    """PREFETCH (on with PDL on the GPU) adds L2 hints and moves the grid sync after them; the
+    prefetch loop covers each program's own word range, masked at its end."""
+    x, qw, _ = mlx_case(3, 24, 448, 4, 64, seed=9)
+    planes, sums, xs = H.qmv_h2_prep(x, PER=8, GROUP=64, backend="reference")
+    cfg = {"BLOCK_N": 8, "BLOCK_KW": 16, "SPLIT_K": split_k, "STAGES": 1}
+    plain = H.qmv_h2(planes, sums, xs, qw.packed, qw.scales, qw.biases, backend=backend, config=cfg)
+    got = H.qmv_h2(planes, sums, xs, qw.packed, qw.scales, qw.biases, backend=backend, config=cfg, PREFETCH=True)
+    assert torch.equal(got, plain)
+    src = H.qmv_h2.triton_source(planes, sums, xs, qw.packed, qw.scales, qw.biases, config=cfg, PREFETCH=True)
+    body = src.split("):\n", 1)[1]
+    sync = body.index("_rt.grid_dependency_sync()")
+    assert body.count("_rt.grid_dependency_sync()") == 1 and body.count("_rt.prefetch_l2(") == 3
+    assert "tl.load(" not in body[:sync] and body.rindex("_rt.prefetch_l2(") < sync
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton", "numba"])
 def test_prep_is_exact_fp16_planes_times_a_power_of_two(backend):
     x = (torch.randn(3, 256) * torch.tensor([1e-4, 1.0, 5e4])[:, None]).bfloat16().float()

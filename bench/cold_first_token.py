@@ -22,7 +22,25 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="llama-3.1-8b")
     p.add_argument("--csv", default=None)
+    p.add_argument("--profile", default=None, help="write cProfile's top functions (cumulative) here")
     a = p.parse_args()
+    if a.profile:
+        import cProfile
+        import pstats
+        prof = cProfile.Profile()
+        prof.enable()
+        try:
+            run(a)
+        finally:
+            prof.disable()
+            with open(a.profile, "w") as f:
+                pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(70)
+                pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(40)
+        return
+    run(a)
+
+
+def run(a):
     import torch
     torch.cuda.init()
     phases = {"import_torch_cuda_init": time.perf_counter() - T0}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU-machine driver: bash bench/device_run.sh STEP...   (needs .whl carried; everything lands in $OUT)
-# Steps: gputests e2epdl quant qmv tc qmm ncu fusions moe e2e1b e2e8b tune8b cold8b   -- each has its own time limit and log.
+# Steps: gputests e2eab (AB_VAR=KILNX_PDL|KILNX_GEMV_PREFETCH) quant qmv tc qmm ncu fusions moe e2e1b e2e8b tune8b cold8b   -- each has its own time limit and log.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -29,13 +29,15 @@ for s in "$@"; do case $s in
   tc) KILNX_BENCH_ONLY=qmv H2_STAGES=3 QMV_PATHS=qmv_h2,qmv_tc QMV_H2_MAX=0 QMV_SWEEP_ROWS=1 step tc ${TC_SECS:-420} python3 bench/bench_kernels.py --suite quant --out $OUT/tc ;;
   qmm) KILNX_BENCH_ONLY=qmm step qmm ${QMM_SECS:-200} python3 bench/bench_kernels.py --suite quant --out $OUT/qmm ;;
   cold8b) python3 bench/cold_first_token.py --model llama-3.1-8b > $OUT/cold_warmup.log 2>&1
-          step cold8b 120 python3 bench/cold_first_token.py --model llama-3.1-8b --csv $OUT/cold.csv ;;
+          step cold8b 120 python3 bench/cold_first_token.py --model llama-3.1-8b --csv $OUT/cold.csv
+          step cold8b_profile 120 python3 bench/cold_first_token.py --model llama-3.1-8b --profile $OUT/cold_profile.txt ;;
   fusions) step fusions 150 python3 bench/bench_kernels.py --suite fusions --quick --out $OUT ;;
   moe) step moe ${MOE_SECS:-200} python3 bench/bench_kernels.py --suite moe --out $OUT ;;
   e2e1b) step e2e1b 120 python3 -m kilnx.cli bench --model llama-3.2-1b --random --prompt-lens 128 --gen 64 --device cuda --csv $OUT/e2e.csv ;;
-  e2epdl) for p in 1 0; do KILNX_PDL=$p step e2e8b_pdl$p 200 python3 -m kilnx.cli bench --model llama-3.1-8b --random --prompt-lens 128,2048 --gen 64 --device cuda --csv $OUT/e2e_pdl$p.csv; done
-          KILNX_PDL=1 step e2e1b_pdl1 120 python3 -m kilnx.cli bench --model llama-3.2-1b --random --prompt-lens 128 --gen 64 --device cuda --csv $OUT/e2e_pdl1.csv
-          KILNX_PDL=0 step e2e1b_pdl0 120 python3 -m kilnx.cli bench --model llama-3.2-1b --random --prompt-lens 128 --gen 64 --device cuda --csv $OUT/e2e_pdl0.csv ;;
+  e2eab) for v in 1 0 1 0; do export ${AB_VAR:-KILNX_PDL}=$v   # A/B of a switch, twice, in one process image
+          step e2e8b_${AB_VAR:-KILNX_PDL}$v 200 python3 -m kilnx.cli bench --model llama-3.1-8b --random --prompt-lens 128,2048 --gen 64 --device cuda --csv $OUT/e2e_ab$v.csv
+          step e2e1b_${AB_VAR:-KILNX_PDL}$v 120 python3 -m kilnx.cli bench --model llama-3.2-1b --random --prompt-lens 128 --gen 64 --device cuda --csv $OUT/e2e_ab$v.csv
+          done; unset ${AB_VAR:-KILNX_PDL} ;;
   e2e8b) step e2e8b 240 python3 -m kilnx.cli bench --model llama-3.1-8b --random --prompt-lens 128,2048 --gen 64 --device cuda --csv $OUT/e2e.csv ;;
   tune8b) step tune8b ${TUNE_SECS:-330} python3 -m kilnx.cli tune --device sm_90 --model llama-3.1-8b --budget ${TUNE_BUDGET:-290s} --workers 1 ${TUNE_ARGS:-} --csv $OUT/tune.csv
           python3 -m kilnx.cli db export $OUT/tune.json > /dev/null 2>&1; cp /tmp/kilnx-tune.db $OUT/ 2>/dev/null ;;

@@ -179,7 +179,7 @@ def _qmm_default(x, wq, scales, biases, **_):
     if m <= 64:
         return {"BLOCK_M": max(16, _pow2_at_least(m)), "BLOCK_N": 64, "BLOCK_K": 128, "SWAP": True,
                 "num_warps": 4}
-    if x.is_cuda:   # the tuner's winner at M = 512 and 2048 on 9 of the 10 llama-3.1-8b buckets, 6-24% over
+    if x.is_cuda:   # the tuner's winner at M = 512 and 2048 on 8 of the 10 llama-3.1-8b buckets, 6-24% over
         # the space default (H200, bench/results/2026-12-03_h200_tune_s6_full.csv)
         return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "MAGIC": False, "SWAP": False, "num_warps": 4,
                 "num_stages": 2}

@@ -6,6 +6,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1 KILNX_CACHE_DIR=/tmp/kilnx-cache KILNX_DB=${KILNX_DB:-sqlite:////tmp/kilnx-tune.db}
 export KILNX_COMMIT=$(cat .commit 2>/dev/null || echo unknown)
+# bytecode caches somewhere writable, as any installed Python has them: without, every new process compiled
+# torch's and sqlalchemy's sources again (cProfile of a cold start: 4.2 s in builtins.compile)
+unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=/tmp/pycache
+env | grep -i "^python" > $OUT/python_env.txt
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > $OUT/gpu.txt
 step() {  # name seconds command...
   local name=$1 secs=$2; shift 2
@@ -34,7 +38,7 @@ for s in "$@"; do case $s in
   fusions) step fusions 150 python3 bench/bench_kernels.py --suite fusions --quick --out $OUT ;;
   moe) step moe ${MOE_SECS:-200} python3 bench/bench_kernels.py --suite moe --out $OUT ;;
   e2e1b) step e2e1b 120 python3 -m kilnx.cli bench --model llama-3.2-1b --random --prompt-lens 128 --gen 64 --device cuda --csv $OUT/e2e.csv ;;
-  e2eab) for v in 1 0 1 0; do export ${AB_VAR:-KILNX_PDL}=$v   # A/B of a switch, twice, in one process image
+  e2eab) for v in $(for i in $(seq ${AB_ROUNDS:-2}); do echo 1 0; done); do export ${AB_VAR:-KILNX_PDL}=$v   # A/B of a switch, twice, in one process image
           step e2e8b_${AB_VAR:-KILNX_PDL}$v 200 python3 -m kilnx.cli bench --model llama-3.1-8b --random --prompt-lens 128,2048 --gen 64 --device cuda --csv $OUT/e2e_ab$v.csv
           step e2e1b_${AB_VAR:-KILNX_PDL}$v 120 python3 -m kilnx.cli bench --model llama-3.2-1b --random --prompt-lens 128 --gen 64 --device cuda --csv $OUT/e2e_ab$v.csv
           done; unset ${AB_VAR:-KILNX_PDL} ;;

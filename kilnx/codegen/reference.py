@@ -12,7 +12,7 @@ import itertools
 import numpy as np
 
 from kilnx.dsl import opdefs
-from kilnx.dsl.ir import NUMPY_OF, DSLError, KernelIR, Node
+from kilnx.dsl.ir import NUMPY_OF, DSLError, KernelIR, Node, with_source
 
 
 def round_to(x, dtype: str):
@@ -141,7 +141,7 @@ class Interpreter:
                 mask &= inb
             elif not np.all(inb | ~mask):
                 raise DSLError(f"out-of-bounds access to `{name}` on unchecked dim {d} "
-                               f"(index range {int(i.min())}..{int(i.max())}, size {arr.shape[d]})\n  at {n.loc}")
+                               f"(index range {int(i.min())}..{int(i.max())}, size {arr.shape[d]})\n  at {with_source(n.loc)}")
         return arr, idx, mask
 
     def load(self, n: Node, v):

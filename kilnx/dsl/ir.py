@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
+import linecache
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,13 +77,46 @@ class DSLError(Exception):
     """A kernel-authoring mistake, reported at the author's line."""
 
 
+_DSL_DIR = os.path.dirname(os.path.abspath(__file__))
+_inside_dsl: dict = {}   # code object -> whether it is kilnx's DSL machinery
+
+
+def _author_frame():
+    """The innermost frame outside kilnx's DSL machinery (the kernel author's), by walking frames:
+    tracing records one per IR node, and traceback.extract_stack (which reads every frame's source
+    line) cost a second of a cold start's first-token time."""
+    f = sys._getframe(2)
+    while f is not None:
+        code = f.f_code
+        inside = _inside_dsl.get(code)
+        if inside is None:
+            inside = _inside_dsl[code] = os.path.abspath(code.co_filename).startswith(_DSL_DIR)
+        if not inside:
+            return f
+        f = f.f_back
+    return None
+
+
+def node_location() -> str:
+    """file:line of the kernel author's line, cheap enough for every traced node."""
+    f = _author_frame()
+    return f"{f.f_code.co_filename}:{f.f_lineno}" if f is not None else "<unknown>"
+
+
+def with_source(loc: str) -> str:
+    """A node's file:line with the source text of that line appended (for error messages)."""
+    path, _, line = loc.rpartition(":")
+    text = linecache.getline(path, int(line)).strip() if line.isdigit() else ""
+    return f"{loc}: {text}" if text else loc
+
+
 def user_location() -> str:
-    """file:line of the innermost frame outside kilnx's DSL machinery (the kernel author's line)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    for fr in reversed(traceback.extract_stack()[:-1]):
-        if not os.path.abspath(fr.filename).startswith(here):
-            return f"{fr.filename}:{fr.lineno}: {fr.line}"
-    return "<unknown>"
+    """file:line: source of the kernel author's line (for error messages)."""
+    f = _author_frame()
+    if f is None:
+        return "<unknown>"
+    line = linecache.getline(f.f_code.co_filename, f.f_lineno).strip()
+    return f"{f.f_code.co_filename}:{f.f_lineno}: {line}"
 
 
 def dsl_error(msg: str) -> DSLError:

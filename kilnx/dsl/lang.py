@@ -13,7 +13,7 @@ from typing import Any
 
 from . import opdefs
 from .ir import (Block, DSLError, KernelIR, Node, ScalarParam, TensorParam, broadcast_shapes,
-                 dsl_error, dtype_of, is_float, promote, user_location)
+                 dsl_error, dtype_of, is_float, node_location, promote, with_source)
 
 _state = threading.local()
 
@@ -36,7 +36,7 @@ class Builder:
             if isinstance(s, Node) and s.block is not None and not s.block.encloses(self.block):
                 raise dsl_error(f"a value computed inside a loop is used outside it ({op}); "
                                 "carry it in an accumulator (kd.zeros / kd.var) instead")
-        n = Node(op, dtype, tuple(shape), tuple(srcs), arg, block=self.block, loc=user_location())
+        n = Node(op, dtype, tuple(shape), tuple(srcs), arg, block=self.block, loc=node_location())
         self.block.nodes.append(n)
         return n
 
@@ -418,7 +418,7 @@ def grid_dependency_sync():
         if n.op == "grid_sync":
             raise dsl_error("kd.grid_dependency_sync() is called twice")
         if n.op in ("load", "store", "atomic_add"):
-            raise dsl_error(f"kd.grid_dependency_sync() comes after a {n.op} of `{n.arg[0]}` ({n.loc}): "
+            raise dsl_error(f"kd.grid_dependency_sync() comes after a {n.op} of `{n.arg[0]}` ({with_source(n.loc)}): "
                             "memory written by the previous kernel may not be ready there; only kd.prefetch "
                             "may precede it")
     b.emit("grid_sync", "i32", ())

@@ -81,6 +81,32 @@ def _pdl() -> bool:
     return pdl_enabled()
 
 
+_warming = threading.Event()
+
+
+def warm_up_in_background(device) -> None:
+    """Start, on a daemon thread, the one-time work of a GPU process's first kernel calls, so that it
+    overlaps loading the weights: Triton's own cache key (a hash of its sources and its ~100 MB shared
+    library, 0.4 s on an H200 host, mostly in hashlib, which releases the GIL) and the tuned configs
+    for this device (the tuning DB's modules and query). Errors are left for the first real call to
+    raise, where they are reported."""
+    if torch.device(device).type != "cuda" or _warming.is_set():
+        return
+    _warming.set()
+    threading.Thread(target=_warm, args=(torch.device(device).index or 0,), daemon=True,
+                     name="kilnx-warm-up").start()
+
+
+def _warm(index: int) -> None:
+    try:
+        from triton.runtime.cache import triton_key
+        triton_key()
+        from kilnx.runtime.dispatch import _device_info, get_tuned
+        get_tuned(_device_info("cuda", index))
+    except Exception:  # noqa: BLE001 - the first kernel call repeats this and reports what failed
+        pass
+
+
 def default_backend(tensors) -> str:
     devs = {t.device.type for t in tensors if isinstance(t, torch.Tensor)}
     if "cuda" in devs:

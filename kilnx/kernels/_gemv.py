@@ -132,9 +132,14 @@ _ITEM_BYTES = {"u32": 4, "i32": 4, "f32": 4, "bf16": 2, "f16": 2, "u8": 1, "i8":
 
 @functools.lru_cache(maxsize=None)
 def prefetching() -> bool:
-    """Whether GEMVs prefetch their weights before the grid sync: only worth it when kernels launch
-    early (PDL, codegen/triton_rt.py); KILNX_GEMV_PREFETCH=0 turns it off for comparisons."""
-    if os.environ.get("KILNX_GEMV_PREFETCH", "1") == "0":
+    """Whether GEMVs prefetch their weights before the grid sync (KILNX_GEMV_PREFETCH=1; off by default).
+    It only makes sense when kernels launch early (PDL, codegen/triton_rt.py). Measured on the H200 in
+    one run, two rounds each (bench/results/2026-12-03_h200_e2e_s6_prefetch_ab*.csv): llama-3.1-8b decode
+    392.5/397.5 tok/s with it against 402.3/413.5 without (prompt 128), 388.2/388.1 against 393.5/401.2
+    (prompt 2048); llama-3.2-1b 1248/1370 against 1222/1283. The GEMV's blocks are scheduled only once
+    the previous kernel has passed its own wait, which leaves a window of ~2 us, and a prefetch that
+    lands after the sync only duplicates the loads."""
+    if os.environ.get("KILNX_GEMV_PREFETCH", "0") != "1":
         return False
     from kilnx.codegen.triton_rt import pdl_enabled
     return pdl_enabled()

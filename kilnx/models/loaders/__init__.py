@@ -108,9 +108,11 @@ def _looks_gguf(path: str) -> bool:
 
 def load_model(spec: str, *, device: str = "cpu", dtype: torch.dtype | None = None, ops=None,
                random: bool = False, random_format: str = "q4", seed: int = 0) -> LoadedModel:
+    from kilnx.codegen.launch import warm_up_in_background
     from kilnx.models.llama import LlamaModel
     from kilnx.models.weights import build_weights
     dtype = dtype or default_dtype(device)
+    warm_up_in_background(device)     # overlaps the weights' loading (GPU only)
     if random:
         from kilnx.models.loaders.random_init import RandomSource
         from kilnx.models.presets import PRESETS, get_preset

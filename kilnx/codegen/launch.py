@@ -82,6 +82,7 @@ def _pdl() -> bool:
 
 
 _warming = threading.Event()
+_warm_thread: threading.Thread | None = None
 
 
 def warm_up_in_background(device) -> None:
@@ -92,9 +93,20 @@ def warm_up_in_background(device) -> None:
     raise, where they are reported."""
     if torch.device(device).type != "cuda" or _warming.is_set():
         return
+    global _warm_thread
     _warming.set()
-    threading.Thread(target=_warm, args=(torch.device(device).index or 0,), daemon=True,
-                     name="kilnx-warm-up").start()
+    _warm_thread = threading.Thread(target=_warm, args=(torch.device(device).index or 0,), daemon=True,
+                                    name="kilnx-warm-up")
+    _warm_thread.start()
+
+
+def _join_warm_up() -> None:
+    """The first GPU launch waits for the warm-up rather than redoing its work beside it (Triton's key
+    is memoized without a lock: measured, both threads hashed)."""
+    global _warm_thread
+    t, _warm_thread = _warm_thread, None
+    if t is not None:
+        t.join()
 
 
 def _warm(index: int) -> None:
@@ -170,6 +182,8 @@ class Launch:
         return args
 
     def _run_triton(self, allt, scalars, grid):
+        if _warm_thread is not None:
+            _join_warm_up()
         args = self._flat_args(allt, scalars, lambda t: t)
         if _pdl() and next(iter(allt.values())).is_cuda:
             self.fn[grid](*args, num_warps=self.ir.num_warps, num_stages=self.ir.num_stages, launch_pdl=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 from . import opdefs
 from .ir import (Block, DSLError, KernelIR, Node, ScalarParam, TensorParam, broadcast_shapes,
-                 dsl_error, dtype_of, is_float, node_location, promote, with_source)
+                 dsl_error, dtype_of, is_float, node_location, promote)
 
 _state = threading.local()
 
@@ -346,84 +346,6 @@ static_range = builtins.range
 """Unrolled at trace time: `for j in kd.static_range(8):` gives Python ints."""
 
 
-def _mem_index(t: TensorArg, idx, mask, what):
-    if not isinstance(t, TensorArg):
-        raise dsl_error(f"kd.{what} needs a tensor argument as its first operand")
-    if len(idx) != t.ndim:
-        raise dsl_error(f"kd.{what} of a {t.ndim}-d tensor `{t.param.name}` needs {t.ndim} index tiles, "
-                        f"got {len(idx)}")
-    idx = [lift(i) for i in idx]
-    for i in idx:
-        if is_float(i.dtype):
-            raise dsl_error(f"kd.{what}: indices must be integers, got {i.dtype}")
-    srcs = [i.node for i in idx]
-    shapes = [i.shape for i in idx]
-    if mask is not None:
-        mask = lift(mask)
-        srcs.append(mask.node)
-        shapes.append(mask.shape)
-    return srcs, broadcast_shapes(*shapes), mask is not None
-
-
-def load(t: TensorArg, *idx, mask=None, other=0, check=True, hint: str | None = None) -> Value:
-    """Read t[idx...] (indices broadcast to the tile shape). Out-of-bounds lanes (checked against the
-    tensor's shape per dim when `check`, a bool or one per dim) and lanes where `mask` is false read
-    `other`. `hint` ("stream" = evict first, "keep" = evict last) only affects the GPU."""
-    srcs, shape, has_mask = _mem_index(t, idx, mask, "load")
-    checks = tuple(check) if isinstance(check, (tuple, list)) else (bool(check),) * t.ndim
-    return Value(builder().emit("load", t.dtype, shape, srcs,
-                                arg=(t.param.name, checks, has_mask, other, hint)))
-
-
-def store(t: TensorArg, *idx_and_value, mask=None, check=True):
-    """Write value (the last operand) to t[idx...]; masked and out-of-bounds lanes are not written."""
-    *idx, value = idx_and_value
-    srcs, shape, has_mask = _mem_index(t, idx, mask, "store")
-    value = lift(value)
-    shape = broadcast_shapes(shape, value.shape)
-    checks = tuple(check) if isinstance(check, (tuple, list)) else (bool(check),) * t.ndim
-    builder().emit("store", t.dtype, shape, (value.node, *srcs), arg=(t.param.name, checks, has_mask))
-
-
-def atomic_add(t: TensorArg, *idx_and_value, mask=None, check=True):
-    *idx, value = idx_and_value
-    srcs, shape, has_mask = _mem_index(t, idx, mask, "atomic_add")
-    value = lift(value)
-    checks = tuple(check) if isinstance(check, (tuple, list)) else (bool(check),) * t.ndim
-    builder().ir.uses_atomics = True
-    builder().emit("atomic_add", t.dtype, broadcast_shapes(shape, value.shape), (value.node, *srcs),
-                   arg=(t.param.name, checks, has_mask))
-
-
-def prefetch(t: TensorArg, *idx, mask=None, check=True):
-    """A hint: pull the lines holding t[idx...] into the GPU's L2 (masked and out-of-bounds lanes
-    skipped). It reads nothing into the kernel, so it may come before `grid_dependency_sync`: a
-    kernel launched early (PDL) warms its weights while the previous kernel still runs. L2 is the
-    GPU's point of coherence, so a line prefetched before another kernel writes it is never stale.
-    No effect on other backends."""
-    srcs, shape, has_mask = _mem_index(t, idx, mask, "prefetch")
-    checks = tuple(check) if isinstance(check, (tuple, list)) else (bool(check),) * t.ndim
-    builder().emit("prefetch", t.dtype, shape, srcs, arg=(t.param.name, checks, has_mask))
-
-
-def grid_dependency_sync():
-    """Where the kernel waits for the previous kernel in the stream to finish (and its writes to be
-    visible) when launched with PDL. Every Triton kernel has one; by default it is the first statement.
-    Placing it explicitly lets only `prefetch` and index arithmetic come before it: the call must be at
-    the kernel's top level, once, before any load, store or atomic."""
-    b = builder()
-    if b.block is not b.ir.body:
-        raise dsl_error("kd.grid_dependency_sync() must be at the kernel's top level, not inside a loop")
-    for n in b.ir.walk():
-        if n.op == "grid_sync":
-            raise dsl_error("kd.grid_dependency_sync() is called twice")
-        if n.op in ("load", "store", "atomic_add"):
-            raise dsl_error(f"kd.grid_dependency_sync() comes after a {n.op} of `{n.arg[0]}` ({with_source(n.loc)}): "
-                            "memory written by the previous kernel may not be ready there; only kd.prefetch "
-                            "may precede it")
-    b.emit("grid_sync", "i32", ())
-
-
 def dot(a: Value, b: Value) -> Value:
     """(M, K) @ (K, N) -> (M, N) accumulated in fp32. Lowered to tensor cores when every dim >= 16,
     else to a broadcast multiply and a sum."""
@@ -576,46 +498,7 @@ def tensor_param(name: str, dtype: str, ndim: int, output=False) -> TensorArg:
     return TensorArg(p, dims)
 
 
-def output(shape, dtype, *, name: str = "out", zero: bool = False) -> TensorArg:
-    """A tensor the kernel returns, allocated on the host before launch (zeroed if `zero`, e.g. for
-    split-K atomics). `shape` entries are ints or runtime sizes (tensor dims and arithmetic on them)."""
-    b = builder()
-    if any(o[0].name == name for o in b.ir.outputs) or any(p.name == name for p in b.ir.params):
-        raise dsl_error(f"output name {name!r} is already used; pass name=")
-    shape_nodes = tuple(lift(s).node for s in shape)
-    t = tensor_param(name, dtype_of(dtype), len(shape_nodes), output=True)
-    b.ir.outputs.append((t.param, shape_nodes, zero))
-    return t
-
-
-# ---- packed half2 (two fp16 values in one u32, low half first; kilnx/dsl/opdefs.py) -----------------
-def _h2(x, like: Value | None, what: str) -> Value:
-    if isinstance(x, int):   # a constant pair, written as its 32 bits (0x3C003C00 is (1.0, 1.0))
-        if not 0 <= x < 2**32:
-            raise dsl_error(f"{what}: a half2 constant is the u32 of its bits, got {x}")
-        return full(like.shape if like is not None else (), x, "u32")
-    if not isinstance(x, Value) or x.dtype != "u32":
-        raise dsl_error(f"{what} takes packed half2 values (u32 tiles from kd.h2_pack or bit operations), "
-                        f"got {getattr(x, 'dtype', type(x).__name__)}")
-    return x
-
-
-def h2_pack(lo, hi) -> Value:
-    """Two float tiles rounded to fp16 and packed into one u32 tile (lo in the low 16 bits)."""
-    lo, hi = lift(lo).to("f32"), lift(hi).to("f32")
-    shape = broadcast_shapes(lo.shape, hi.shape)
-    return Value(builder().emit("h2_pack", "u32", shape, (lo.node, hi.node)))
-
-
-def h2_fma(a, b, c) -> Value:
-    """a * b + c on both fp16 halves, one rounding each (one HFMA2 instruction on the GPU)."""
-    like = next((v for v in (a, b, c) if isinstance(v, Value)), None)
-    a, b, c = (_h2(v, like, "kd.h2_fma") for v in (a, b, c))
-    shape = broadcast_shapes(a.shape, b.shape, c.shape)
-    return Value(builder().emit("h2_fma", "u32", shape, (a.node, b.node, c.node)))
-
-
-def h2_sum(a) -> Value:
-    """The two fp16 halves of each element, widened to fp32 and added."""
-    a = _h2(a, None, "kd.h2_sum")
-    return Value(builder().emit("h2_sum", "f32", a.shape, (a.node,)))
+# memory access and the half2 ops live beside this module; kernel authors see them all as kd.*
+from .memory import (_mem_index, atomic_add, grid_dependency_sync, load, output, prefetch,  # noqa: E402,F401
+                     store)
+from .half2 import h2_fma, h2_pack, h2_sum  # noqa: E402,F401

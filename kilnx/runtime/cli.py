@@ -147,7 +147,7 @@ def bench(
 def _set_threads(n: int) -> None:
     import torch
     torch.set_num_threads(n)
-    from kilnx.codegen.launch import numba_threads_set
+    from kilnx.codegen.numba_launch import numba_threads_set
     numba_threads_set(n)
 
 

@@ -123,7 +123,7 @@ class Engine:
         are recorded: both runs compute the same values and write the same K/V. The recording is kept
         for replay unless a launch could not be replayed or a torch call outside the kernels wrote
         data or read it on the host (_TorchGuard); then this batch size stays eager."""
-        from kilnx.codegen.launch import Recorder
+        from kilnx.codegen.numba_launch import Recorder
         B = tokens.shape[0]
         ids = tokens.view(B, 1).to(self.device).clone()
         pos = positions.view(B, 1).to(self.device).clone()

@@ -108,7 +108,7 @@ def test_cpu_replay_equals_eager_decode(arch, replayed, monkeypatch):
 
 def test_recorder_refuses_a_strided_copy(monkeypatch):
     """A launch that copies a strided operand first cannot be replayed (the copy is not a launch)."""
-    from kilnx.codegen.launch import Recorder
+    from kilnx.codegen.numba_launch import Recorder
     from kilnx.kernels import activations
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     x = torch.randn(8, 4).t()        # last stride 8

@@ -1,0 +1,97 @@
+"""Memory in the tile language: reading and writing tensors, kernel outputs, L2 prefetch hints and
+the grid-dependency sync that orders a kernel after the previous one (PDL)."""
+
+from __future__ import annotations
+
+from .ir import broadcast_shapes, dsl_error, dtype_of, is_float, with_source
+from .lang import TensorArg, Value, builder, lift, tensor_param
+
+
+def _mem_index(t: TensorArg, idx, mask, what):
+    if not isinstance(t, TensorArg):
+        raise dsl_error(f"kd.{what} needs a tensor argument as its first operand")
+    if len(idx) != t.ndim:
+        raise dsl_error(f"kd.{what} of a {t.ndim}-d tensor `{t.param.name}` needs {t.ndim} index tiles, "
+                        f"got {len(idx)}")
+    idx = [lift(i) for i in idx]
+    for i in idx:
+        if is_float(i.dtype):
+            raise dsl_error(f"kd.{what}: indices must be integers, got {i.dtype}")
+    srcs = [i.node for i in idx]
+    shapes = [i.shape for i in idx]
+    if mask is not None:
+        mask = lift(mask)
+        srcs.append(mask.node)
+        shapes.append(mask.shape)
+    return srcs, broadcast_shapes(*shapes), mask is not None
+
+
+def load(t: TensorArg, *idx, mask=None, other=0, check=True, hint: str | None = None) -> Value:
+    """Read t[idx...] (indices broadcast to the tile shape). Out-of-bounds lanes (checked against the
+    tensor's shape per dim when `check`, a bool or one per dim) and lanes where `mask` is false read
+    `other`. `hint` ("stream" = evict first, "keep" = evict last) only affects the GPU."""
+    srcs, shape, has_mask = _mem_index(t, idx, mask, "load")
+    checks = tuple(check) if isinstance(check, (tuple, list)) else (bool(check),) * t.ndim
+    return Value(builder().emit("load", t.dtype, shape, srcs,
+                                arg=(t.param.name, checks, has_mask, other, hint)))
+
+
+def store(t: TensorArg, *idx_and_value, mask=None, check=True):
+    """Write value (the last operand) to t[idx...]; masked and out-of-bounds lanes are not written."""
+    *idx, value = idx_and_value
+    srcs, shape, has_mask = _mem_index(t, idx, mask, "store")
+    value = lift(value)
+    shape = broadcast_shapes(shape, value.shape)
+    checks = tuple(check) if isinstance(check, (tuple, list)) else (bool(check),) * t.ndim
+    builder().emit("store", t.dtype, shape, (value.node, *srcs), arg=(t.param.name, checks, has_mask))
+
+
+def atomic_add(t: TensorArg, *idx_and_value, mask=None, check=True):
+    *idx, value = idx_and_value
+    srcs, shape, has_mask = _mem_index(t, idx, mask, "atomic_add")
+    value = lift(value)
+    checks = tuple(check) if isinstance(check, (tuple, list)) else (bool(check),) * t.ndim
+    builder().ir.uses_atomics = True
+    builder().emit("atomic_add", t.dtype, broadcast_shapes(shape, value.shape), (value.node, *srcs),
+                   arg=(t.param.name, checks, has_mask))
+
+
+def prefetch(t: TensorArg, *idx, mask=None, check=True):
+    """A hint: pull the lines holding t[idx...] into the GPU's L2 (masked and out-of-bounds lanes
+    skipped). It reads nothing into the kernel, so it may come before `grid_dependency_sync`: a
+    kernel launched early (PDL) warms its weights while the previous kernel still runs. L2 is the
+    GPU's point of coherence, so a line prefetched before another kernel writes it is never stale.
+    No effect on other backends."""
+    srcs, shape, has_mask = _mem_index(t, idx, mask, "prefetch")
+    checks = tuple(check) if isinstance(check, (tuple, list)) else (bool(check),) * t.ndim
+    builder().emit("prefetch", t.dtype, shape, srcs, arg=(t.param.name, checks, has_mask))
+
+
+def grid_dependency_sync():
+    """Where the kernel waits for the previous kernel in the stream to finish (and its writes to be
+    visible) when launched with PDL. Every Triton kernel has one; by default it is the first statement.
+    Placing it explicitly lets only `prefetch` and index arithmetic come before it: the call must be at
+    the kernel's top level, once, before any load, store or atomic."""
+    b = builder()
+    if b.block is not b.ir.body:
+        raise dsl_error("kd.grid_dependency_sync() must be at the kernel's top level, not inside a loop")
+    for n in b.ir.walk():
+        if n.op == "grid_sync":
+            raise dsl_error("kd.grid_dependency_sync() is called twice")
+        if n.op in ("load", "store", "atomic_add"):
+            raise dsl_error(f"kd.grid_dependency_sync() comes after a {n.op} of `{n.arg[0]}` ({with_source(n.loc)}): "
+                            "memory written by the previous kernel may not be ready there; only kd.prefetch "
+                            "may precede it")
+    b.emit("grid_sync", "i32", ())
+
+
+def output(shape, dtype, *, name: str = "out", zero: bool = False) -> TensorArg:
+    """A tensor the kernel returns, allocated on the host before launch (zeroed if `zero`, e.g. for
+    split-K atomics). `shape` entries are ints or runtime sizes (tensor dims and arithmetic on them)."""
+    b = builder()
+    if any(o[0].name == name for o in b.ir.outputs) or any(p.name == name for p in b.ir.params):
+        raise dsl_error(f"output name {name!r} is already used; pass name=")
+    shape_nodes = tuple(lift(s).node for s in shape)
+    t = tensor_param(name, dtype_of(dtype), len(shape_nodes), output=True)
+    b.ir.outputs.append((t.param, shape_nodes, zero))
+    return t

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU-machine driver: bash bench/device_run.sh STEP...   (needs .whl carried; everything lands in $OUT)
-# Steps: gputests e2eab (AB_VAR=KILNX_PDL|KILNX_GEMV_PREFETCH) quant qmv tc qmm ncu fusions moe e2e1b e2e8b tune8b cold8b   -- each has its own time limit and log.
+# Steps: gputests e2eab (AB_VAR=KILNX_PDL|KILNX_GEMV_PREFETCH|KILNX_PDL_TRIGGER AB_VALUES="early after_wait") quant qmv tc qmm ncu fusions moe e2e1b e2e8b tune8b cold8b   -- each has its own time limit and log.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -38,7 +38,7 @@ for s in "$@"; do case $s in
   fusions) step fusions 150 python3 bench/bench_kernels.py --suite fusions --quick --out $OUT ;;
   moe) step moe ${MOE_SECS:-200} python3 bench/bench_kernels.py --suite moe --out $OUT ;;
   e2e1b) step e2e1b 120 python3 -m kilnx.cli bench --model llama-3.2-1b --random --prompt-lens 128 --gen 64 --device cuda --csv $OUT/e2e.csv ;;
-  e2eab) for v in $(for i in $(seq ${AB_ROUNDS:-2}); do echo 1 0; done); do export ${AB_VAR:-KILNX_PDL}=$v   # A/B of a switch, twice, in one process image
+  e2eab) for v in $(for i in $(seq ${AB_ROUNDS:-2}); do echo ${AB_VALUES:-1 0}; done); do export ${AB_VAR:-KILNX_PDL}=$v   # A/B of a switch, twice, in one process image
           step e2e8b_${AB_VAR:-KILNX_PDL}$v 200 python3 -m kilnx.cli bench --model llama-3.1-8b --random --prompt-lens 128,2048 --gen 64 --device cuda --csv $OUT/e2e_ab$v.csv
           step e2e1b_${AB_VAR:-KILNX_PDL}$v 120 python3 -m kilnx.cli bench --model llama-3.2-1b --random --prompt-lens 128 --gen 64 --device cuda --csv $OUT/e2e_ab$v.csv
           done; unset ${AB_VAR:-KILNX_PDL} ;;

@@ -46,6 +46,10 @@ def pdl_enabled() -> bool:
 
 
 PDL = tl.constexpr(pdl_enabled())
+# KILNX_PDL_TRIGGER=early lets the next kernel be scheduled as soon as all of this kernel's blocks have
+# started, before they wait: still correct (each kernel waits for the previous one's completion, which
+# implies all before it), it hides one more launch; an experiment until measured against the default
+PDL_EARLY_TRIGGER = tl.constexpr(os.environ.get("KILNX_PDL_TRIGGER", "after_wait") == "early")
 
 
 @triton.jit
@@ -63,8 +67,12 @@ def grid_dependency_sync():
     """Wait for the previous kernel in the stream (a no-op unless launched with PDL), then let the next
     one be scheduled. Generated kernels call this before any other statement."""
     if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+        if PDL_EARLY_TRIGGER:
+            gdc_launch_dependents()
+            gdc_wait()
+        else:
+            gdc_wait()
+            gdc_launch_dependents()
 
 
 @triton.jit

@@ -140,6 +140,18 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos
     return attn.attention(q, k_cache, v_cache, positions, scale, softcap=softcap, window=window, prepared=prepared)
 
 
+def attention_new_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                         rows: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         scale: float, *, softcap: float | None = None, window: int | None = None,
+                         interleaved: bool = False, prepared=None):
+    """The attention of a step's new tokens: `rope_and_cache_(q, k, v, positions.reshape(-1), rows, ...)`
+    then `attention(q.view(B, T, Hq, D), k_cache, v_cache, positions, scale, ...)`, in as few launches
+    as kilnx can. q (B*T, Hq, D), k and v (B*T, Hk, D) may be views of one qkv; positions (B, T)."""
+    from kilnx.kernels import attention as attn
+    return attn.attention_new_tokens(q, k, v, positions, rows, inv_freq, k_cache, v_cache, scale, softcap=softcap,
+                                     window=window, interleaved=interleaved, prepared=prepared)
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Index of the largest value along the last axis (first on ties), int64."""
     from kilnx.kernels import activations

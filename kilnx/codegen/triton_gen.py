@@ -150,5 +150,7 @@ class _Gen(StatementEmitter):
             if self.interpret and n.shape and not nd.shape:
                 # the interpreter rejects scalar/tile mixes in masks: broadcast the scalar first
                 expr = f"(tl.zeros({list(n.shape)}, tl.int32) + {expr})"
+                if not cmp:   # a scalar mask: back to bool after the broadcast
+                    cmp = " != 0"
             masks.append(f"({expr}{cmp})")
         return f"{tname}_ptr + {offs}", " & ".join(masks)

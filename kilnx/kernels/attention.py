@@ -19,6 +19,7 @@ exp(old max - new max) whenever the max grows.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -102,9 +103,11 @@ def visible_keys(pos, row_valid, S, window, BLOCK_N: int):
 
 
 def attend(q_tile, pos, k_cache, v_cache, b, kv_head, d, key_start, key_stop, key_limit, *, scale, cap, window,
-           SOFTCAP: bool, BLOCK_N: int):
+           SOFTCAP: bool, BLOCK_N: int, fresh=None):
     """Online softmax over keys [key_start, key_stop) (keys at or past key_limit are masked): the
-    unnormalized fp32 accumulator, the running row max and the running row sum."""
+    unnormalized fp32 accumulator, the running row max and the running row sum. `fresh` = (position,
+    k (BLOCK_D,), v (BLOCK_D,)) in the cache dtype: the key and value at that position, used instead of
+    the cache's (which the same kernel is writing)."""
     BLOCK_M = q_tile.shape[0]
     row_max = kd.var(kd.full((BLOCK_M,), MASKED_MAX, kd.f32))
     row_sum = kd.zeros((BLOCK_M,), kd.f32)
@@ -112,6 +115,8 @@ def attend(q_tile, pos, k_cache, v_cache, b, kv_head, d, key_start, key_stop, ke
     for n0 in kd.range(key_start, key_stop, BLOCK_N):
         key = n0 + kd.arange(0, BLOCK_N)
         k_tile_t = kd.load(k_cache, b, kv_head, key[None, :], d[:, None])   # (BLOCK_D, BLOCK_N) = K^T
+        if fresh is not None:
+            k_tile_t = kd.where(key[None, :] == fresh[0], fresh[1][:, None], k_tile_t)
         scores = kd.dot(q_tile, k_tile_t) * scale
         if SOFTCAP:
             scores = cap * kd.tanh(scores / cap)
@@ -123,6 +128,8 @@ def attend(q_tile, pos, k_cache, v_cache, b, kv_head, d, key_start, key_stop, ke
         p = kd.exp(scores - new_max[:, None])
         row_sum.set(row_sum * rescale + kd.sum(p, axis=1))
         v_tile = kd.load(v_cache, b, kv_head, key[:, None], d[None, :])
+        if fresh is not None:
+            v_tile = kd.where(key[:, None] == fresh[0], fresh[2][None, :], v_tile)
         # p in the cache dtype so the second product runs on tensor cores like the first
         acc.set(acc * rescale[:, None] + kd.dot(p.to(v_cache.dtype), v_tile))
         row_max.set(new_max)
@@ -176,6 +183,27 @@ def attention(q, k_cache, v_cache, positions, scale, *, softcap=None, window=Non
         return out
     from kilnx.kernels.prepared import prepare
     return prepare(out.reshape(-1, out.shape[2] * out.shape[3]), prepared)
+
+
+def attention_new_tokens(q, k, v, positions, rows, inv_freq, k_cache, v_cache, scale, *, softcap=None, window=None,
+                         interleaved=False, prepared=None):
+    """kilnx.ops.attention_new_tokens: rope_and_cache_ then attention, for q (B*T, Hq, D) and k, v (B*T, Hk, D)
+    as the projection left them. A GPU decode step that splits its keys (one token per row) does it in one
+    launch fewer: the split kernel rotates q and k as it loads them and writes the cache itself
+    (attention_split_new_kv_kernel). Off until it has run on a GPU (KILNX_FUSED_ROPE=1 turns it on): it is
+    tested against the composition on the interpreter, the reference and numba, and compiled for sm_90."""
+    from kilnx.kernels import attention_split, rope
+    B, T = positions.shape
+    q4 = q.view(B, T, q.shape[1], q.shape[2])
+    if T == 1 and attention_split.use_split(q4, k_cache) and os.environ.get("KILNX_FUSED_ROPE", "0") == "1":
+        kw = _kernel_kwargs(q4, k_cache, scale, softcap, window)
+        parts = attention_split.attention_split_new_kv_kernel(q4, k.view(B, k.shape[1], k.shape[2]),
+                                                              v.view(B, v.shape[1], v.shape[2]), positions, rows,
+                                                              inv_freq, k_cache, v_cache,
+                                                              INTERLEAVED=bool(interleaved), **kw)
+        return attention_split.merge(parts, q4, prepared)
+    rope.rope_and_cache_(q, k, v, positions.reshape(-1), rows, inv_freq, k_cache, v_cache, interleaved=interleaved)
+    return attention(q4, k_cache, v_cache, positions, scale, softcap=softcap, window=window, prepared=prepared)
 
 
 def _attn_problem_args(problem: dict, device: str):

@@ -115,6 +115,24 @@ def _rotation(pos, inv_freq, r0, BLOCK_R: int, interleaved: bool):
     return (pair < half)[None, :], kd.cos(angle)[None, :], kd.sin(angle)[None, :], dim_a, dim_b
 
 
+def rotated_tile(x, *idx, d, pos, inv_freq, interleaved: bool):
+    """x[idx..., d] rotated at position(s) `pos` (broadcasting against the index tiles), as fp32: one
+    load of each dim and one of its pair partner, for kernels that rotate what they load (decode
+    attention). Dims past the rotary width come back unchanged."""
+    half = inv_freq.shape[0]
+    in_rot = d < 2 * half
+    if interleaved:
+        pair, partner, sign = d // 2, d + 1 - 2 * (d % 2), 2.0 * (d % 2).f32() - 1.0
+    else:
+        low = d < half
+        pair = kd.where(low, d, d - half)
+        partner, sign = kd.where(low, d + half, d - half), kd.where(low, -1.0, 1.0)
+    angle = pos.f32() * kd.load(inv_freq, pair, mask=in_rot).f32()
+    a = kd.load(x, *idx, d).f32()
+    b = kd.load(x, *idx, partner, mask=in_rot).f32()
+    return kd.where(in_rot, a * kd.cos(angle) + sign * b * kd.sin(angle), a)
+
+
 def _rotate_heads(x, t, rot, BLOCK_H: int, dest):
     """Every head of token t of x (T, H, D) rotated by `rot`, stored at dest(head) + (dim,): x itself
     for an in-place rotation, or elsewhere (a KV-cache row)."""

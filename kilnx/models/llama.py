@@ -118,11 +118,16 @@ class LlamaModel:
             k = ops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps, weight_offset=self._norm_offset)
         sliding = cfg.layer_is_sliding(i)
         inv = self._inv_freq_local if sliding else self._inv_freq
-        # one kernel: q rotated where the projection left it, rotated k and v written into the cache
         k_cache, v_cache = cache.k[i], cache.v[i]
-        ops.rope_and_cache_(q, k, v, pos_flat, rows_flat, inv, k_cache, v_cache, interleaved=cfg.rope_interleaved)
         window = cfg.sliding_window if sliding else None
         fmt = self._prepared_format([layer.o], qkv[:, :qs])     # (B*T, Hq*D), as o's input
+        fused = getattr(ops, "attention_new_tokens", None)
+        if fused is not None:   # rotary embedding, the cache write and attention, in as few launches as it can
+            o = fused(q, k, v, positions, rows_flat, inv, k_cache, v_cache, cfg.attn_scale,
+                      softcap=cfg.attn_logit_softcap, window=window, interleaved=cfg.rope_interleaved, prepared=fmt)
+            return _linear(ops, o if fmt is not None else o.reshape(B * T, Hq * D), [layer.o])
+        # one kernel: q rotated where the projection left it, rotated k and v written into the cache
+        ops.rope_and_cache_(q, k, v, pos_flat, rows_flat, inv, k_cache, v_cache, interleaved=cfg.rope_interleaved)
         if fmt is not None:   # the attention's last kernel writes o's input prepared for its GEMV
             o = ops.attention(q.view(B, T, Hq, D), k_cache, v_cache, positions, cfg.attn_scale,
                               softcap=cfg.attn_logit_softcap, window=window, prepared=fmt)

@@ -193,3 +193,58 @@ def test_split_attention_merge_writes_the_o_projections_prepared_input(backend):
         assert got.shape == (2, 256) and got.format == fmt
         assert torch.equal(got.xs, want[2])
         torch.testing.assert_close(H._x_of(got.planes, got.xs), H._x_of(want[0], want[2]), rtol=2e-3, atol=1e-6)
+
+
+# ---- decode with the step's own k and v: rotary embedding and the cache write inside the split kernel --
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(B=st.sampled_from([1, 2]), heads=heads, rotary=st.sampled_from([16, 8]), interleaved=st.booleans(),
+       window=st.sampled_from([None, 4]), keys_per_split=st.sampled_from([16, 32]),
+       dtype=st.sampled_from(["f32", "bf16"]), seed=st.integers(0, 2**16))
+def test_split_attention_with_new_kv_equals_rope_cache_then_split_attention(B, heads, rotary, interleaved, window,
+                                                                            keys_per_split, dtype, seed):
+    """attention_split_new_kv_kernel (q, k rotated as loaded, the range owning the new position writes k
+    and v into the caches and uses them from registers) = rope_and_cache_ then attention_split: the
+    same partials and merge, the same caches. Partial rotary (8 of 16 dims), both pair layouts, new
+    positions anywhere in a range, rows at different positions."""
+    from kilnx.kernels import attention_split as AS
+    from kilnx.kernels import rope
+    Hq, Hk = heads
+    D = 16
+    q, k_cache, v_cache, positions = inputs(B, 1, Hq, Hk, D, dtype, seed, spare=20)
+    g = torch.Generator().manual_seed(seed + 1)
+    k_new = torch.randn(B, Hk, D, generator=g).to(q.dtype)
+    v_new = torch.randn(B, Hk, D, generator=g).to(q.dtype)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rotary, 2).float() / rotary))
+    rows = torch.arange(B)
+    kw = A._kernel_kwargs(q, k_cache, D ** -0.5, None, window)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "KEYS_PER_SPLIT": keys_per_split}
+    # the composition, in the reference: rotate and write, then attend over the written caches
+    q2, k2, kc_want, vc_want = q[:, 0].clone(), k_new.clone(), k_cache.clone(), v_cache.clone()
+    rope.rope_and_cache_(q2, k2, v_new, positions[:, 0], rows, inv_freq, kc_want, vc_want, interleaved=interleaved)
+    want = A.attention_formula(q2[:, None], kc_want, vc_want, positions, D ** -0.5, None, window)
+    for backend in ("triton", "reference"):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        parts = AS.attention_split_new_kv_kernel(q, k_new, v_new, positions, rows, inv_freq, kc, vc, backend=backend,
+                                                 config=cfg, INTERLEAVED=interleaved, **kw)
+        check(AS.merge(parts, q, None, backend), want, dtype)
+        rtol, atol = TOL[dtype]
+        torch.testing.assert_close(kc.double(), kc_want.double(), rtol=rtol, atol=atol)
+        assert torch.equal(vc, vc_want)
+
+
+def test_attention_new_tokens_composes_rope_cache_and_attention_off_the_gpu():
+    """kilnx.ops.attention_new_tokens off the GPU (no split) is rope_and_cache_ then attention."""
+    import kilnx.ops as kops
+    q, k_cache, v_cache, positions = inputs(2, 3, 4, 2, 16, "f32", seed=3, spare=4)
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(6, 2, 16, generator=g), torch.randn(6, 2, 16, generator=g)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 16, 2).float() / 16))
+    rows = torch.arange(2).repeat_interleave(3)
+    q_flat = q.reshape(6, 4, 16)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    got = kops.attention_new_tokens(q_flat.clone(), k.clone(), v, positions, rows, inv_freq, kc, vc, 0.25)
+    q2, k2, kc2, vc2 = q_flat.clone(), k.clone(), k_cache.clone(), v_cache.clone()
+    ops_torch.rope_and_cache_(q2, k2, v, positions.reshape(-1), rows, inv_freq, kc2, vc2)
+    want = ops_torch.attention(q2.view(2, 3, 4, 16), kc2, vc2, positions, 0.25)
+    check(got, want, "f32")
+    torch.testing.assert_close(kc, kc2, rtol=1e-5, atol=1e-5)

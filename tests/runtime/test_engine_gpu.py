@@ -52,3 +52,29 @@ def test_graph_decode_follows_the_torch_peer(arch):
         tok = torch.tensor([int(want.argmax())], device="cuda")
         pos = torch.tensor([len(prompt) + step], device="cuda")
         logits = {ops: e.decode(tok, pos)[0].float() for ops, e in engines.items()}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3"])
+def test_split_decode_with_the_fused_rope_and_cache_write_follows_the_torch_peer(arch, monkeypatch):
+    """With a cache of 512 the decode attention splits its keys and takes the step's own q, k, v (rotated
+    as loaded, k and v written by the range that owns the position): graph-replayed steps keep the torch
+    peer's logits, and the cache the fused kernel wrote serves the following steps."""
+    from kilnx.kernels import attention_split as AS
+    calls = []
+    fused = AS.attention_split_new_kv_kernel
+
+    def counting(*a, **k):
+        calls.append(1)
+        return fused(*a, **k)
+    monkeypatch.setattr(AS, "attention_split_new_kv_kernel", counting)
+    monkeypatch.setenv("KILNX_FUSED_ROPE", "1")
+    prompt = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(5)).tolist()
+    engines = {ops: Engine(model(arch, ops), max_seq=512, cuda_graphs=(ops == "kilnx")) for ops in ("torch", "kilnx")}
+    logits = {ops: e.prefill(prompt).float() for ops, e in engines.items()}
+    for step in range(6):
+        want = logits["torch"]
+        torch.testing.assert_close(logits["kilnx"], want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
+        tok = torch.tensor([int(want.argmax())], device="cuda")
+        pos = torch.tensor([len(prompt) + step], device="cuda")
+        logits = {ops: e.decode(tok, pos)[0].float() for ops, e in engines.items()}
+    assert calls, "the decode steps did not take the fused split path"

@@ -34,7 +34,8 @@ for s in "$@"; do case $s in
   qmm) KILNX_BENCH_ONLY=qmm step qmm ${QMM_SECS:-200} python3 bench/bench_kernels.py --suite quant --out $OUT/qmm ;;
   cold8b) python3 bench/cold_first_token.py --model llama-3.1-8b > $OUT/cold_warmup.log 2>&1
           step cold8b 120 python3 bench/cold_first_token.py --model llama-3.1-8b --csv $OUT/cold.csv
-          step cold8b_profile 120 python3 bench/cold_first_token.py --model llama-3.1-8b --profile $OUT/cold_profile.txt ;;
+          step cold8b_profile 120 python3 bench/cold_first_token.py --model llama-3.1-8b --profile $OUT/cold_profile.txt
+          KILNX_LAZY_GRAPHS=1 step cold8b_lazy 120 python3 bench/cold_first_token.py --model llama-3.1-8b --csv $OUT/cold_lazy.csv ;;
   fusions) step fusions 150 python3 bench/bench_kernels.py --suite fusions --quick --out $OUT ;;
   moe) step moe ${MOE_SECS:-200} python3 bench/bench_kernels.py --suite moe --out $OUT ;;
   e2e1b) step e2e1b 120 python3 -m kilnx.cli bench --model llama-3.2-1b --random --prompt-lens 128 --gen 64 --device cuda --csv $OUT/e2e.csv ;;

@@ -78,3 +78,21 @@ def test_split_decode_with_the_fused_rope_and_cache_write_follows_the_torch_peer
         pos = torch.tensor([len(prompt) + step], device="cuda")
         logits = {ops: e.decode(tok, pos)[0].float() for ops, e in engines.items()}
     assert calls, "the decode steps did not take the fused split path"
+
+
+def test_lazy_graphs_capture_at_the_first_decode_step_after_a_prefill(monkeypatch):
+    """KILNX_LAZY_GRAPHS=1: no capture before the first token; the first decode step captures (its warm-up
+    and capture write junk K/V only at the cache's last position) and every step keeps the peer's logits,
+    so the prompt's K/V survived the capture."""
+    monkeypatch.setenv("KILNX_LAZY_GRAPHS", "1")
+    prompt = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(7)).tolist()
+    engines = {ops: Engine(model("llama", ops), max_seq=64, cuda_graphs=(ops == "kilnx")) for ops in ("torch", "kilnx")}
+    assert not engines["kilnx"]._graphs
+    logits = {ops: e.prefill(prompt).float() for ops, e in engines.items()}
+    for step in range(5):
+        want = logits["torch"]
+        torch.testing.assert_close(logits["kilnx"], want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
+        tok = torch.tensor([int(want.argmax())], device="cuda")
+        pos = torch.tensor([len(prompt) + step], device="cuda")
+        logits = {ops: e.decode(tok, pos)[0].float() for ops, e in engines.items()}
+    assert engines["kilnx"]._graphs

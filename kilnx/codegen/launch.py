@@ -20,9 +20,8 @@ import numpy as np
 import torch
 
 from kilnx.dsl.ir import KernelIR, TensorParam, torch_dtype
-from kilnx.codegen import numba_launch
-from kilnx.codegen.numba_launch import _NumbaLaunch, _ShapeOnly
-from kilnx.codegen.reference import Interpreter
+# attributes of these modules are read at call time: they import kilnx.dsl, which imports this module
+from kilnx.codegen import numba_launch, reference
 
 BACKENDS = ("triton", "numba", "reference")
 _lock = threading.Lock()
@@ -133,7 +132,7 @@ class Launch:
         self.ir, self.backend, self.source, self.fn = ir, backend, source, fn
         self.tensor_params = [p for p in ir.params if isinstance(p, TensorParam)]
         if backend == "numba":
-            self._numba = _NumbaLaunch(ir, fn)
+            self._numba = numba_launch._NumbaLaunch(ir, fn)
 
     def prepared(self, tensors: dict, scalars: dict, arg_index: dict):
         """A call for these exact shapes, strides and scalars taking only the positional arguments
@@ -143,8 +142,8 @@ class Launch:
         return self._numba.prepared(self, tensors, scalars, arg_index)
 
     def host_eval(self, node, tensors: dict, scalars: dict) -> int:
-        fake = {k: _ShapeOnly(v.shape) for k, v in tensors.items()}
-        return Interpreter(self.ir, fake, scalars).eval_host(node)
+        fake = {k: numba_launch._ShapeOnly(v.shape) for k, v in tensors.items()}
+        return reference.Interpreter(self.ir, fake, scalars).eval_host(node)
 
     def __call__(self, tensors: dict, scalars: dict):
         if self.backend == "numba":
@@ -192,7 +191,7 @@ class Launch:
 
     def _run_reference(self, allt, scalars, grid):
         arrays = {name: _to_numpy(t) for name, t in allt.items()}
-        Interpreter(self.ir, arrays, scalars).run(grid)
+        reference.Interpreter(self.ir, arrays, scalars).run(grid)
         written = {n.arg[0] for n in self.ir.walk() if n.op in ("store", "atomic_add")}
         for name in written:
             t = allt[name]

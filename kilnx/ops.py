@@ -147,9 +147,10 @@ def attention_new_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posi
     """The attention of a step's new tokens: `rope_and_cache_(q, k, v, positions.reshape(-1), rows, ...)`
     then `attention(q.view(B, T, Hq, D), k_cache, v_cache, positions, scale, ...)`, in as few launches
     as kilnx can. q (B*T, Hq, D), k and v (B*T, Hk, D) may be views of one qkv; positions (B, T)."""
-    from kilnx.kernels import attention as attn
-    return attn.attention_new_tokens(q, k, v, positions, rows, inv_freq, k_cache, v_cache, scale, softcap=softcap,
-                                     window=window, interleaved=interleaved, prepared=prepared)
+    from kilnx.kernels import attention_decode
+    return attention_decode.attention_new_tokens(q, k, v, positions, rows, inv_freq, k_cache, v_cache, scale,
+                                                 softcap=softcap, window=window, interleaved=interleaved,
+                                                 prepared=prepared)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,6 @@ exp(old max - new max) whenever the max grows.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -183,27 +182,6 @@ def attention(q, k_cache, v_cache, positions, scale, *, softcap=None, window=Non
         return out
     from kilnx.kernels.prepared import prepare
     return prepare(out.reshape(-1, out.shape[2] * out.shape[3]), prepared)
-
-
-def attention_new_tokens(q, k, v, positions, rows, inv_freq, k_cache, v_cache, scale, *, softcap=None, window=None,
-                         interleaved=False, prepared=None):
-    """kilnx.ops.attention_new_tokens: rope_and_cache_ then attention, for q (B*T, Hq, D) and k, v (B*T, Hk, D)
-    as the projection left them. A GPU decode step that splits its keys (one token per row) does it in one
-    launch fewer: the split kernel rotates q and k as it loads them and writes the cache itself
-    (attention_split_new_kv_kernel). Off until it has run on a GPU (KILNX_FUSED_ROPE=1 turns it on): it is
-    tested against the composition on the interpreter, the reference and numba, and compiled for sm_90."""
-    from kilnx.kernels import attention_split, rope
-    B, T = positions.shape
-    q4 = q.view(B, T, q.shape[1], q.shape[2])
-    if T == 1 and attention_split.use_split(q4, k_cache) and os.environ.get("KILNX_FUSED_ROPE", "0") == "1":
-        kw = _kernel_kwargs(q4, k_cache, scale, softcap, window)
-        parts = attention_split.attention_split_new_kv_kernel(q4, k.view(B, k.shape[1], k.shape[2]),
-                                                              v.view(B, v.shape[1], v.shape[2]), positions, rows,
-                                                              inv_freq, k_cache, v_cache,
-                                                              INTERLEAVED=bool(interleaved), **kw)
-        return attention_split.merge(parts, q4, prepared)
-    rope.rope_and_cache_(q, k, v, positions.reshape(-1), rows, inv_freq, k_cache, v_cache, interleaved=interleaved)
-    return attention(q4, k_cache, v_cache, positions, scale, softcap=softcap, window=window, prepared=prepared)
 
 
 def _attn_problem_args(problem: dict, device: str):

@@ -19,7 +19,6 @@ import torch
 import kilnx.dsl as kd
 from kilnx.kernels.attention import (MASKED_MAX, NO_WINDOW, _attn_key, _attn_problem_args, _next_pow2, attend,
                                      query_tile, visible_keys)
-from kilnx.kernels.rope import rotated_tile
 
 
 def _split_spec(q, k_cache, v_cache, positions, *, scale, cap=0.0, window=NO_WINDOW, SOFTCAP=False,
@@ -115,68 +114,6 @@ def _attend_range(q_tile, token, head, row_valid, d, pos, k_cache, v_cache, b, k
     part_sum = kd.output((NS, B, T, Hq), kd.f32, name="part_sum")
     kd.store(part_sum, split, b, token, head, row_sum)
     return part_acc, part_max, part_sum
-
-
-# ---- decode with the step's own key and value: rotary embedding and the cache write fused in -------
-def _new_kv_spec(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, *, INTERLEAVED=False, **kw):
-    """The partial results of attention_split_kernel over q and k rotated at their positions, with the
-    new k and v in the caches at [rows[b], :, positions[b, 0]] (the kernel writes them there)."""
-    from kilnx.kernels.rope import rotated
-    B, _, Hq, D = q.shape
-    pos = positions[:, 0]
-    qr = rotated(q[:, 0], pos, inv_freq, INTERLEAVED)[:, None]
-    kc, vc = k_cache.clone(), v_cache.clone()
-    kc.transpose(1, 2)[rows.long(), pos.long()] = rotated(k_new, pos, inv_freq, INTERLEAVED)
-    vc.transpose(1, 2)[rows.long(), pos.long()] = v_new
-    return _split_spec(qr, kc, vc, positions, **kw)
-
-
-def _new_kv_default(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, **_):
-    return _split_default(q, k_cache, v_cache, positions)
-
-
-@kd.kernel(
-    tune={"BLOCK_M": kd.pow2(16, 64, default=16), "BLOCK_N": kd.pow2(16, 128, default=64),
-          "KEYS_PER_SPLIT": kd.pow2(16, 8192, default=512),
-          "num_warps": kd.choice(2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=3)},
-    constraints=[lambda KEYS_PER_SPLIT, BLOCK_N: KEYS_PER_SPLIT >= BLOCK_N],
-    key=lambda q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, **_: _attn_key(q, k_cache, v_cache,
-                                                                                             positions),
-    default=_new_kv_default, spec=_new_kv_spec,
-    specialize=lambda q, *_: {"BLOCK_D": max(_next_pow2(q.shape[3]), 16), "scale": q.shape[3] ** -0.5})
-def attention_split_new_kv_kernel(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, *, scale: float,
-                                  cap: float = 0.0, window: int = NO_WINDOW, BLOCK_D: kd.constexpr = 64,
-                                  SOFTCAP: kd.constexpr = False, INTERLEAVED: kd.constexpr = False, BLOCK_M,
-                                  BLOCK_N, KEYS_PER_SPLIT):
-    """attention_split_kernel for one new token per row whose q (B, 1, Hq, D) and k, v (B, Hk, D) come as
-    the projection left them: q and k are rotated as they are loaded, and the program whose key range
-    holds the new position writes k and v into the caches and uses them from registers (the keys it
-    reads from the cache there are not yet written). One launch instead of rope_cache_kernel's."""
-    B, T, Hq, D = q.shape
-    Hk, S = k_cache.shape[1], k_cache.shape[2]
-    group = Hq // Hk
-    pid_m, pid_bh, split = kd.grid(kd.cdiv(T * group, BLOCK_M), B * Hk, kd.cdiv(S, KEYS_PER_SPLIT))
-    b = pid_bh // Hk
-    kv_head = pid_bh % Hk
-    pair = pid_m * BLOCK_M + kd.arange(0, BLOCK_M)
-    token = pair // group
-    head = kv_head * group + pair % group
-    d = kd.arange(0, BLOCK_D)
-    pos = kd.load(positions, b, token, other=-1)
-    q_tile = rotated_tile(q, b, token[:, None], head[:, None], d=d[None, :], pos=pos[:, None], inv_freq=inv_freq,
-                          interleaved=INTERLEAVED).astype(q.dtype)
-    new_pos = kd.load(positions, b, 0, check=(True, False))   # a literal index: no bounds check
-    k_row = rotated_tile(k_new, b, kv_head, d=d, pos=new_pos, inv_freq=inv_freq,
-                         interleaved=INTERLEAVED).astype(k_cache.dtype)
-    v_row = kd.load(v_new, b, kv_head, d).astype(v_cache.dtype)
-    lo = split * KEYS_PER_SPLIT
-    owner = (new_pos >= lo) & (new_pos < lo + KEYS_PER_SPLIT)   # dims past D: the store's bounds check
-    row = kd.load(rows, b)
-    kd.store(k_cache, row, kv_head, new_pos, d, k_row, mask=owner)
-    kd.store(v_cache, row, kv_head, new_pos, d, v_row, mask=owner)
-    return _attend_range(q_tile, token, head, token < T, d, pos, k_cache, v_cache, b, kv_head, split, B, T, Hq, D,
-                         scale=scale, cap=cap, window=window, SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N,
-                         KEYS_PER_SPLIT=KEYS_PER_SPLIT, fresh=(new_pos, k_row, v_row))
 
 
 def _merge_spec(part_acc, part_max, part_sum, q, **_):

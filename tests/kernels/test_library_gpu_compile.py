@@ -68,11 +68,13 @@ parts = AS._split_spec(q, kc, kc, torch.tensor([[700]]), KEYS_PER_SPLIT=128, **k
 compile_for_target(AS.attention_split_kernel, (q, kc, kc, torch.tensor([[700]])),
                    {"BLOCK_M": 16, "BLOCK_N": 64, "KEYS_PER_SPLIT": 128}, kw=kw)
 compile_for_target(AS.attention_merge, (*parts, q), {})
+from kilnx.kernels import attention_decode as AD
 for inter in (False, True):
     kn = torch.randn(1, 8, 128).bfloat16()
-    compile_for_target(AS.attention_split_new_kv_kernel,
-                       (q, kn, kn, torch.tensor([[700]]), torch.zeros(1, dtype=torch.long), torch.ones(64), kc, kc),
-                       {"BLOCK_M": 16, "BLOCK_N": 64, "KEYS_PER_SPLIT": 128}, kw={**kw, "INTERLEAVED": inter})
+    new_kv = (q, kn, kn, torch.tensor([[700]]), torch.zeros(1, dtype=torch.long), torch.ones(64), kc, kc)
+    compile_for_target(AD.attention_split_new_kv_kernel, new_kv, {"BLOCK_M": 16, "BLOCK_N": 64, "KEYS_PER_SPLIT": 128},
+                       kw={**kw, "INTERLEAVED": inter})
+    compile_for_target(AD.attention_new_kv_kernel, new_kv, {"BLOCK_M": 16, "BLOCK_N": 128}, kw={**kw, "INTERLEAVED": inter})
 compile_for_target(AS.attention_merge_prep, (*parts, q), {}, kw={"PER": 8, "GROUP": 64})
 from kilnx.kernels import rope
 q, k, v = torch.randn(3, 8, 128).bfloat16(), torch.randn(3, 2, 128).bfloat16(), torch.randn(3, 2, 128).bfloat16()

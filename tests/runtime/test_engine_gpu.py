@@ -59,14 +59,14 @@ def test_split_decode_with_the_fused_rope_and_cache_write_follows_the_torch_peer
     """With a cache of 512 the decode attention splits its keys and takes the step's own q, k, v (rotated
     as loaded, k and v written by the range that owns the position): graph-replayed steps keep the torch
     peer's logits, and the cache the fused kernel wrote serves the following steps."""
-    from kilnx.kernels import attention_split as AS
+    from kilnx.kernels import attention_decode as AD
     calls = []
-    fused = AS.attention_split_new_kv_kernel
+    fused = AD.attention_split_new_kv_kernel
 
     def counting(*a, **k):
         calls.append(1)
         return fused(*a, **k)
-    monkeypatch.setattr(AS, "attention_split_new_kv_kernel", counting)
+    monkeypatch.setattr(AD, "attention_split_new_kv_kernel", counting)
     monkeypatch.setenv("KILNX_FUSED_ROPE", "1")
     prompt = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(5)).tolist()
     engines = {ops: Engine(model(arch, ops), max_seq=512, cuda_graphs=(ops == "kilnx")) for ops in ("torch", "kilnx")}

@@ -1,0 +1,163 @@
+"""Decode attention fed by the step's own q, k and v: the rotary embedding and the KV-cache write fused in.
+
+A decode step otherwise runs rope_cache_kernel (rotate q in place, write rotated k and v into the
+caches) and then attention: two launches per layer for a few hundred bytes of new data. Here the
+attention kernel takes q (B, 1, Hq, D) and k, v (B, Hk, D) where the qkv projection left them, rotates
+q and k as it loads them, writes k and v into the caches itself, and attends over the cache with the
+new position's key and value taken from registers (the cache there is being written by the same
+kernel). Two variants: one program per (row, KV head) over all keys (`attention_new_kv_kernel`), and
+the flash-decoding split over key ranges (`attention_split_new_kv_kernel`, merged by
+attention_split.merge), where only the range holding the new position writes the cache.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import kilnx.dsl as kd
+from kilnx.kernels import attention_split as AS
+from kilnx.kernels.attention import (NO_WINDOW, _attn_default, _attn_key, _kernel_kwargs, _next_pow2, attend,
+                                     attention, attention_formula, visible_keys)
+from kilnx.kernels.rope import rotated, rotated_tile
+
+_TUNE = {"BLOCK_M": kd.pow2(16, 64, default=16), "BLOCK_N": kd.pow2(16, 128, default=64),
+         "num_warps": kd.choice(2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=3)}
+
+
+def enabled(device_type: str) -> bool:
+    """KILNX_FUSED_ROPE=1/0 decides; by default on where it has been measured: the CPU (numba) for now."""
+    env = os.environ.get("KILNX_FUSED_ROPE")
+    if env is not None:
+        return env == "1"
+    return device_type == "cpu"
+
+
+def _with_new_kv(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, interleaved):
+    """(q rotated (B, 1, Hq, D), the caches with the new k, v written): the torch meaning of the fusion."""
+    pos = positions[:, 0]
+    qr = rotated(q[:, 0], pos, inv_freq, interleaved)[:, None]
+    kc, vc = k_cache.clone(), v_cache.clone()
+    kc.transpose(1, 2)[rows.long(), pos.long()] = rotated(k_new, pos, inv_freq, interleaved)
+    vc.transpose(1, 2)[rows.long(), pos.long()] = v_new
+    return qr, kc, vc
+
+
+def _new_token_tiles(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, pid_m, b, kv_head, group,
+                     owner, *, BLOCK_M: int, BLOCK_D: int, INTERLEAVED: bool):
+    """The program's rotated query tile (rows: (token, head in group) pairs, head fastest) and the new
+    key and value of (b, kv_head), which it writes into the caches where `owner` (None: always).
+    Returns (q_tile, token, head, d, pos, fresh) with fresh = (new position, k, v) for `attend`."""
+    pair = pid_m * BLOCK_M + kd.arange(0, BLOCK_M)
+    token = pair // group
+    head = kv_head * group + pair % group
+    d = kd.arange(0, BLOCK_D)
+    pos = kd.load(positions, b, token, other=-1)
+    q_tile = rotated_tile(q, b, token[:, None], head[:, None], d=d[None, :], pos=pos[:, None], inv_freq=inv_freq,
+                          interleaved=INTERLEAVED).astype(q.dtype)
+    new_pos = kd.load(positions, b, 0, check=(True, False))   # a literal index: no bounds check
+    k_row = rotated_tile(k_new, b, kv_head, d=d, pos=new_pos, inv_freq=inv_freq,
+                         interleaved=INTERLEAVED).astype(k_cache.dtype)
+    v_row = kd.load(v_new, b, kv_head, d).astype(v_cache.dtype)
+    row = kd.load(rows, b)
+    kd.store(k_cache, row, kv_head, new_pos, d, k_row, mask=owner)
+    kd.store(v_cache, row, kv_head, new_pos, d, v_row, mask=owner)
+    return q_tile, token, head, d, pos, (new_pos, k_row, v_row)
+
+
+# ---- one program per (row, KV head) ------------------------------------------------------------------
+def _spec(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, *, scale, cap=0.0, window=NO_WINDOW,
+          SOFTCAP=False, INTERLEAVED=False, **_):
+    qr, kc, vc = _with_new_kv(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, INTERLEAVED)
+    return attention_formula(qr, kc, vc, positions, scale, softcap=cap if SOFTCAP else None,
+                             window=None if window >= NO_WINDOW else window)
+
+
+def _args_key(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, **_):
+    return _attn_key(q, k_cache, v_cache, positions)
+
+
+def _specialize(q, *_):
+    return {"BLOCK_D": max(_next_pow2(q.shape[3]), 16), "scale": q.shape[3] ** -0.5}
+
+
+@kd.kernel(tune={**_TUNE, "BLOCK_M": kd.pow2(4, 128, default=16)},   # attention_kernel's space: its defaults apply
+           key=_args_key, spec=_spec, specialize=_specialize,
+           default=lambda q, kn, vn, positions, rows, inv, k_cache, v_cache, **_: _attn_default(q, k_cache, v_cache,
+                                                                                                positions))
+def attention_new_kv_kernel(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, *, scale: float,
+                            cap: float = 0.0, window: int = NO_WINDOW, BLOCK_D: kd.constexpr = 64,
+                            SOFTCAP: kd.constexpr = False, INTERLEAVED: kd.constexpr = False, BLOCK_M, BLOCK_N):
+    """attention_kernel for one new token per row, from the projection's q, k, v (see the module doc)."""
+    B, T, Hq, D = q.shape
+    Hk, S = k_cache.shape[1], k_cache.shape[2]
+    group = Hq // Hk
+    pid_m, pid_bh = kd.grid(kd.cdiv(T * group, BLOCK_M), B * Hk)
+    b = pid_bh // Hk
+    kv_head = pid_bh % Hk
+    q_tile, token, head, d, pos, fresh = _new_token_tiles(
+        q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, pid_m, b, kv_head, group, None,
+        BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, INTERLEAVED=INTERLEAVED)
+    key_start, key_stop = visible_keys(pos, token < T, S, window, BLOCK_N)
+    acc, row_max, row_sum = attend(q_tile, pos, k_cache, v_cache, b, kv_head, d, key_start, key_stop, S,
+                                   scale=scale, cap=cap, window=window, SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N, fresh=fresh)
+    out = kd.output((B, T, Hq, D), q.dtype)
+    seen_any = kd.where(row_sum > 0, row_sum, 1.0)   # padding rows saw no key: 0, not 0/0
+    kd.store(out, b, token[:, None], head[:, None], d[None, :], acc / seen_any[:, None])
+    return out
+
+
+# ---- split over key ranges ----------------------------------------------------------------------------
+def _split_spec(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, *, INTERLEAVED=False, **kw):
+    qr, kc, vc = _with_new_kv(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, INTERLEAVED)
+    return AS._split_spec(qr, kc, vc, positions, **kw)
+
+
+@kd.kernel(tune={**_TUNE, "KEYS_PER_SPLIT": kd.pow2(16, 8192, default=512)},
+           constraints=[lambda KEYS_PER_SPLIT, BLOCK_N: KEYS_PER_SPLIT >= BLOCK_N],
+           key=_args_key, spec=_split_spec, specialize=_specialize,
+           default=lambda q, kn, vn, positions, rows, inv, k_cache, v_cache, **_: AS._split_default(q, k_cache, v_cache,
+                                                                                                    positions))
+def attention_split_new_kv_kernel(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, *, scale: float,
+                                  cap: float = 0.0, window: int = NO_WINDOW, BLOCK_D: kd.constexpr = 64,
+                                  SOFTCAP: kd.constexpr = False, INTERLEAVED: kd.constexpr = False, BLOCK_M,
+                                  BLOCK_N, KEYS_PER_SPLIT):
+    """attention_split_kernel for one new token per row, from the projection's q, k, v: only the program
+    whose key range holds the new position writes the caches (no other reads that position)."""
+    B, T, Hq, D = q.shape
+    Hk, S = k_cache.shape[1], k_cache.shape[2]
+    group = Hq // Hk
+    pid_m, pid_bh, split = kd.grid(kd.cdiv(T * group, BLOCK_M), B * Hk, kd.cdiv(S, KEYS_PER_SPLIT))
+    b = pid_bh // Hk
+    kv_head = pid_bh % Hk
+    new_pos = kd.load(positions, b, 0, check=(True, False))
+    lo = split * KEYS_PER_SPLIT
+    q_tile, token, head, d, pos, fresh = _new_token_tiles(
+        q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, pid_m, b, kv_head, group,
+        (new_pos >= lo) & (new_pos < lo + KEYS_PER_SPLIT), BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, INTERLEAVED=INTERLEAVED)
+    return AS._attend_range(q_tile, token, head, token < T, d, pos, k_cache, v_cache, b, kv_head, split, B, T, Hq, D,
+                            scale=scale, cap=cap, window=window, SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N,
+                            KEYS_PER_SPLIT=KEYS_PER_SPLIT, fresh=fresh)
+
+
+def attention_new_tokens(q, k, v, positions, rows, inv_freq, k_cache, v_cache, scale, *, softcap=None, window=None,
+                         interleaved=False, prepared=None):
+    """kilnx.ops.attention_new_tokens: rope_and_cache_ then attention, for q (B*T, Hq, D) and k, v (B*T, Hk, D)
+    as the projection left them; one launch fewer for a decode step (one token per row) where `enabled`."""
+    from kilnx.kernels import rope
+    B, T = positions.shape
+    q4 = q.view(B, T, q.shape[1], q.shape[2])
+    if T == 1 and enabled(q.device.type):
+        kw = _kernel_kwargs(q4, k_cache, scale, softcap, window)
+        args = (q4, k.view(B, k.shape[1], k.shape[2]), v.view(B, v.shape[1], v.shape[2]), positions, rows, inv_freq,
+                k_cache, v_cache)
+        if AS.use_split(q4, k_cache):
+            return AS.merge(attention_split_new_kv_kernel(*args, INTERLEAVED=bool(interleaved), **kw), q4, prepared)
+        out = attention_new_kv_kernel(*args, INTERLEAVED=bool(interleaved), **kw)
+        if prepared is None:
+            return out
+        from kilnx.kernels.prepared import prepare
+        return prepare(out.reshape(B, -1), prepared)
+    rope.rope_and_cache_(q, k, v, positions.reshape(-1), rows, inv_freq, k_cache, v_cache, interleaved=interleaved)
+    return attention(q4, k_cache, v_cache, positions, scale, softcap=softcap, window=window, prepared=prepared)

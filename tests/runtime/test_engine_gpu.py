@@ -55,21 +55,23 @@ def test_graph_decode_follows_the_torch_peer(arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3"])
-def test_split_decode_with_the_fused_rope_and_cache_write_follows_the_torch_peer(arch, monkeypatch):
-    """With a cache of 512 the decode attention splits its keys and takes the step's own q, k, v (rotated
-    as loaded, k and v written by the range that owns the position): graph-replayed steps keep the torch
-    peer's logits, and the cache the fused kernel wrote serves the following steps."""
+@pytest.mark.parametrize("max_seq,kernel", [(512, "attention_split_new_kv_kernel"), (64, "attention_new_kv_kernel")])
+def test_decode_with_the_fused_rope_and_cache_write_follows_the_torch_peer(arch, max_seq, kernel, monkeypatch):
+    """KILNX_FUSED_ROPE=1: decode attention takes the step's own q, k, v (rotated as loaded, k and v written
+    by the kernel; with a cache of 512 the keys are split over ranges, with 64 not): graph-replayed steps
+    keep the torch peer's logits, and the cache the fused kernel wrote serves the following steps."""
     from kilnx.kernels import attention_decode as AD
     calls = []
-    fused = AD.attention_split_new_kv_kernel
+    fused = getattr(AD, kernel)
 
     def counting(*a, **k):
         calls.append(1)
         return fused(*a, **k)
-    monkeypatch.setattr(AD, "attention_split_new_kv_kernel", counting)
+    monkeypatch.setattr(AD, kernel, counting)
     monkeypatch.setenv("KILNX_FUSED_ROPE", "1")
     prompt = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(5)).tolist()
-    engines = {ops: Engine(model(arch, ops), max_seq=512, cuda_graphs=(ops == "kilnx")) for ops in ("torch", "kilnx")}
+    engines = {ops: Engine(model(arch, ops), max_seq=max_seq, cuda_graphs=(ops == "kilnx"))
+               for ops in ("torch", "kilnx")}
     logits = {ops: e.prefill(prompt).float() for ops, e in engines.items()}
     for step in range(6):
         want = logits["torch"]
@@ -77,7 +79,7 @@ def test_split_decode_with_the_fused_rope_and_cache_write_follows_the_torch_peer
         tok = torch.tensor([int(want.argmax())], device="cuda")
         pos = torch.tensor([len(prompt) + step], device="cuda")
         logits = {ops: e.decode(tok, pos)[0].float() for ops, e in engines.items()}
-    assert calls, "the decode steps did not take the fused split path"
+    assert calls, f"the decode steps did not take {kernel}"
 
 
 def test_lazy_graphs_capture_at_the_first_decode_step_after_a_prefill(monkeypatch):

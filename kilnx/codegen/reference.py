@@ -120,7 +120,7 @@ class Interpreter:
             return (a.astype(np.float32) @ b.astype(np.float32)).astype(NUMPY_OF[n.dtype])
         if op == "load":
             return self.load(n, v)
-        if op in ("prefetch", "grid_sync"):   # cache hint and launch ordering: no effect on values
+        if op in ("prefetch", "grid_sync", "barrier"):   # hints and ordering: a program here runs in order
             return None
         if op in ("store", "atomic_add"):
             self.store(n, v)

@@ -72,10 +72,10 @@ def const_literal(n: Node) -> str:
 
 def live_nodes(ir: KernelIR, hints: bool = False) -> set[int]:
     """Ids of nodes the kernel body needs: those reaching a store, an atomic or an accumulator update,
-    and with `hints` (the GPU) also prefetches and the grid-dependency sync. Host-only arithmetic
+    and with `hints` (the GPU) also prefetches, the grid-dependency sync and barriers. Host-only arithmetic
     (grid sizes, output shapes) is left out of the generated kernel."""
     live: set[int] = set()
-    roots = ("store", "atomic_add", "assign") + (("prefetch", "grid_sync") if hints else ())
+    roots = ("store", "atomic_add", "assign") + (("prefetch", "grid_sync", "barrier") if hints else ())
     stack = [n for n in ir.walk() if n.op in roots]
     loops = [n for n in ir.walk() if n.op == "range"]
     while stack:

@@ -121,6 +121,8 @@ class _Gen(StatementEmitter):
             return f"{name} = tl.load({', '.join(args)})"
         if op == "grid_sync":
             return "_rt.grid_dependency_sync()"
+        if op == "barrier":
+            return "tl.debug_barrier()"
         if op == "prefetch":
             ptr, mask = self.address(n, r, 0)
             tname = n.arg[0]

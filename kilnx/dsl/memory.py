@@ -95,3 +95,10 @@ def output(shape, dtype, *, name: str = "out", zero: bool = False) -> TensorArg:
     t = tensor_param(name, dtype_of(dtype), len(shape_nodes), output=True)
     b.ir.outputs.append((t.param, shape_nodes, zero))
     return t
+
+
+def barrier():
+    """Every thread of the program reaches this point before any goes on, and the program's global
+    writes before it are visible to its reads after it (on the GPU a block-wide barrier; elsewhere a
+    program is one thread in order, and this is nothing). For a kernel that reads back what it wrote."""
+    builder().emit("barrier", "i32", ())

@@ -33,7 +33,7 @@ OPS: dict[str, OpDef] = {}
 
 STRUCTURAL = {"param", "dim", "const", "arange", "full", "program_id", "cast", "bitcast", "load", "store",
               "atomic_add", "range", "var", "assign", "reshape", "expand", "broadcast", "trans",
-              "reduce", "dot", "where", "stride", "prefetch", "grid_sync"}
+              "reduce", "dot", "where", "stride", "prefetch", "grid_sync", "barrier"}
 
 
 def register(name, arity, infer, reference, triton, numba):

@@ -102,11 +102,9 @@ def visible_keys(pos, row_valid, S, window, BLOCK_N: int):
 
 
 def attend(q_tile, pos, k_cache, v_cache, b, kv_head, d, key_start, key_stop, key_limit, *, scale, cap, window,
-           SOFTCAP: bool, BLOCK_N: int, fresh=None):
+           SOFTCAP: bool, BLOCK_N: int):
     """Online softmax over keys [key_start, key_stop) (keys at or past key_limit are masked): the
-    unnormalized fp32 accumulator, the running row max and the running row sum. `fresh` = (position,
-    k (BLOCK_D,), v (BLOCK_D,)) in the cache dtype: the key and value at that position, used instead of
-    the cache's (which the same kernel is writing)."""
+    unnormalized fp32 accumulator, the running row max and the running row sum."""
     BLOCK_M = q_tile.shape[0]
     row_max = kd.var(kd.full((BLOCK_M,), MASKED_MAX, kd.f32))
     row_sum = kd.zeros((BLOCK_M,), kd.f32)
@@ -114,8 +112,6 @@ def attend(q_tile, pos, k_cache, v_cache, b, kv_head, d, key_start, key_stop, ke
     for n0 in kd.range(key_start, key_stop, BLOCK_N):
         key = n0 + kd.arange(0, BLOCK_N)
         k_tile_t = kd.load(k_cache, b, kv_head, key[None, :], d[:, None])   # (BLOCK_D, BLOCK_N) = K^T
-        if fresh is not None:
-            k_tile_t = kd.where(key[None, :] == fresh[0], fresh[1][:, None], k_tile_t)
         scores = kd.dot(q_tile, k_tile_t) * scale
         if SOFTCAP:
             scores = cap * kd.tanh(scores / cap)
@@ -127,8 +123,6 @@ def attend(q_tile, pos, k_cache, v_cache, b, kv_head, d, key_start, key_stop, ke
         p = kd.exp(scores - new_max[:, None])
         row_sum.set(row_sum * rescale + kd.sum(p, axis=1))
         v_tile = kd.load(v_cache, b, kv_head, key[:, None], d[None, :])
-        if fresh is not None:
-            v_tile = kd.where(key[:, None] == fresh[0], fresh[2][None, :], v_tile)
         # p in the cache dtype so the second product runs on tensor cores like the first
         acc.set(acc * rescale[:, None] + kd.dot(p.to(v_cache.dtype), v_tile))
         row_max.set(new_max)

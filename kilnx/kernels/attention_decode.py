@@ -3,9 +3,9 @@
 A decode step otherwise runs rope_cache_kernel (rotate q in place, write rotated k and v into the
 caches) and then attention: two launches per layer for a few hundred bytes of new data. Here the
 attention kernel takes q (B, 1, Hq, D) and k, v (B, Hk, D) where the qkv projection left them, rotates
-q and k as it loads them, writes k and v into the caches itself, and attends over the cache with the
-new position's key and value taken from registers (the cache there is being written by the same
-kernel). Two variants: one program per (row, KV head) over all keys (`attention_new_kv_kernel`), and
+q and k as it loads them, writes k and v into the caches itself, and after a block barrier attends
+over the cache as written (substituting the new key in every key tile instead cost the CPU 11% more
+attention time than the two kernels). Two variants: one program per (row, KV head) over all keys (`attention_new_kv_kernel`), and
 the flash-decoding split over key ranges (`attention_split_new_kv_kernel`, merged by
 attention_split.merge), where only the range holding the new position writes the cache.
 """
@@ -46,9 +46,9 @@ def _with_new_kv(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, i
 
 def _new_token_tiles(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, pid_m, b, kv_head, group,
                      owner, *, BLOCK_M: int, BLOCK_D: int, INTERLEAVED: bool):
-    """The program's rotated query tile (rows: (token, head in group) pairs, head fastest) and the new
-    key and value of (b, kv_head), which it writes into the caches where `owner` (None: always).
-    Returns (q_tile, token, head, d, pos, fresh) with fresh = (new position, k, v) for `attend`."""
+    """The program's rotated query tile (rows: (token, head in group) pairs, head fastest), after writing
+    the new key and value of (b, kv_head) into the caches where `owner` (None: always) and a barrier, so
+    that the program's reads of the cache see them. Returns (q_tile, token, head, d, pos)."""
     pair = pid_m * BLOCK_M + kd.arange(0, BLOCK_M)
     token = pair // group
     head = kv_head * group + pair % group
@@ -63,7 +63,8 @@ def _new_token_tiles(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cach
     row = kd.load(rows, b)
     kd.store(k_cache, row, kv_head, new_pos, d, k_row, mask=owner)
     kd.store(v_cache, row, kv_head, new_pos, d, v_row, mask=owner)
-    return q_tile, token, head, d, pos, (new_pos, k_row, v_row)
+    kd.barrier()
+    return q_tile, token, head, d, pos
 
 
 # ---- one program per (row, KV head) ------------------------------------------------------------------
@@ -96,12 +97,12 @@ def attention_new_kv_kernel(q, k_new, v_new, positions, rows, inv_freq, k_cache,
     pid_m, pid_bh = kd.grid(kd.cdiv(T * group, BLOCK_M), B * Hk)
     b = pid_bh // Hk
     kv_head = pid_bh % Hk
-    q_tile, token, head, d, pos, fresh = _new_token_tiles(
+    q_tile, token, head, d, pos = _new_token_tiles(
         q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, pid_m, b, kv_head, group, None,
         BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, INTERLEAVED=INTERLEAVED)
     key_start, key_stop = visible_keys(pos, token < T, S, window, BLOCK_N)
     acc, row_max, row_sum = attend(q_tile, pos, k_cache, v_cache, b, kv_head, d, key_start, key_stop, S,
-                                   scale=scale, cap=cap, window=window, SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N, fresh=fresh)
+                                   scale=scale, cap=cap, window=window, SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N)
     out = kd.output((B, T, Hq, D), q.dtype)
     seen_any = kd.where(row_sum > 0, row_sum, 1.0)   # padding rows saw no key: 0, not 0/0
     kd.store(out, b, token[:, None], head[:, None], d[None, :], acc / seen_any[:, None])
@@ -124,7 +125,7 @@ def attention_split_new_kv_kernel(q, k_new, v_new, positions, rows, inv_freq, k_
                                   SOFTCAP: kd.constexpr = False, INTERLEAVED: kd.constexpr = False, BLOCK_M,
                                   BLOCK_N, KEYS_PER_SPLIT):
     """attention_split_kernel for one new token per row, from the projection's q, k, v: only the program
-    whose key range holds the new position writes the caches (no other reads that position)."""
+    whose key range holds the new position writes the caches (no other program reads that position)."""
     B, T, Hq, D = q.shape
     Hk, S = k_cache.shape[1], k_cache.shape[2]
     group = Hq // Hk
@@ -133,12 +134,12 @@ def attention_split_new_kv_kernel(q, k_new, v_new, positions, rows, inv_freq, k_
     kv_head = pid_bh % Hk
     new_pos = kd.load(positions, b, 0, check=(True, False))
     lo = split * KEYS_PER_SPLIT
-    q_tile, token, head, d, pos, fresh = _new_token_tiles(
+    q_tile, token, head, d, pos = _new_token_tiles(
         q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, pid_m, b, kv_head, group,
         (new_pos >= lo) & (new_pos < lo + KEYS_PER_SPLIT), BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, INTERLEAVED=INTERLEAVED)
     return AS._attend_range(q_tile, token, head, token < T, d, pos, k_cache, v_cache, b, kv_head, split, B, T, Hq, D,
                             scale=scale, cap=cap, window=window, SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N,
-                            KEYS_PER_SPLIT=KEYS_PER_SPLIT, fresh=fresh)
+                            KEYS_PER_SPLIT=KEYS_PER_SPLIT)
 
 
 def attention_new_tokens(q, k, v, positions, rows, inv_freq, k_cache, v_cache, scale, *, softcap=None, window=None,

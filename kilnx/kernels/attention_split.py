@@ -97,7 +97,7 @@ def attention_split_kernel(q, k_cache, v_cache, positions, *, scale: float, cap:
 
 
 def _attend_range(q_tile, token, head, row_valid, d, pos, k_cache, v_cache, b, kv_head, split, B, T, Hq, D, *,
-                  scale, cap, window, SOFTCAP, BLOCK_N, KEYS_PER_SPLIT, fresh=None):
+                  scale, cap, window, SOFTCAP, BLOCK_N, KEYS_PER_SPLIT):
     """One program's key range: its partial accumulator, max and sum stored as range `split`."""
     S = k_cache.shape[2]
     NS = kd.cdiv(S, KEYS_PER_SPLIT)
@@ -106,7 +106,7 @@ def _attend_range(q_tile, token, head, row_valid, d, pos, k_cache, v_cache, b, k
     hi = kd.minimum(lo + KEYS_PER_SPLIT, S)
     acc, row_max, row_sum = attend(q_tile, pos, k_cache, v_cache, b, kv_head, d, kd.maximum(key_start, lo),
                                    kd.minimum(key_stop, hi), hi, scale=scale, cap=cap, window=window,
-                                   SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N, fresh=fresh)
+                                   SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N)
     part_acc = kd.output((NS, B, T, Hq, D), kd.f32, name="part_acc")
     kd.store(part_acc, split, b, token[:, None], head[:, None], d[None, :], acc)
     part_max = kd.output((NS, B, T, Hq), kd.f32, name="part_max")

@@ -147,3 +147,24 @@ print(w >= 0 and t >= 0 and ((t < w) == (sys.argv[1] == "early")))
     for order in ("early", "after_wait"):
         r = subprocess.run([sys.executable, "-c", code, order], capture_output=True, text=True, timeout=300, env=env)
         assert r.stdout.strip() == "True", (order, r.stdout, r.stderr[-3000:])
+
+
+@kd.kernel(tune={"B": kd.choice(16)})
+def _write_then_read_back(x, buf, *, B):
+    """Each program writes its row of buf reversed, then (after the barrier) reads it back in order."""
+    row = kd.grid(x.shape[0])
+    r = kd.arange(0, B)
+    kd.store(buf, row, B - 1 - r, kd.load(x, row, r))
+    kd.barrier()
+    out = kd.output((x.shape[0], B), kd.f32)
+    kd.store(out, row, r, kd.load(buf, row, r) * 2.0)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"] + (["triton"] if __import__("os").environ.get("TRITON_INTERPRET") == "1" else []))
+def test_a_program_reads_back_what_it_wrote_after_a_barrier(backend):
+    x = torch.arange(48, dtype=torch.float32).reshape(3, 16)
+    got = _write_then_read_back(x, torch.zeros(3, 16), backend=backend)
+    torch.testing.assert_close(got, x.flip(1) * 2)
+    src = _write_then_read_back.triton_source(x, torch.zeros(3, 16))
+    assert src.index("tl.store(") < src.index("tl.debug_barrier()") < src.rindex("tl.load(")

@@ -162,3 +162,21 @@ def attention_new_tokens(q, k, v, positions, rows, inv_freq, k_cache, v_cache, s
         return prepare(out.reshape(B, -1), prepared)
     rope.rope_and_cache_(q, k, v, positions.reshape(-1), rows, inv_freq, k_cache, v_cache, interleaved=interleaved)
     return attention(q4, k_cache, v_cache, positions, scale, softcap=softcap, window=window, prepared=prepared)
+
+
+def _problem_args(problem: dict, device: str):
+    """attention's decode problem {B, T=1, Hq, Hk, D, S, ctx, dtype} with the new token's k and v, cache rows
+    and llama-3's rotary frequencies."""
+    from kilnx.kernels.attention import _attn_problem_args
+    q, k_cache, v_cache, positions = _attn_problem_args(problem, device)
+    B, Hk, D = q.shape[0], k_cache.shape[1], q.shape[3]
+    k_new = torch.randn(B, Hk, D).to(q.dtype).to(device)
+    v_new = torch.randn(B, Hk, D).to(q.dtype).to(device)
+    inv_freq = (1.0 / (500000.0 ** (torch.arange(0, D, 2).float() / D))).to(device)
+    return q, k_new, v_new, positions, torch.arange(B, device=device), inv_freq, k_cache, v_cache
+
+
+_DECODE_PROBLEMS = [{"B": B, "T": 1, "Hq": 32, "Hk": 8, "D": 128, "S": S, "ctx": ctx, "dtype": "bf16"}
+                    for B, S, ctx in ((1, 256, 200), (1, 4096, 2000), (4, 4096, 2000))]
+attention_new_kv_kernel.tuning(make_args=_problem_args, problems=_DECODE_PROBLEMS)
+# (the split variant's partial results depend on KEYS_PER_SPLIT, a tunable: no one reference checks them)

@@ -17,7 +17,7 @@ import os
 import torch
 
 import kilnx.dsl as kd
-from kilnx.kernels.attention import (MASKED_MAX, NO_WINDOW, _attn_key, _attn_problem_args, _next_pow2, attend,
+from kilnx.kernels.attention import (MASKED_MAX, NO_WINDOW, _attn_key, _next_pow2, attend,
                                      query_tile, visible_keys)
 
 
@@ -217,7 +217,6 @@ def use_split(q, k_cache) -> bool:
     return B * Hk < _sm_count(q.device)
 
 
-attention_split_kernel.tuning(
-    make_args=_attn_problem_args,
-    problems=[{"B": B, "T": 1, "Hq": 32, "Hk": 8, "D": 128, "S": 4096, "ctx": ctx, "dtype": "bf16"}
-              for B, ctx in ((1, 2000), (1, 200), (4, 2000))])
+# Not registered for tuning: its partial results depend on KEYS_PER_SPLIT (a tunable, chosen by
+# keys_per_split), so no one reference can check every config; `kilnx tune` reported every trial as
+# failing its correctness gate. Tuning it needs the merged result as the tuned object.

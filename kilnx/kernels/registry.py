@@ -42,15 +42,15 @@ def problems_for_model(model: str, gpu: bool = True) -> list[tuple[str, dict]]:
     its norms, activations and quantized GEMMs, and for an MoE model its align step, grouped GEMMs and
     per-slot GEMVs. GEMVs: 4-bit, in 32-element groups for the small presets (their bundled checkpoints,
     SmolLM2 Q4_1 and Gemma-3 Q4_K, load as gs32) and gs64 otherwise (the runtime's --random format);
-    `gpu` picks the kernel the runtime calls there (qmv_h2 on the GPU, qmv on the CPU)."""
+    `gpu` picks the kernel the runtime calls there (qmv_h2 on the GPU, the interleaved qmv_il on the CPU)."""
     from kilnx.models.presets import get_preset, problems
     cfg = get_preset(model)
     out: list[tuple[str, dict]] = []
     from kilnx.models.loaders import BUNDLED
     gs = 32 if model in BUNDLED else 64
     for g in problems(cfg):
-        for m in (1, 4) if gpu else (1,):   # the GPU's 4-bit rows go to qmv_h2, the CPU's to qmv
-            out.append(("qmv_h2" if gpu else "qmv", {"M": m, "N": g["N"], "K": g["K"], "bits": 4, "gs": gs}))
+        for m in (1, 4) if gpu else (1,):   # the GPU's 4-bit rows go to qmv_h2, the CPU's to qmv_il
+            out.append(("qmv_h2" if gpu else "qmv_il", {"M": m, "N": g["N"], "K": g["K"], "bits": 4, "gs": gs}))
         for m in (16, 512, 2048):
             out.append(("qmm", {"M": m, "N": g["N"], "K": g["K"], "bits": 4, "gs": 64}))
         out.append(("qmatmul_rows_crossover", {"N": g["N"], "K": g["K"], "bits": 4, "gs": 64}))

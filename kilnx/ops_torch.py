@@ -198,3 +198,16 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def attention_new_tokens(q, k, v, positions, rows, inv_freq, k_cache, v_cache, scale: float, *,
+                         softcap: float | None = None, window: int | None = None, interleaved: bool = False,
+                         prepared=None) -> torch.Tensor:
+    """rope_and_cache_ of the new tokens' q (B*T, Hq, D), k, v (B*T, Hk, D), then attention: (B, T, Hq, D).
+    The eager peer has no prepared activations (it offers no prepared_format), so `prepared` is None."""
+    if prepared is not None:
+        raise ValueError("the torch ops write no prepared activations; pass prepared=None")
+    B, T = positions.shape
+    rope_and_cache_(q, k, v, positions.reshape(-1), rows, inv_freq, k_cache, v_cache, interleaved=interleaved)
+    return attention(q.view(B, T, q.shape[1], q.shape[2]), k_cache, v_cache, positions, scale, softcap=softcap,
+                     window=window)

@@ -120,7 +120,10 @@ class Interpreter:
             return (a.astype(np.float32) @ b.astype(np.float32)).astype(NUMPY_OF[n.dtype])
         if op == "load":
             return self.load(n, v)
-        if op in ("prefetch", "grid_sync", "barrier"):   # hints and ordering: a program here runs in order
+        if op == "prefetch":   # a hint, but its indices must lie inside the tensor: checked here
+            self._lanes(n, v, 0)
+            return None
+        if op in ("grid_sync", "barrier"):   # launch and block ordering: a program here runs in order
             return None
         if op in ("store", "atomic_add"):
             self.store(n, v)

@@ -123,11 +123,8 @@ class _Gen(StatementEmitter):
             return "_rt.grid_dependency_sync()"
         if op == "barrier":
             return "tl.debug_barrier()"
-        if op == "prefetch":
-            ptr, mask = self.address(n, r, 0)
-            tname = n.arg[0]
-            # masked lanes prefetch the tensor's first line instead (no out-of-bounds address is formed)
-            return f"_rt.prefetch_l2(tl.where({mask}, {ptr}, {tname}_ptr))" if mask else f"_rt.prefetch_l2({ptr})"
+        if op == "prefetch":   # indices in bounds by contract (kd.prefetch): no mask
+            return f"_rt.prefetch_l2({self.address(n, r, 0)[0]})"
         if op in ("store", "atomic_add"):
             ptr, mask = self.address(n, r, 1)
             val = f"{r[0]}.to({TL[n.dtype]})" if n.srcs[0].dtype != n.dtype else r[0]

@@ -83,12 +83,16 @@ def _shape_derived_kwargs(q, k_cache, v_cache, positions) -> dict:
     return {"BLOCK_D": max(_next_pow2(q.shape[3]), 16), "scale": q.shape[3] ** -0.5}
 
 
-def query_tile(q, pid_m, kv_head, b, group, T, BLOCK_M: int, BLOCK_D: int):
-    """(q_tile (BLOCK_M, BLOCK_D), token, head, row_valid, d): the tile's rows walk (token, head in
-    group) pairs, head fastest, densely: no padding for odd group sizes."""
+def query_rows(pid_m, kv_head, group, BLOCK_M: int):
+    """(token, head) of the query tile's rows: (token, head in group) pairs, head fastest, densely (no
+    padding for odd group sizes)."""
     pair = pid_m * BLOCK_M + kd.arange(0, BLOCK_M)
-    token = pair // group
-    head = kv_head * group + pair % group
+    return pair // group, kv_head * group + pair % group
+
+
+def query_tile(q, pid_m, kv_head, b, group, T, BLOCK_M: int, BLOCK_D: int):
+    """(q_tile (BLOCK_M, BLOCK_D), token, head, row_valid, d) of the rows `query_rows` gives."""
+    token, head = query_rows(pid_m, kv_head, group, BLOCK_M)
     d = kd.arange(0, BLOCK_D)
     return kd.load(q, b, token[:, None], head[:, None], d[None, :]), token, head, token < T, d
 
@@ -129,29 +133,36 @@ def attend(q_tile, pos, k_cache, v_cache, b, kv_head, d, key_start, key_stop, ke
     return acc, row_max, row_sum
 
 
-@kd.kernel(
-    tune={"BLOCK_M": kd.pow2(4, 128, default=16), "BLOCK_N": kd.pow2(16, 128, default=64),
-          "num_warps": kd.choice(2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=2)},
-    key=_attn_key, default=_attn_default, spec=_attn_spec, specialize=_shape_derived_kwargs)
-def attention_kernel(q, k_cache, v_cache, positions, *, scale: float, cap: float = 0.0, window: int = NO_WINDOW,
-                     BLOCK_D: kd.constexpr = 64, SOFTCAP: kd.constexpr = False, BLOCK_M, BLOCK_N):
+def attend_all(q_tile, token, head, d, pos, q, k_cache, v_cache, b, kv_head, *, scale, cap, window, SOFTCAP,
+               BLOCK_N: int):
+    """Every key the tile's rows can see, normalized: the (B, T, Hq, D) output in q.dtype."""
     B, T, Hq, D = q.shape
-    Hk, S = k_cache.shape[1], k_cache.shape[2]
-    group = Hq // Hk
-    pid_m, pid_bh = kd.grid(kd.cdiv(T * group, BLOCK_M), B * Hk)
-    b = pid_bh // Hk
-    kv_head = pid_bh % Hk
-    q_tile, token, head, row_valid, d = query_tile(q, pid_m, kv_head, b, group, T, BLOCK_M, BLOCK_D)
-    pos = kd.load(positions, b, token, other=-1)
-
-    key_start, key_stop = visible_keys(pos, row_valid, S, window, BLOCK_N)
+    S = k_cache.shape[2]
+    key_start, key_stop = visible_keys(pos, token < T, S, window, BLOCK_N)
     acc, row_max, row_sum = attend(q_tile, pos, k_cache, v_cache, b, kv_head, d, key_start, key_stop, S,
                                    scale=scale, cap=cap, window=window, SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N)
-
     out = kd.output((B, T, Hq, D), q.dtype)
     seen_any = kd.where(row_sum > 0, row_sum, 1.0)   # padding rows saw no key: 0, not 0/0
     kd.store(out, b, token[:, None], head[:, None], d[None, :], acc / seen_any[:, None])
     return out
+
+
+TUNE = {"BLOCK_M": kd.pow2(4, 128, default=16), "BLOCK_N": kd.pow2(16, 128, default=64),
+        "num_warps": kd.choice(2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=2)}
+
+
+@kd.kernel(tune=TUNE, key=_attn_key, default=_attn_default, spec=_attn_spec, specialize=_shape_derived_kwargs)
+def attention_kernel(q, k_cache, v_cache, positions, *, scale: float, cap: float = 0.0, window: int = NO_WINDOW,
+                     BLOCK_D: kd.constexpr = 64, SOFTCAP: kd.constexpr = False, BLOCK_M, BLOCK_N):
+    B, T, Hq, D = q.shape
+    group = Hq // k_cache.shape[1]
+    pid_m, pid_bh = kd.grid(kd.cdiv(T * group, BLOCK_M), B * k_cache.shape[1])
+    b = pid_bh // k_cache.shape[1]
+    kv_head = pid_bh % k_cache.shape[1]
+    q_tile, token, head, _, d = query_tile(q, pid_m, kv_head, b, group, T, BLOCK_M, BLOCK_D)
+    pos = kd.load(positions, b, token, other=-1)
+    return attend_all(q_tile, token, head, d, pos, q, k_cache, v_cache, b, kv_head, scale=scale, cap=cap,
+                      window=window, SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N)
 
 
 def _kernel_kwargs(q, k_cache, scale, softcap, window) -> dict:

@@ -4,8 +4,8 @@ A decode step otherwise runs rope_cache_kernel (rotate q in place, write rotated
 caches) and then attention: two launches per layer for a few hundred bytes of new data. Here the
 attention kernel takes q (B, 1, Hq, D) and k, v (B, Hk, D) where the qkv projection left them, rotates
 q and k as it loads them, writes k and v into the caches itself, and after a block barrier attends
-over the cache as written (substituting the new key in every key tile instead cost the CPU 11% more
-attention time than the two kernels). Two variants: one program per (row, KV head) over all keys (`attention_new_kv_kernel`), and
+over the cache as written (substituting the new key in every key tile instead took 4.7 ms of a CPU
+SmolLM2 step against 4.5 ms for rope_cache and attention together). Two variants: one program per (row, KV head) over all keys (`attention_new_kv_kernel`), and
 the flash-decoding split over key ranges (`attention_split_new_kv_kernel`, merged by
 attention_split.merge), where only the range holding the new position writes the cache.
 """
@@ -18,12 +18,9 @@ import torch
 
 import kilnx.dsl as kd
 from kilnx.kernels import attention_split as AS
-from kilnx.kernels.attention import (NO_WINDOW, _attn_default, _attn_key, _kernel_kwargs, _next_pow2, attend,
-                                     attention, attention_formula, visible_keys)
-from kilnx.kernels.rope import rotated, rotated_tile
-
-_TUNE = {"BLOCK_M": kd.pow2(16, 64, default=16), "BLOCK_N": kd.pow2(16, 128, default=64),
-         "num_warps": kd.choice(2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=3)}
+from kilnx.kernels.attention import (NO_WINDOW, TUNE, _attn_default, _attn_key, _kernel_kwargs, _next_pow2,
+                                     attend_all, attention, attention_formula, query_rows)
+from kilnx.kernels.rope import _rope_cache_spec, rotated_tile
 
 
 def enabled(device_type: str) -> bool:
@@ -35,34 +32,28 @@ def enabled(device_type: str) -> bool:
 
 
 def _with_new_kv(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, interleaved):
-    """(q rotated (B, 1, Hq, D), the caches with the new k, v written): the torch meaning of the fusion."""
-    pos = positions[:, 0]
-    qr = rotated(q[:, 0], pos, inv_freq, interleaved)[:, None]
-    kc, vc = k_cache.clone(), v_cache.clone()
-    kc.transpose(1, 2)[rows.long(), pos.long()] = rotated(k_new, pos, inv_freq, interleaved)
-    vc.transpose(1, 2)[rows.long(), pos.long()] = v_new
-    return qr, kc, vc
+    """(q rotated (B, 1, Hq, D), the caches with the new k, v written): rope_cache_kernel's meaning."""
+    qr, kc, vc = _rope_cache_spec(q[:, 0], k_new, v_new, positions[:, 0], rows, inv_freq, k_cache, v_cache,
+                                  INTERLEAVED=interleaved)
+    return qr[:, None], kc, vc
 
 
 def _new_token_tiles(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, pid_m, b, kv_head, group,
-                     owner, *, BLOCK_M: int, BLOCK_D: int, INTERLEAVED: bool):
-    """The program's rotated query tile (rows: (token, head in group) pairs, head fastest), after writing
-    the new key and value of (b, kv_head) into the caches where `owner` (None: always) and a barrier, so
-    that the program's reads of the cache see them. Returns (q_tile, token, head, d, pos)."""
-    pair = pid_m * BLOCK_M + kd.arange(0, BLOCK_M)
-    token = pair // group
-    head = kv_head * group + pair % group
+                     keys=None, *, BLOCK_M: int, BLOCK_D: int, INTERLEAVED: bool):
+    """The program's rotated query tile, after writing the new key and value of (b, kv_head) into the
+    caches (only if the new position lies in `keys` = (first, count) when given) and a barrier, so that
+    the program's reads of the cache see them. Returns (q_tile, token, head, d, pos)."""
+    token, head = query_rows(pid_m, kv_head, group, BLOCK_M)
     d = kd.arange(0, BLOCK_D)
     pos = kd.load(positions, b, token, other=-1)
     q_tile = rotated_tile(q, b, token[:, None], head[:, None], d=d[None, :], pos=pos[:, None], inv_freq=inv_freq,
                           interleaved=INTERLEAVED).astype(q.dtype)
     new_pos = kd.load(positions, b, 0, check=(True, False))   # a literal index: no bounds check
-    k_row = rotated_tile(k_new, b, kv_head, d=d, pos=new_pos, inv_freq=inv_freq,
-                         interleaved=INTERLEAVED).astype(k_cache.dtype)
-    v_row = kd.load(v_new, b, kv_head, d).astype(v_cache.dtype)
+    owner = None if keys is None else (new_pos >= keys[0]) & (new_pos < keys[0] + keys[1])
+    k_row = rotated_tile(k_new, b, kv_head, d=d, pos=new_pos, inv_freq=inv_freq, interleaved=INTERLEAVED)
     row = kd.load(rows, b)
     kd.store(k_cache, row, kv_head, new_pos, d, k_row, mask=owner)
-    kd.store(v_cache, row, kv_head, new_pos, d, v_row, mask=owner)
+    kd.store(v_cache, row, kv_head, new_pos, d, kd.load(v_new, b, kv_head, d), mask=owner)
     kd.barrier()
     return q_tile, token, head, d, pos
 
@@ -83,8 +74,7 @@ def _specialize(q, *_):
     return {"BLOCK_D": max(_next_pow2(q.shape[3]), 16), "scale": q.shape[3] ** -0.5}
 
 
-@kd.kernel(tune={**_TUNE, "BLOCK_M": kd.pow2(4, 128, default=16)},   # attention_kernel's space: its defaults apply
-           key=_args_key, spec=_spec, specialize=_specialize,
+@kd.kernel(tune=TUNE, key=_args_key, spec=_spec, specialize=_specialize,
            default=lambda q, kn, vn, positions, rows, inv, k_cache, v_cache, **_: _attn_default(q, k_cache, v_cache,
                                                                                                 positions))
 def attention_new_kv_kernel(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, *, scale: float,
@@ -92,21 +82,14 @@ def attention_new_kv_kernel(q, k_new, v_new, positions, rows, inv_freq, k_cache,
                             SOFTCAP: kd.constexpr = False, INTERLEAVED: kd.constexpr = False, BLOCK_M, BLOCK_N):
     """attention_kernel for one new token per row, from the projection's q, k, v (see the module doc)."""
     B, T, Hq, D = q.shape
-    Hk, S = k_cache.shape[1], k_cache.shape[2]
-    group = Hq // Hk
-    pid_m, pid_bh = kd.grid(kd.cdiv(T * group, BLOCK_M), B * Hk)
-    b = pid_bh // Hk
-    kv_head = pid_bh % Hk
-    q_tile, token, head, d, pos = _new_token_tiles(
-        q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, pid_m, b, kv_head, group, None,
-        BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, INTERLEAVED=INTERLEAVED)
-    key_start, key_stop = visible_keys(pos, token < T, S, window, BLOCK_N)
-    acc, row_max, row_sum = attend(q_tile, pos, k_cache, v_cache, b, kv_head, d, key_start, key_stop, S,
-                                   scale=scale, cap=cap, window=window, SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N)
-    out = kd.output((B, T, Hq, D), q.dtype)
-    seen_any = kd.where(row_sum > 0, row_sum, 1.0)   # padding rows saw no key: 0, not 0/0
-    kd.store(out, b, token[:, None], head[:, None], d[None, :], acc / seen_any[:, None])
-    return out
+    Hk = k_cache.shape[1]
+    pid_m, pid_bh = kd.grid(kd.cdiv(T * (Hq // Hk), BLOCK_M), B * Hk)
+    b, kv_head = pid_bh // Hk, pid_bh % Hk
+    q_tile, token, head, d, pos = _new_token_tiles(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache,
+                                                   pid_m, b, kv_head, Hq // Hk, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
+                                                   INTERLEAVED=INTERLEAVED)
+    return attend_all(q_tile, token, head, d, pos, q, k_cache, v_cache, b, kv_head, scale=scale, cap=cap,
+                      window=window, SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N)
 
 
 # ---- split over key ranges ----------------------------------------------------------------------------
@@ -115,9 +98,7 @@ def _split_spec(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, *,
     return AS._split_spec(qr, kc, vc, positions, **kw)
 
 
-@kd.kernel(tune={**_TUNE, "KEYS_PER_SPLIT": kd.pow2(16, 8192, default=512)},
-           constraints=[lambda KEYS_PER_SPLIT, BLOCK_N: KEYS_PER_SPLIT >= BLOCK_N],
-           key=_args_key, spec=_split_spec, specialize=_specialize,
+@kd.kernel(tune=AS.TUNE, constraints=AS.CONSTRAINTS, key=_args_key, spec=_split_spec, specialize=_specialize,
            default=lambda q, kn, vn, positions, rows, inv, k_cache, v_cache, **_: AS._split_default(q, k_cache, v_cache,
                                                                                                     positions))
 def attention_split_new_kv_kernel(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, *, scale: float,
@@ -128,15 +109,11 @@ def attention_split_new_kv_kernel(q, k_new, v_new, positions, rows, inv_freq, k_
     whose key range holds the new position writes the caches (no other program reads that position)."""
     B, T, Hq, D = q.shape
     Hk, S = k_cache.shape[1], k_cache.shape[2]
-    group = Hq // Hk
-    pid_m, pid_bh, split = kd.grid(kd.cdiv(T * group, BLOCK_M), B * Hk, kd.cdiv(S, KEYS_PER_SPLIT))
-    b = pid_bh // Hk
-    kv_head = pid_bh % Hk
-    new_pos = kd.load(positions, b, 0, check=(True, False))
-    lo = split * KEYS_PER_SPLIT
-    q_tile, token, head, d, pos = _new_token_tiles(
-        q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, pid_m, b, kv_head, group,
-        (new_pos >= lo) & (new_pos < lo + KEYS_PER_SPLIT), BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, INTERLEAVED=INTERLEAVED)
+    pid_m, pid_bh, split = kd.grid(kd.cdiv(T * (Hq // Hk), BLOCK_M), B * Hk, kd.cdiv(S, KEYS_PER_SPLIT))
+    b, kv_head = pid_bh // Hk, pid_bh % Hk
+    q_tile, token, head, d, pos = _new_token_tiles(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache,
+                                                   pid_m, b, kv_head, Hq // Hk, (split * KEYS_PER_SPLIT, KEYS_PER_SPLIT),
+                                                   BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, INTERLEAVED=INTERLEAVED)
     return AS._attend_range(q_tile, token, head, token < T, d, pos, k_cache, v_cache, b, kv_head, split, B, T, Hq, D,
                             scale=scale, cap=cap, window=window, SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N,
                             KEYS_PER_SPLIT=KEYS_PER_SPLIT)

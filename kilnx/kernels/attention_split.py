@@ -71,11 +71,14 @@ def _sm_count(device) -> int:
     return _SMS[device]
 
 
+TUNE = {"BLOCK_M": kd.pow2(16, 64, default=16), "BLOCK_N": kd.pow2(16, 128, default=64),
+        "KEYS_PER_SPLIT": kd.pow2(16, 8192, default=512),
+        "num_warps": kd.choice(2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=3)}
+CONSTRAINTS = [lambda KEYS_PER_SPLIT, BLOCK_N: KEYS_PER_SPLIT >= BLOCK_N]
+
+
 @kd.kernel(
-    tune={"BLOCK_M": kd.pow2(16, 64, default=16), "BLOCK_N": kd.pow2(16, 128, default=64),
-          "KEYS_PER_SPLIT": kd.pow2(16, 8192, default=512),
-          "num_warps": kd.choice(2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=3)},
-    constraints=[lambda KEYS_PER_SPLIT, BLOCK_N: KEYS_PER_SPLIT >= BLOCK_N],
+    tune=TUNE, constraints=CONSTRAINTS,
     key=_attn_key, default=_split_default, spec=_split_spec,
     specialize=lambda q, k_cache, v_cache, positions: {"BLOCK_D": max(_next_pow2(q.shape[3]), 16),
                                                        "scale": q.shape[3] ** -0.5})

@@ -48,7 +48,8 @@ class QmatmulRowsRoute:
                             "TC_MIN_ROWS": choice(1, 2, 4, 6, 8, 12, 16, TC_NEVER, default=TC_MIN_ROWS)})
         self._chosen: dict = {}
         parts = (ROUTING_VERSION + qm.qmv.source_hash + qm.qmm.source_hash + qm.qmv_prep.source_hash
-                 + qmv_h2.qmv_h2.source_hash + qmv_h2.qmv_h2_prep.source_hash + qmv_tc.qmv_tc.source_hash + qmv_cpu.qmv_il.source_hash)
+                 + qmv_h2.qmv_h2.source_hash + qmv_h2.qmv_h2_prep.source_hash + qmv_tc.qmv_tc.source_hash
+                 + qmv_cpu.qmv_il.source_hash)
         self.source_hash = hashlib.sha256(parts.encode()).hexdigest()
         self.tolerance = qm._matmul_tolerance
         self.peer = None
@@ -97,9 +98,9 @@ class QmatmulRowsRoute:
         bits, group = f["BITS"], f["GROUP"]
         if x.shape[0] >= chosen.get("TC_MIN_ROWS", TC_NEVER) and self._tc.serves(x, wq, scales, biases):
             return lambda x, wq, scales, biases: self._tc.run_qmv_tc(x, wq, scales, biases, backend=backend)
-        if x.shape[0] <= chosen["QMV_MAX_ROWS"] and 32 % bits == 0 and chosen["GEMV"] == "qmv_il":
-            return lambda x, wq, scales, biases: self._il.run_qmv_il(x, wq, scales, biases, backend=backend)
         if x.shape[0] <= chosen["QMV_MAX_ROWS"] and 32 % bits == 0:
+            if chosen["GEMV"] == "qmv_il":
+                return lambda x, wq, scales, biases: self._il.run_qmv_il(x, wq, scales, biases, backend=backend)
             h2 = chosen["GEMV"] == "qmv_h2" and bits in self._h2.BITS_SERVED
             prep, gemv = (self._h2.qmv_h2_prep, self._h2.qmv_h2) if h2 else (qm.qmv_prep, qm.qmv)
 

@@ -13,9 +13,9 @@ import types
 import torch
 
 OP_NAMES = ("embedding", "rms_norm", "add_rms_norm", "silu_mul", "gelu_tanh_mul", "softcap", "scaled_add", "rope_",
-            "rope_and_cache_", "qmatmul", "attention", "argmax")
+            "rope_and_cache_", "qmatmul", "attention", "attention_new_tokens", "argmax")
 # fusions only the kernels have (a model asks prepared_format first, and without them calls the plain ops)
-KILNX_ONLY = ("prepared_format", "add_rms_norm_prepared", "silu_mul_prepared", "attention_new_tokens")
+KILNX_ONLY = ("prepared_format", "add_rms_norm_prepared", "silu_mul_prepared")
 
 
 class _FallbackOps(types.SimpleNamespace):
@@ -89,6 +89,9 @@ def missing_ops(ops, device: str = "cpu") -> list[str]:
                                                        kc.clone(), kc.clone()),
         "qmatmul": lambda: ops.qmatmul(x, torch.randn(32, 64, device=dev)),
         "attention": lambda: ops.attention(q, kc, kc, pos, 0.125),
+        "attention_new_tokens": lambda: ops.attention_new_tokens(
+            q[0].clone(), q[0, :, :1].clone(), q[0, :, :1].clone(), pos, torch.zeros_like(pos[0]),
+            torch.ones(32, device=dev), kc.clone(), kc.clone(), 0.125),
         "argmax": lambda: ops.argmax(x),
     }
     out = []

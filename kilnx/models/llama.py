@@ -48,7 +48,6 @@ class LlamaModel:
         eps, off = cfg.rms_norm_eps, self._norm_offset
         emb = getattr(ops, "embedding", None)
         h = emb(w.embed, input_ids) if emb is not None else w.embed[input_ids.reshape(-1)]   # (B*T, H) gather
-        pos_flat = positions.reshape(-1)
         rows_flat = self._rows_of(B, T, positions.device)      # cache row of each token
         residual = None
         for i, layer in enumerate(w.layers):
@@ -57,7 +56,7 @@ class LlamaModel:
                 x = ops.rms_norm(h, layer.attn_norm, eps, weight_offset=off)
             else:
                 residual, x = self._add_norm(h, residual, layer.attn_norm, layer.qkv)
-            a = self._attention(i, layer, x, positions, pos_flat, rows_flat, kv_cache, B, T)
+            a = self._attention(i, layer, x, positions, rows_flat, kv_cache, B, T)
             if self._gemma:
                 a = ops.rms_norm(a, layer.post_attn_norm, eps, weight_offset=off)
             residual, x = self._add_norm(a, residual, layer.mlp_norm, layer.gate_up)
@@ -102,7 +101,7 @@ class LlamaModel:
                                              weight_offset=self._norm_offset)
         return ops.add_rms_norm(x, residual, norm, cfg.rms_norm_eps, weight_offset=self._norm_offset)
 
-    def _attention(self, i: int, layer: LayerWeights, x, positions, pos_flat, rows_flat, cache, B: int, T: int):
+    def _attention(self, i: int, layer: LayerWeights, x, positions, rows_flat, cache, B: int, T: int):
         cfg, ops = self.config, self.ops
         Hq, Hk, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qs, ks = cfg.q_size, cfg.kv_size
@@ -121,20 +120,11 @@ class LlamaModel:
         k_cache, v_cache = cache.k[i], cache.v[i]
         window = cfg.sliding_window if sliding else None
         fmt = self._prepared_format([layer.o], qkv[:, :qs])     # (B*T, Hq*D), as o's input
-        fused = getattr(ops, "attention_new_tokens", None)
-        if fused is not None:   # rotary embedding, the cache write and attention, in as few launches as it can
-            o = fused(q, k, v, positions, rows_flat, inv, k_cache, v_cache, cfg.attn_scale,
-                      softcap=cfg.attn_logit_softcap, window=window, interleaved=cfg.rope_interleaved, prepared=fmt)
-            return _linear(ops, o if fmt is not None else o.reshape(B * T, Hq * D), [layer.o])
-        # one kernel: q rotated where the projection left it, rotated k and v written into the cache
-        ops.rope_and_cache_(q, k, v, pos_flat, rows_flat, inv, k_cache, v_cache, interleaved=cfg.rope_interleaved)
-        if fmt is not None:   # the attention's last kernel writes o's input prepared for its GEMV
-            o = ops.attention(q.view(B, T, Hq, D), k_cache, v_cache, positions, cfg.attn_scale,
-                              softcap=cfg.attn_logit_softcap, window=window, prepared=fmt)
-            return _linear(ops, o, [layer.o])
-        o = ops.attention(q.view(B, T, Hq, D), k_cache, v_cache, positions, cfg.attn_scale,
-                          softcap=cfg.attn_logit_softcap, window=window)
-        return _linear(ops, o.reshape(B * T, Hq * D), [layer.o])
+        # rotary embedding, the cache write and attention, in as few launches as the ops can
+        o = ops.attention_new_tokens(q, k, v, positions, rows_flat, inv, k_cache, v_cache, cfg.attn_scale,
+                                     softcap=cfg.attn_logit_softcap, window=window, interleaved=cfg.rope_interleaved,
+                                     prepared=fmt)
+        return _linear(ops, o if fmt is not None else o.reshape(B * T, Hq * D), [layer.o])
 
     def _mlp(self, layer: LayerWeights, x):
         ops = self.ops

@@ -65,8 +65,7 @@ class Engine:
         # KILNX_LAZY_GRAPHS=1: capture at the first decode step instead, so a new process's first token
         # does not wait for the decode kernels and the capture (~1.2 s of a 3.5 s cold first token on an
         # H200 for llama-3.1-8b); the second token waits for them instead
-        self.lazy_graphs = os.environ.get("KILNX_LAZY_GRAPHS", "0") == "1"
-        if self.cuda_graphs and not self.lazy_graphs:
+        if self.cuda_graphs and os.environ.get("KILNX_LAZY_GRAPHS", "0") != "1":
             self._capture_all()
 
     # ------------------------------------------------------------------ limits
@@ -148,7 +147,7 @@ class Engine:
         # Warm-up and capture run real steps at the cache's last position of each row: the junk K/V they
         # write there is never read before a real token at that position overwrites it (a step writes its
         # own K/V before attending, and attends only up to its position), so capturing after prefills
-        # (lazy_graphs) is as safe as before them.
+        # (KILNX_LAZY_GRAPHS) is as safe as before them.
         pool = torch.cuda.graph_pool_handle()
         for b in sorted(_buckets(self.max_batch), reverse=True):   # largest first: its pool fits the rest
             self._graphs[b] = self._capture(b, pool)

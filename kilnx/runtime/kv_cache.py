@@ -52,6 +52,3 @@ class KVCache:
         """A view of sequences [start, stop): prefill one sequence into a batched cache."""
         return KVCache([t[start:stop] for t in self.k], [t[start:stop] for t in self.v])
 
-    def zero_(self) -> None:
-        for t in self.k + self.v:
-            t.zero_()

@@ -106,11 +106,27 @@ def _sync_in_a_loop(x, *, B):
 def _prefetch_then_sync(x, *, B):
     kd.grid(1)
     r = kd.arange(0, B)
-    kd.prefetch(x, r * 4, mask=r * 4 < x.shape[0])
+    kd.prefetch(x, kd.minimum(r * 4, x.shape[0] - 1))
     kd.grid_dependency_sync()
     out = kd.output((B,), kd.f32)
     kd.store(out, r, kd.load(x, r) * 2.0)
     return out
+
+
+@kd.kernel(tune={"B": kd.choice(16)})
+def _prefetch_past_the_end(x, *, B):
+    kd.grid(1)
+    r = kd.arange(0, B)
+    kd.prefetch(x, r * 4)
+    out = kd.output((B,), kd.f32)
+    kd.store(out, r, kd.load(x, r))
+    return out
+
+
+def test_a_prefetch_index_outside_the_tensor_is_refused_by_the_reference():
+    """kd.prefetch has no mask: its indices must lie inside the tensor, as the reference checks."""
+    with pytest.raises(kd.DSLError, match="out-of-bounds access to `x`"):
+        _prefetch_past_the_end(torch.zeros(40), backend="reference")
 
 
 @pytest.mark.parametrize("kernel,message", [(_sync_after_a_load, "comes after a load of `x`"),

@@ -39,19 +39,31 @@ def test_kilnx_forward_equals_the_torch_peer_on_gpu(arch, length):
     torch.testing.assert_close(logits[1], logits[0], rtol=3e-2, atol=3e-2 * logits[0].abs().max().item())
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3"])
-def test_graph_decode_follows_the_torch_peer(arch):
-    """CUDA-graph decode steps on kilnx's kernels give the torch eager peer's logits, step after step,
-    both fed the same tokens (free-running greedy paths of a random tiny model part at near-ties)."""
-    prompt = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(3)).tolist()
-    engines = {ops: Engine(model(arch, ops), max_seq=64, cuda_graphs=(ops == "kilnx")) for ops in ("torch", "kilnx")}
+def engines_for(arch, max_seq):
+    """The torch eager peer and kilnx with CUDA graphs, on the same random tiny model."""
+    return {ops: Engine(model(arch, ops), max_seq=max_seq, cuda_graphs=(ops == "kilnx")) for ops in ("torch", "kilnx")}
+
+
+def follow_the_peer(engines, prompt, steps):
+    """Prefill both engines, then decode `steps` greedy tokens of the peer's choosing in both: kilnx's logits
+    equal the peer's at every step (free-running paths of a random model would part at near-ties)."""
     logits = {ops: e.prefill(prompt).float() for ops, e in engines.items()}
-    for step in range(8):
+    for step in range(steps):
         want = logits["torch"]
         torch.testing.assert_close(logits["kilnx"], want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
         tok = torch.tensor([int(want.argmax())], device="cuda")
         pos = torch.tensor([len(prompt) + step], device="cuda")
         logits = {ops: e.decode(tok, pos)[0].float() for ops, e in engines.items()}
+
+
+def random_prompt(n, seed):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3"])
+def test_graph_decode_follows_the_torch_peer(arch):
+    """CUDA-graph decode steps on kilnx's kernels give the torch eager peer's logits, step after step."""
+    follow_the_peer(engines_for(arch, 64), random_prompt(20, 3), 8)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3"])
@@ -69,16 +81,7 @@ def test_decode_with_the_fused_rope_and_cache_write_follows_the_torch_peer(arch,
         return fused(*a, **k)
     monkeypatch.setattr(AD, kernel, counting)
     monkeypatch.setenv("KILNX_FUSED_ROPE", "1")
-    prompt = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(5)).tolist()
-    engines = {ops: Engine(model(arch, ops), max_seq=max_seq, cuda_graphs=(ops == "kilnx"))
-               for ops in ("torch", "kilnx")}
-    logits = {ops: e.prefill(prompt).float() for ops, e in engines.items()}
-    for step in range(6):
-        want = logits["torch"]
-        torch.testing.assert_close(logits["kilnx"], want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
-        tok = torch.tensor([int(want.argmax())], device="cuda")
-        pos = torch.tensor([len(prompt) + step], device="cuda")
-        logits = {ops: e.decode(tok, pos)[0].float() for ops, e in engines.items()}
+    follow_the_peer(engines_for(arch, max_seq), random_prompt(20, 5), 6)
     assert calls, f"the decode steps did not take {kernel}"
 
 
@@ -87,14 +90,7 @@ def test_lazy_graphs_capture_at_the_first_decode_step_after_a_prefill(monkeypatc
     and capture write junk K/V only at the cache's last position) and every step keeps the peer's logits,
     so the prompt's K/V survived the capture."""
     monkeypatch.setenv("KILNX_LAZY_GRAPHS", "1")
-    prompt = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(7)).tolist()
-    engines = {ops: Engine(model("llama", ops), max_seq=64, cuda_graphs=(ops == "kilnx")) for ops in ("torch", "kilnx")}
+    engines = engines_for("llama", 64)
     assert not engines["kilnx"]._graphs
-    logits = {ops: e.prefill(prompt).float() for ops, e in engines.items()}
-    for step in range(5):
-        want = logits["torch"]
-        torch.testing.assert_close(logits["kilnx"], want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
-        tok = torch.tensor([int(want.argmax())], device="cuda")
-        pos = torch.tensor([len(prompt) + step], device="cuda")
-        logits = {ops: e.decode(tok, pos)[0].float() for ops, e in engines.items()}
+    follow_the_peer(engines, random_prompt(12, 7), 5)
     assert engines["kilnx"]._graphs

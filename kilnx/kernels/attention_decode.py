@@ -23,12 +23,15 @@ from kilnx.kernels.attention import (NO_WINDOW, TUNE, _attn_default, _attn_key, 
 from kilnx.kernels.rope import _rope_cache_spec, rotated_tile
 
 
-def enabled(device_type: str) -> bool:
-    """KILNX_FUSED_ROPE=1/0 decides; by default on where it has been measured: the CPU (numba) for now."""
+def enabled(device_type: str, split: bool) -> bool:
+    """KILNX_FUSED_ROPE=1/0 decides; by default on where it was measured faster: the CPU (numba) and the
+    GPU's one-program variant (llama-3.2-1b on the H200: 1381 / 1270 tok/s against 1254 / 1228 without,
+    2026-12-03_h200_e2e_s7_fused_rope_*.csv), not the GPU's split variant (llama-3.1-8b with a cache
+    of 2113: 401 / 381 against 421 / 392)."""
     env = os.environ.get("KILNX_FUSED_ROPE")
-    if env is not None:
+    if env in ("0", "1"):
         return env == "1"
-    return device_type == "cpu"
+    return device_type == "cpu" or not split
 
 
 def _with_new_kv(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, interleaved):
@@ -126,11 +129,12 @@ def attention_new_tokens(q, k, v, positions, rows, inv_freq, k_cache, v_cache, s
     from kilnx.kernels import rope
     B, T = positions.shape
     q4 = q.view(B, T, q.shape[1], q.shape[2])
-    if T == 1 and enabled(q.device.type):
+    split = T == 1 and AS.use_split(q4, k_cache)
+    if T == 1 and enabled(q.device.type, split):
         kw = _kernel_kwargs(q4, k_cache, scale, softcap, window)
         args = (q4, k.view(B, k.shape[1], k.shape[2]), v.view(B, v.shape[1], v.shape[2]), positions, rows, inv_freq,
                 k_cache, v_cache)
-        if AS.use_split(q4, k_cache):
+        if split:
             return AS.merge(attention_split_new_kv_kernel(*args, INTERLEAVED=bool(interleaved), **kw), q4, prepared)
         out = attention_new_kv_kernel(*args, INTERLEAVED=bool(interleaved), **kw)
         if prepared is None:

@@ -111,6 +111,9 @@ def test_ops_attention_new_tokens_is_rope_and_cache_then_attention(fused, monkey
 
 def test_fused_path_is_on_by_default_only_where_measured(monkeypatch):
     monkeypatch.delenv("KILNX_FUSED_ROPE", raising=False)
-    assert AD.enabled("cpu") and not AD.enabled("cuda")
+    assert AD.enabled("cpu", split=True) and AD.enabled("cpu", split=False)
+    assert AD.enabled("cuda", split=False) and not AD.enabled("cuda", split=True)
     monkeypatch.setenv("KILNX_FUSED_ROPE", "0")
-    assert not AD.enabled("cpu")
+    assert not AD.enabled("cpu", split=False) and not AD.enabled("cuda", split=False)
+    monkeypatch.setenv("KILNX_FUSED_ROPE", "1")
+    assert AD.enabled("cuda", split=True)

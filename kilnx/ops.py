@@ -107,6 +107,23 @@ def silu_mul_prepared(gate_up: torch.Tensor, fmt):
     return prepared.silu_mul_prepared(gate_up, fmt)
 
 
+def fuses_qkv_rope(x, w, inv_freq: torch.Tensor, k_cache: torch.Tensor, num_heads: int) -> bool:
+    """Whether qkv_rope_cache computes x @ w.T, the rotation and the cache write in one launch: x prepared
+    for w's GEMV, one (Hq + 2 Hk) * D row weight, full rotary width (KILNX_FUSED_QKV_ROPE=0 turns it off)."""
+    from kilnx.kernels import qkv_rope
+    return qkv_rope.enabled() and qkv_rope.serves(x, w, inv_freq, k_cache, num_heads)
+
+
+def qkv_rope_cache(x, w, positions: torch.Tensor, rows: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, *, num_heads: int, interleaved: bool = False) -> torch.Tensor:
+    """qkv = qmatmul(x, w) split into q (M, Hq, D), k, v (M, Hk, D), then rope_and_cache_(q, k, v, positions,
+    rows, inv_freq, k_cache, v_cache): returns the rotated q; k and v land in the caches. One launch
+    where fuses_qkv_rope says so (ask it first), else refused."""
+    from kilnx.kernels import qkv_rope
+    return qkv_rope.qkv_rope_cache(x, w, positions, rows, inv_freq, k_cache, v_cache, num_heads=num_heads,
+                                   interleaved=interleaved)
+
+
 def gather_qmatmul(x: torch.Tensor, w, expert_ids: torch.Tensor) -> torch.Tensor:
     """Per-(token, slot) expert matmul: x (T, K), w a QWeight expert stack (E, N, K), expert_ids
     (T, top_k) int -> (T, top_k, N), out[t, k] = x[t] @ w[expert_ids[t, k]].T; that is

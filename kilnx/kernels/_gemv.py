@@ -25,14 +25,17 @@ class Frame:
     pipelined GEMV is latency-bound: ncu showed DRAM half busy at 25% occupancy on the H200)."""
 
     def __init__(self, N, KW, *, WPG: int, BLOCK_M: int, BLOCK_N: int, BLOCK_KW: int, SPLIT_K: int, N_DIV: int,
-                 KW_DIV: int, STAGES: int = 1):
+                 KW_DIV: int, STAGES: int = 1, rows_of=None):
+        """rows_of(pid_n) -> the program's BLOCK_N weight rows, when they are not the consecutive block
+        pid_n * BLOCK_N + arange(BLOCK_N) (any set that the programs cover once; ROWS_IN still says
+        whether every row lies in bounds)."""
         self.N, self.WPG, self.BLOCK_M, self.BLOCK_N, self.STAGES = N, WPG, BLOCK_M, BLOCK_N, STAGES
         self.check_m = BLOCK_M > 1 and STAGES > 1    # activation rows past M are visited (see rows())
         self.G = max(BLOCK_KW // WPG, 1)            # groups per chunk
         self.CHUNK = self.G * WPG                    # words per chunk: whole groups
         self.ROWS_IN, self.K_IN = N_DIV % BLOCK_N == 0, KW_DIV % self.CHUNK == 0
         pid_n, pid_k = kd.grid(kd.cdiv(N, BLOCK_N), SPLIT_K)
-        self.n = pid_n * BLOCK_N + kd.arange(0, BLOCK_N)
+        self.n = rows_of(pid_n) if rows_of is not None else pid_n * BLOCK_N + kd.arange(0, BLOCK_N)
         # splits are whole chunks, so a chunk never crosses into the next split's words
         words_per_split = kd.cdiv(kd.cdiv(KW, SPLIT_K), self.CHUNK) * self.CHUNK
         self.w_start = pid_k * words_per_split

@@ -181,25 +181,31 @@ def _default(planes, sums, xs, wq, scales, biases, **_):
 def qmv_h2(planes, sums, xs, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr,
            BLOCK_M: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr, PREFETCH: kd.constexpr = False,
            BLOCK_N, BLOCK_KW, SPLIT_K, STAGES):
-    M = planes.shape[0]
     N, KW = wq.shape
-    PER = 32 // BITS                 # codes per word
-    f = gemv.Frame(N, KW, WPG=GROUP // PER, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW,
+    f = gemv.Frame(N, KW, WPG=GROUP * BITS // 32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW,
                    SPLIT_K=SPLIT_K, N_DIV=N_DIV, KW_DIV=KW_DIV, STAGES=STAGES)
     if PREFETCH:
         f.prefetch_weights(wq, scales, biases)
-    acc = kd.zeros((BLOCK_M, BLOCK_N), kd.f32)
+    return f.store(accumulate(f, planes, sums, xs, wq, scales, biases, BITS=BITS), planes.shape[0], N, scales.dtype,
+                   SPLIT_K)
+
+
+def accumulate(f, planes, sums, xs, wq, scales, biases, *, BITS: int):
+    """The program's (BLOCK_M, BLOCK_N) fp32 results over its words: qmv_h2's main loop, shared with the
+    GEMVs that finish differently (qkv_rope.qkv_rope_cache_h2)."""
+    PER = 32 // BITS                 # codes per word
+    acc = kd.zeros((f.BLOCK_M, f.BLOCK_N), kd.f32)
     for w0 in f.chunks():
         wc, g, words = f.chunk(wq, w0)
         s, b = f.per_weight_row(scales, g).f32(), f.per_weight_row(biases, g).f32()
         # every row reuses the decoded pairs (one row decodes each pair right where it is used, so
         # only one pair tile is live at a time)
-        pairs = _exact_pairs(words, BITS) if BLOCK_M > 1 else None
-        for m in f.rows(M):
+        pairs = _exact_pairs(words, BITS) if f.BLOCK_M > 1 else None
+        for m in f.rows(planes.shape[0]):
             qx_g = f.h2_group_dot(lambda p: _exact_pair(words, BITS, p), pairs, planes, m, wc, PER // 2)
             row = kd.sum(qx_g * s * f.per_x_row(xs, m, g)[None, :] + b * f.per_x_row(sums, m, g)[None, :], axis=1)
-            acc += gemv.into_row(row, m, BLOCK_M)
-    return f.store(acc, M, N, scales.dtype, SPLIT_K)
+            acc += gemv.into_row(row, m, f.BLOCK_M)
+    return acc
 
 
 def serves(x, wq, scales, biases) -> bool:

@@ -105,6 +105,20 @@ class LlamaModel:
         cfg, ops = self.config, self.ops
         Hq, Hk, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qs, ks = cfg.q_size, cfg.kv_size
+        sliding = cfg.layer_is_sliding(i)
+        inv = self._inv_freq_local if sliding else self._inv_freq
+        k_cache, v_cache = cache.k[i], cache.v[i]
+        window = cfg.sliding_window if sliding else None
+        fuses = getattr(ops, "fuses_qkv_rope", None)
+        if (fuses is not None and layer.qkv_bias is None and layer.q_norm is None and len(layer.qkv) == 1
+                and fuses(x, layer.qkv[0], inv, k_cache, Hq)):
+            # the projection rotates q and writes k, v into the caches itself (kernels/qkv_rope.py)
+            q = ops.qkv_rope_cache(x, layer.qkv[0], positions.reshape(-1), rows_flat, inv, k_cache, v_cache,
+                                   num_heads=Hq, interleaved=cfg.rope_interleaved)
+            fmt = self._prepared_format([layer.o], q.view(B * T, qs))
+            o = ops.attention(q.view(B, T, Hq, D), k_cache, v_cache, positions, cfg.attn_scale,
+                              softcap=cfg.attn_logit_softcap, window=window, prepared=fmt)
+            return _linear(ops, o if fmt is not None else o.reshape(B * T, Hq * D), [layer.o])
         qkv = _linear(ops, x, layer.qkv)                       # (B*T, q + 2kv)
         if layer.qkv_bias is not None:
             # qwen2's bias add: the ops contract has no bias epilogue, and this is one tiny elementwise op.
@@ -115,10 +129,6 @@ class LlamaModel:
         if layer.q_norm is not None:
             q = ops.rms_norm(q, layer.q_norm, cfg.rms_norm_eps, weight_offset=self._norm_offset)
             k = ops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps, weight_offset=self._norm_offset)
-        sliding = cfg.layer_is_sliding(i)
-        inv = self._inv_freq_local if sliding else self._inv_freq
-        k_cache, v_cache = cache.k[i], cache.v[i]
-        window = cfg.sliding_window if sliding else None
         fmt = self._prepared_format([layer.o], qkv[:, :qs])     # (B*T, Hq*D), as o's input
         # rotary embedding, the cache write and attention, in as few launches as the ops can
         o = ops.attention_new_tokens(q, k, v, positions, rows_flat, inv, k_cache, v_cache, cfg.attn_scale,

@@ -46,10 +46,10 @@ def pdl_enabled() -> bool:
 
 
 PDL = tl.constexpr(pdl_enabled())
-# KILNX_PDL_TRIGGER=early lets the next kernel be scheduled as soon as all of this kernel's blocks have
-# started, before they wait: still correct (each kernel waits for the previous one's completion, which
-# implies all before it), it hides one more launch; an experiment until measured against the default
-PDL_EARLY_TRIGGER = tl.constexpr(os.environ.get("KILNX_PDL_TRIGGER", "after_wait") == "early")
+# The wait comes before the trigger: letting the next kernel be scheduled before this one waits (tried as
+# KILNX_PDL_TRIGGER=early) was slower on the H200: llama-3.1-8b decode 398.5 / 383.3 tok/s against 418.0 /
+# 417.1, llama-3.2-1b 1120 / 1109 against 1315 / 1368 (bench/results/2026-12-03_h200_e2e_s7_pdl_trigger_*.csv):
+# blocks that launched early sit on SM slots waiting while the kernel before them still has blocks to place.
 
 
 @triton.jit
@@ -67,12 +67,8 @@ def grid_dependency_sync():
     """Wait for the previous kernel in the stream (a no-op unless launched with PDL), then let the next
     one be scheduled. Generated kernels call this before any other statement."""
     if PDL:
-        if PDL_EARLY_TRIGGER:
-            gdc_launch_dependents()
-            gdc_wait()
-        else:
-            gdc_wait()
-            gdc_launch_dependents()
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit

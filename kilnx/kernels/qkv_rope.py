@@ -58,12 +58,13 @@ def _split_pairs(t, BLOCK_M: int, BLOCK_N: int):
     return kd.sum(kd.where(half == 0, t3, 0.0), axis=1), kd.sum(kd.where(half == 1, t3, 0.0), axis=1)
 
 
-def _spec(planes, sums, xs, wq, scales, biases, positions, rows, inv_freq, k_cache, v_cache, *, HQ, INTERLEAVED=False,
+def _spec(planes, sums, xs, wq, scales, biases, positions, rows, inv_freq, k_cache, v_cache, *, INTERLEAVED=False,
           **kw):
     """q rotated (M, HQ*D) in scales' dtype; the caches get rotated k and v at [rows[m], :, positions[m], :]
     (checked by the tests; the kernel returns q)."""
     qkv = H._spec(planes, sums, xs, wq, scales, biases, **kw)
     D, hk = k_cache.shape[3], k_cache.shape[1]
+    HQ = wq.shape[0] // D - 2 * hk
     m = qkv.shape[0]
     q, k, v = qkv[:, :HQ * D].view(m, HQ, D), qkv[:, HQ * D:(HQ + hk) * D].view(m, hk, D), qkv[:, (HQ + hk) * D:]
     qr, _, _ = _rope_cache_spec(q, k, v.reshape(m, hk, D), positions, rows, inv_freq, k_cache, v_cache,
@@ -84,14 +85,14 @@ def _default(planes, sums, xs, wq, scales, biases, *_, **__):
 def _specialize(planes, sums, xs, wq, scales, biases, positions, rows, inv_freq, k_cache, v_cache):
     return {**H._format(planes, sums, xs, wq, scales, biases), "BLOCK_M": _pow2_at_least(planes.shape[0]),
             "N_DIV": _pow2_dividing(wq.shape[0]), "KW_DIV": _pow2_dividing(wq.shape[1]), "D": k_cache.shape[3],
-            "R": 2 * inv_freq.shape[0]}
+            "R": 2 * inv_freq.shape[0], "HQ": wq.shape[0] // k_cache.shape[3] - 2 * k_cache.shape[1]}
 
 
 @kd.kernel(tune=TUNE, key=_key, spec=_spec, default=_default, specialize=_specialize)
 def qkv_rope_cache_h2(planes, sums, xs, wq, scales, biases, positions, rows, inv_freq, k_cache, v_cache, *,
                       BITS: kd.constexpr, GROUP: kd.constexpr, BLOCK_M: kd.constexpr, N_DIV: kd.constexpr,
-                      KW_DIV: kd.constexpr, D: kd.constexpr, R: kd.constexpr, HQ: kd.constexpr, INTERLEAVED: kd.constexpr = False,
-                      BLOCK_N, BLOCK_KW, STAGES):
+                      KW_DIV: kd.constexpr, D: kd.constexpr, R: kd.constexpr, HQ: kd.constexpr,
+                      INTERLEAVED: kd.constexpr = False, BLOCK_N, BLOCK_KW, STAGES):
     """x @ w_qkv.T for prepared x (M rows, token m at positions[m] of cache row rows[m]) -> q (M, HQ*D)
     rotated; rotated k and v written into k_cache, v_cache (B, Hk, S, D)."""
     if D % BLOCK_N or R != D:
@@ -156,7 +157,7 @@ def qkv_rope_cache(x, w, positions, rows, inv_freq, k_cache, v_cache, *, num_hea
     if not serves(x, w, inv_freq, k_cache, num_heads):
         raise ValueError("qkv_rope_cache: this projection is not served fused (ask kilnx.ops.fuses_qkv_rope first)")
     q = qkv_rope_cache_h2(x.planes, x.sums, x.xs, w.packed, w.scales, w.biases, positions, rows, inv_freq,
-                          k_cache, v_cache, HQ=num_heads, INTERLEAVED=bool(interleaved))
+                          k_cache, v_cache, INTERLEAVED=bool(interleaved))
     return q.view(x.shape[0], num_heads, k_cache.shape[3])
 
 
@@ -175,3 +176,6 @@ def serves(x, w, inv_freq, k_cache, num_heads: int) -> bool:
     D, hk = k_cache.shape[3], k_cache.shape[1]
     return (w.bits in H.BITS_SERVED and x.format == (32 // w.bits, w.group_size) and w.shape[1] == x.shape[1]
             and w.shape[0] == (num_heads + 2 * hk) * D and 2 * inv_freq.shape[0] == D and D % 64 == 0)
+
+
+qkv_rope_cache_h2.tolerance = lambda args: H._tolerance(args[:6])   # qmv_h2's, on the same product

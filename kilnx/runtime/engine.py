@@ -63,8 +63,10 @@ class Engine:
         self.cpu_replay = bool(cpu_replay) and self.device.type == "cpu"
         self._replays: dict[int, _Graph | None] = {}   # batch size -> recorded step (None: refused)
         # KILNX_LAZY_GRAPHS=1: capture at the first decode step instead, so a new process's first token
-        # does not wait for the decode kernels and the capture (~1.2 s of a 3.5 s cold first token on an
-        # H200 for llama-3.1-8b); the second token waits for them instead
+        # does not wait for the decode kernels and the capture. Off: on the H200 it moved llama-3.1-8b's first
+        # token only 0.13 s (1.19 s from the loaded model against 1.32 s; 3.79 s against 3.52 s in all, the
+        # rest the spread of torch's import, bench/results/2026-12-03_h200_cold_s7*.csv), since the prefill
+        # loads most of the same kernels, and the second token then waits ~1 s for the capture
         if self.cuda_graphs and os.environ.get("KILNX_LAZY_GRAPHS", "0") != "1":
             self._capture_all()
 

@@ -47,7 +47,7 @@ def two_kernel_path(args, Hq, interleaved, backend, cfg):
 def fused(args, Hq, interleaved, backend, cfg):
     a = list(args)
     a[9], a[10] = args[9].clone(), args[10].clone()
-    q = QR.qkv_rope_cache_h2(*a, HQ=Hq, INTERLEAVED=interleaved, backend=backend, config=cfg)
+    q = QR.qkv_rope_cache_h2(*a, INTERLEAVED=interleaved, backend=backend, config=cfg)
     return q, a[9], a[10]
 
 
@@ -84,7 +84,7 @@ def test_partial_rotary_is_refused():
     args = case(1, 2, 1, 64, 4, seed=1)
     args[8] = args[8][:16]
     with pytest.raises(Exception, match="full rotary"):
-        QR.qkv_rope_cache_h2(*args, HQ=2, backend="reference", config={"BLOCK_N": 8, "BLOCK_KW": 16, "STAGES": 1})
+        QR.qkv_rope_cache_h2(*args, backend="reference", config={"BLOCK_N": 8, "BLOCK_KW": 16, "STAGES": 1})
 
 
 @CPU_ONLY

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU-machine driver: bash bench/device_run.sh STEP...   (needs .whl carried; everything lands in $OUT)
-# Steps: gputests e2eab (AB_VAR=KILNX_PDL|KILNX_GEMV_PREFETCH|KILNX_PDL_TRIGGER|KILNX_FUSED_QKV_ROPE|KILNX_FUSED_ROPE AB_VALUES="early after_wait") quant qmv tc qmm ncu fusions moe e2e1b e2e8b (E2E_CSV=name) tune (TUNE_MODEL) tune8b cold8b   -- each has its own time limit and log.
+# Steps: gputests gpuquick (TESTS=files) e2eab (AB_VAR=KILNX_PDL|KILNX_GEMV_PREFETCH|KILNX_PDL_TRIGGER|KILNX_FUSED_QKV_ROPE|KILNX_FUSED_ROPE AB_VALUES="early after_wait") quant qmv tc qmm ncu fusions moe e2e1b e2e8b (E2E_CSV=name) tune (TUNE_MODEL) tune8b cold8b   -- each has its own time limit and log.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -19,6 +19,7 @@ step() {  # name seconds command...
 }
 for s in "$@"; do case $s in
   gputests) step gputests 240 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/kernels/test_qkv_rope.py tests/dsl/test_pdl.py tests/kernels/test_prepared.py tests/kernels/test_qmatmul_gpu.py tests/dsl/test_half2.py tests/runtime/test_engine_gpu.py tests/tuner/test_tuner_gpu.py ;;
+  gpuquick) step gpuquick 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider ${TESTS:-tests/kernels/test_qkv_rope.py} ;;
   quant) step quant 330 python3 bench/bench_kernels.py --suite quant --out $OUT ;;
   qmv) KILNX_BENCH_ONLY=qmv step qmv ${QMV_SECS:-400} python3 bench/bench_kernels.py --suite quant --out $OUT/qmv ;;
   gpuengine) step gpuengine 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_prepared.py tests/runtime/test_engine_gpu.py tests/tuner/test_tuner_gpu.py ;;

@@ -160,3 +160,42 @@ def test_fused_qkv_rope_cache_on_the_gpu_equals_the_two_kernel_path(M, Hq, Hk):
     for interleaved in (False, True):
         cfg = QR._default(*args)
         check(fused(args, Hq, interleaved, None, None), two_kernel_path(args, Hq, interleaved, None, cfg))
+
+
+@pytest.mark.gpu
+def test_a_llama_on_the_gpu_gives_the_same_logits_with_the_fused_projection(monkeypatch):
+    """A random 4-bit llama with 64-dim heads on the GPU, prefill then three decode steps: the logits
+    with the fused projection (the default) equal those of qmatmul + rope_cache_kernel."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    import dataclasses
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent.parent / "runtime"))
+    from tiny_models import TINY
+
+    from kilnx.models.llama import LlamaModel
+    from kilnx.models.loaders.random_init import RandomSource
+    from kilnx.models.weights import build_weights
+    from kilnx.runtime.kv_cache import KVCache
+    cfg = dataclasses.replace(TINY["llama"], hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64)
+    model = LlamaModel(cfg, build_weights(cfg, RandomSource(cfg, fmt="q4", dtype=torch.bfloat16, seed=5),
+                                          dtype=torch.bfloat16, device="cuda"), ops="kilnx")
+    calls = []
+    real = QR.qkv_rope_cache
+    monkeypatch.setattr(QR, "qkv_rope_cache", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def run():
+        cache = KVCache.for_model(cfg, 1, 32, device="cuda", dtype=torch.bfloat16)
+        out = [model.forward(torch.tensor([[1, 5, 9]], device="cuda"), torch.arange(3, device="cuda")[None], cache,
+                             last_only=True)]
+        for t in range(3):
+            out.append(model.forward(torch.tensor([[7 + t]], device="cuda"), torch.tensor([[3 + t]], device="cuda"),
+                                     cache))
+        return torch.cat([o.float().reshape(-1) for o in out])
+
+    fused = run()
+    assert calls, "the fused projection was not taken"
+    monkeypatch.setenv("KILNX_FUSED_QKV_ROPE", "0")
+    plain = run()
+    torch.testing.assert_close(fused, plain, rtol=2e-2, atol=2e-2 * plain.abs().max().item())

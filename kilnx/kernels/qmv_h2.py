@@ -109,6 +109,31 @@ def store_prepared(lo, hi, row, w0, w, M, K, *, PER: int, GROUP: int, BIAS: int 
     return planes, sums, scale
 
 
+def store_prepared_rows(y, act_row, word0, valid, M, K, *, PER: int, GROUP: int):
+    """store_prepared for a tile y (R, L) fp32 whose row r holds the L consecutive values of activation
+    row act_row[r] from word word0[r] on (L and word0 in whole groups): rows are activation slices, e.g.
+    one attention head each; rows where `valid` is False are not stored."""
+    R, L = y.shape
+    HALF, LW, WPG, NG = PER // 2, L // PER, GROUP // PER, L // GROUP
+    y4 = kd.reshape(y, (R, LW, 2, HALF))                 # [r, word, half, p]: half 0 = codes p, 1 = p + PER/2
+    half = kd.arange(0, 2)[None, None, :, None]
+    lo = kd.sum(kd.where(half == 0, y4, 0.0), axis=2)     # (R, LW, HALF)
+    hi = kd.sum(kd.where(half == 1, y4, 0.0), axis=2)
+    lo_g, hi_g = kd.reshape(lo, (R, NG, WPG * HALF)), kd.reshape(hi, (R, NG, WPG * HALF))
+    xs, inv = _group_scale(kd.maximum(kd.max(kd.abs(lo_g), axis=2), kd.max(kd.abs(hi_g), axis=2)))   # (R, NG)
+    inv_w = kd.reshape(kd.broadcast_to(inv[:, :, None], (R, NG, WPG)), (R, LW))[:, :, None]
+    w = word0[:, None] + kd.arange(0, LW)[None, :]
+    planes = kd.output((M, HALF, K // PER), kd.u32, name="planes")
+    kd.store(planes, act_row[:, None, None], kd.arange(0, HALF)[None, None, :], w[:, :, None],
+             kd.h2_pack(lo * inv_w, hi * inv_w), mask=valid[:, None, None])
+    g = word0[:, None] // WPG + kd.arange(0, NG)[None, :]
+    sums = kd.output((M, K // GROUP), kd.f32, name="group_sums")
+    kd.store(sums, act_row[:, None], g, kd.sum(lo_g, axis=2) + kd.sum(hi_g, axis=2), mask=valid[:, None])
+    scale = kd.output((M, K // GROUP), kd.f32, name="group_scales")
+    kd.store(scale, act_row[:, None], g, xs, mask=valid[:, None])
+    return planes, sums, scale
+
+
 def code_pairs_index(w, PER: int):
     """(lo, hi) element indices of words w: (BW, PER/2) tiles of x[w*PER + p], x[w*PER + p + PER/2]."""
     p = kd.arange(0, PER // 2)

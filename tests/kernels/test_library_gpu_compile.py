@@ -76,6 +76,13 @@ for inter in (False, True):
                        kw={**kw, "INTERLEAVED": inter})
     compile_for_target(AD.attention_new_kv_kernel, new_kv, {"BLOCK_M": 16, "BLOCK_N": 128}, kw={**kw, "INTERLEAVED": inter})
 compile_for_target(AS.attention_merge_prep, (*parts, q), {}, kw={"PER": 8, "GROUP": 64})
+compile_for_target(A.attention_kernel, (q, kc, kc, torch.tensor([[700]])), {"BLOCK_M": 16, "BLOCK_N": 64},
+                   kw={**kw, "PER": 8, "GROUP": 64})       # the o projection's prepared input written directly
+from kilnx.kernels import qkv_rope as QR
+for inter in (False, True):
+    qa = QR._problem_args({"M": 1, "Hq": 32, "Hk": 8, "D": 128, "K": 256, "S": 64}, "cpu")
+    for cfg in ({}, {"BLOCK_N": 64, "STAGES": 1}):
+        compile_for_target(QR.qkv_rope_cache_h2, qa, cfg, kw={"INTERLEAVED": inter})
 from kilnx.kernels import rope
 q, k, v = torch.randn(3, 8, 128).bfloat16(), torch.randn(3, 2, 128).bfloat16(), torch.randn(3, 2, 128).bfloat16()
 pos, rows, inv = torch.arange(3), torch.zeros(3, dtype=torch.long), torch.ones(64)

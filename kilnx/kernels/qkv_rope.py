@@ -30,10 +30,9 @@ TUNE = {"BLOCK_N": kd.pow2(2, 64, default=8), "BLOCK_KW": kd.pow2(8, 512, defaul
         "num_warps": kd.choice(1, 2, 4, 8, default=2), "STAGES": kd.choice(1, 2, 3, 4, default=3)}
 
 
-def first_members(pid_n, *, BLOCK_N: int, D: int, INTERLEAVED: bool):
-    """(rows, offset): program pid_n's BLOCK_N/2 first members of rotary pairs (weight rows, all of one
-    head) and the distance to their partners (neox D/2, interleaved 1)."""
-    slot = kd.arange(0, BLOCK_N // 2)
+def first_members(pid_n, slot, *, BLOCK_N: int, D: int, INTERLEAVED: bool):
+    """(rows, offset): the first members of program pid_n's rotary pairs number `slot` (0 .. BLOCK_N/2-1;
+    weight rows, all of one head) and the distance to their partners (neox D/2, interleaved 1)."""
     if INTERLEAVED:
         return pid_n * BLOCK_N + 2 * slot, 1
     per_head = D // BLOCK_N
@@ -42,13 +41,9 @@ def first_members(pid_n, *, BLOCK_N: int, D: int, INTERLEAVED: bool):
 
 def pair_rows(pid_n, *, BLOCK_N: int, D: int, INTERLEAVED: bool):
     """Program pid_n's BLOCK_N weight rows: the first members of its pairs, then their partners."""
-    HB = BLOCK_N // 2
     i = kd.arange(0, BLOCK_N)
-    slot, second = i % HB, i // HB
-    if INTERLEAVED:
-        return pid_n * BLOCK_N + 2 * slot + second
-    per_head = D // BLOCK_N
-    return (pid_n // per_head) * D + (pid_n % per_head) * HB + slot + second * (D // 2)
+    first, offset = first_members(pid_n, i % (BLOCK_N // 2), BLOCK_N=BLOCK_N, D=D, INTERLEAVED=INTERLEAVED)
+    return first + (i // (BLOCK_N // 2)) * offset
 
 
 def _split_pairs(t, BLOCK_M: int, BLOCK_N: int):
@@ -109,7 +104,8 @@ def qkv_rope_cache_h2(planes, sums, xs, wq, scales, biases, positions, rows, inv
     acc = H.accumulate(f, planes, sums, xs, wq, scales, biases, BITS=BITS)
     # rounded as the stored qkv output was, then rotated in fp32 as rope_cache_kernel does
     a, b = _split_pairs(acc.astype(scales.dtype).f32(), BLOCK_M, BLOCK_N)
-    first, offset = first_members(kd.program_id(0), BLOCK_N=BLOCK_N, D=D, INTERLEAVED=INTERLEAVED)
+    first, offset = first_members(kd.program_id(0), kd.arange(0, BLOCK_N // 2), BLOCK_N=BLOCK_N, D=D,
+                                  INTERLEAVED=INTERLEAVED)
     first = first[None, :]
     head, dim_a = first // D, first % D
     dim_b = dim_a + offset
@@ -126,7 +122,8 @@ def qkv_rope_cache_h2(planes, sums, xs, wq, scales, biases, positions, rows, inv
     kd.store(q, m[:, None], first, ra, mask=is_q)
     kd.store(q, m[:, None], first + offset, rb, mask=is_q)
     row = kd.load(rows, m, mask=m < M)[:, None]
-    for cache, h0, region in ((k_cache, HQ, m_in & (head >= HQ) & (head < HQ + Hk)), (v_cache, HQ + Hk, m_in & is_v)):
+    is_k = m_in & (head >= HQ) & (head < HQ + Hk)
+    for cache, h0, region in ((k_cache, HQ, is_k), (v_cache, HQ + Hk, m_in & is_v)):
         kv_head = kd.where(region, head - h0, 0)
         kd.store(cache, row, kv_head, pos, dim_a, ra, mask=region)
         kd.store(cache, row, kv_head, pos, dim_b, rb, mask=region)

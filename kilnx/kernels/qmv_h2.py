@@ -86,9 +86,9 @@ def _prep_spec(x, *, PER, GROUP, BIAS=0, **_):
 
 def store_prepared(lo, hi, row, w0, w, M, K, *, PER: int, GROUP: int, BIAS: int = 0):
     """Store x in qmv_h2's input form, from fp32 tiles lo/hi (BW, PER/2) = x[w*PER + p] and
-    x[w*PER + p + PER/2] of words w = w0 + arange(BW) (whole groups: w0 and BW multiples of GROUP/PER): the packed fp16 planes
-    scaled per group by a power of two, the group sums and the group scales. Shared by qmv_h2_prep
-    and the producers that emit prepared activations directly (kernels/prepared.py)."""
+    x[w*PER + p + PER/2] of words w = w0 + arange(BW) (whole groups: w0 and BW multiples of GROUP/PER):
+    the packed fp16 planes scaled per group by a power of two, the group sums and the group scales.
+    Shared by qmv_h2_prep and the producers that emit prepared activations directly (kernels/prepared.py)."""
     HALF = PER // 2
     WPG = GROUP // PER                    # words per group
     BW = w.shape[0]

@@ -46,13 +46,6 @@ def pair_rows(pid_n, *, BLOCK_N: int, D: int, INTERLEAVED: bool):
     return first + (i // (BLOCK_N // 2)) * offset
 
 
-def _split_pairs(t, BLOCK_M: int, BLOCK_N: int):
-    """(a, b) (BLOCK_M, BLOCK_N/2): the first members' and the partners' columns of t."""
-    t3 = kd.reshape(t, (BLOCK_M, 2, BLOCK_N // 2))
-    half = kd.arange(0, 2)[None, :, None]
-    return kd.sum(kd.where(half == 0, t3, 0.0), axis=1), kd.sum(kd.where(half == 1, t3, 0.0), axis=1)
-
-
 def _spec(planes, sums, xs, wq, scales, biases, positions, rows, inv_freq, k_cache, v_cache, *, INTERLEAVED=False,
           **kw):
     """q rotated (M, HQ*D) in scales' dtype; the caches get rotated k and v at [rows[m], :, positions[m], :]
@@ -103,7 +96,7 @@ def qkv_rope_cache_h2(planes, sums, xs, wq, scales, biases, positions, rows, inv
                    rows_of=lambda pid: pair_rows(pid, BLOCK_N=BLOCK_N, D=D, INTERLEAVED=INTERLEAVED))
     acc = H.accumulate(f, planes, sums, xs, wq, scales, biases, BITS=BITS)
     # rounded as the stored qkv output was, then rotated in fp32 as rope_cache_kernel does
-    a, b = _split_pairs(acc.astype(scales.dtype).f32(), BLOCK_M, BLOCK_N)
+    a, b = kd.halves(kd.reshape(acc.astype(scales.dtype).f32(), (BLOCK_M, 2, BLOCK_N // 2)), axis=1)
     first, offset = first_members(kd.program_id(0), kd.arange(0, BLOCK_N // 2), BLOCK_N=BLOCK_N, D=D,
                                   INTERLEAVED=INTERLEAVED)
     first = first[None, :]

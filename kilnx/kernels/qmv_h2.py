@@ -84,26 +84,31 @@ def _prep_spec(x, *, PER, GROUP, BIAS=0, **_):
     return planes, g.sum(-1), xs
 
 
+def _prepared_tiles(lo, hi, *, PER: int, GROUP: int, BIAS: int = 0):
+    """(packed pairs, group sums, group scales xs) of fp32 tiles lo/hi (..., W, PER/2) = x[w*PER + p] and
+    x[w*PER + p + PER/2] of W words in whole groups: the fp16 pairs scaled per group by the power of two
+    of _group_scale; sums and xs (..., W*PER/GROUP)."""
+    *lead, W, HALF = lo.shape
+    lead, WPG = tuple(lead), GROUP // PER                  # words per group
+    NG = W // WPG
+    new_axis = (slice(None),) * (len(lead) + 1) + (None,)  # x[..., None] for a (*lead, n) tile
+    lo_g, hi_g = kd.reshape(lo, (*lead, NG, WPG * HALF)), kd.reshape(hi, (*lead, NG, WPG * HALF))
+    xs, inv = _group_scale(kd.maximum(kd.max(kd.abs(lo_g), axis=-1), kd.max(kd.abs(hi_g), axis=-1)), BIAS)
+    inv_w = kd.reshape(kd.broadcast_to(inv[new_axis], (*lead, NG, WPG)), (*lead, W))[new_axis]
+    return kd.h2_pack(lo * inv_w, hi * inv_w), kd.sum(lo_g, axis=-1) + kd.sum(hi_g, axis=-1), xs
+
+
 def store_prepared(lo, hi, row, w0, w, M, K, *, PER: int, GROUP: int, BIAS: int = 0):
     """Store x in qmv_h2's input form, from fp32 tiles lo/hi (BW, PER/2) = x[w*PER + p] and
     x[w*PER + p + PER/2] of words w = w0 + arange(BW) (whole groups: w0 and BW multiples of GROUP/PER):
     the packed fp16 planes scaled per group by a power of two, the group sums and the group scales.
     Shared by qmv_h2_prep and the producers that emit prepared activations directly (kernels/prepared.py)."""
-    HALF = PER // 2
-    WPG = GROUP // PER                    # words per group
-    BW = w.shape[0]
-    NG = BW // WPG
-    p = kd.arange(0, HALF)
-    amax = kd.maximum(kd.max(kd.reshape(kd.abs(lo), (NG, WPG * HALF)), axis=1),
-                      kd.max(kd.reshape(kd.abs(hi), (NG, WPG * HALF)), axis=1))
-    xs, inv = _group_scale(amax, BIAS)
-    inv_w = kd.reshape(kd.broadcast_to(inv[:, None], (NG, WPG)), (BW,))[:, None]
-    planes = kd.output((M, HALF, K // PER), kd.u32, name="planes")
-    kd.store(planes, row, p[:, None], w[None, :], kd.trans(kd.h2_pack(lo * inv_w, hi * inv_w)))
-    g = w0 // WPG + kd.arange(0, NG)
+    packed, group_sums, xs = _prepared_tiles(lo, hi, PER=PER, GROUP=GROUP, BIAS=BIAS)
+    planes = kd.output((M, PER // 2, K // PER), kd.u32, name="planes")
+    kd.store(planes, row, kd.arange(0, PER // 2)[:, None], w[None, :], kd.trans(packed))
+    g = w0 // (GROUP // PER) + kd.arange(0, xs.shape[0])
     sums = kd.output((M, K // GROUP), kd.f32, name="group_sums")
-    kd.store(sums, row, g, kd.sum(kd.reshape(lo, (NG, WPG * HALF)), axis=1)
-             + kd.sum(kd.reshape(hi, (NG, WPG * HALF)), axis=1))
+    kd.store(sums, row, g, group_sums)
     scale = kd.output((M, K // GROUP), kd.f32, name="group_scales")
     kd.store(scale, row, g, xs)
     return planes, sums, scale
@@ -114,21 +119,16 @@ def store_prepared_rows(y, act_row, word0, valid, M, K, *, PER: int, GROUP: int)
     row act_row[r] from word word0[r] on (L and word0 in whole groups): rows are activation slices, e.g.
     one attention head each; rows where `valid` is False are not stored."""
     R, L = y.shape
-    HALF, LW, WPG, NG = PER // 2, L // PER, GROUP // PER, L // GROUP
-    y4 = kd.reshape(y, (R, LW, 2, HALF))                 # [r, word, half, p]: half 0 = codes p, 1 = p + PER/2
-    half = kd.arange(0, 2)[None, None, :, None]
-    lo = kd.sum(kd.where(half == 0, y4, 0.0), axis=2)     # (R, LW, HALF)
-    hi = kd.sum(kd.where(half == 1, y4, 0.0), axis=2)
-    lo_g, hi_g = kd.reshape(lo, (R, NG, WPG * HALF)), kd.reshape(hi, (R, NG, WPG * HALF))
-    xs, inv = _group_scale(kd.maximum(kd.max(kd.abs(lo_g), axis=2), kd.max(kd.abs(hi_g), axis=2)))   # (R, NG)
-    inv_w = kd.reshape(kd.broadcast_to(inv[:, :, None], (R, NG, WPG)), (R, LW))[:, :, None]
-    w = word0[:, None] + kd.arange(0, LW)[None, :]
+    HALF = PER // 2
+    lo, hi = kd.halves(kd.reshape(y, (R, L // PER, 2, HALF)), axis=2)   # (R, words, HALF)
+    packed, group_sums, xs = _prepared_tiles(lo, hi, PER=PER, GROUP=GROUP)
+    w = word0[:, None] + kd.arange(0, L // PER)[None, :]
     planes = kd.output((M, HALF, K // PER), kd.u32, name="planes")
-    kd.store(planes, act_row[:, None, None], kd.arange(0, HALF)[None, None, :], w[:, :, None],
-             kd.h2_pack(lo * inv_w, hi * inv_w), mask=valid[:, None, None])
-    g = word0[:, None] // WPG + kd.arange(0, NG)[None, :]
+    kd.store(planes, act_row[:, None, None], kd.arange(0, HALF)[None, None, :], w[:, :, None], packed,
+             mask=valid[:, None, None])
+    g = word0[:, None] // (GROUP // PER) + kd.arange(0, L // GROUP)[None, :]
     sums = kd.output((M, K // GROUP), kd.f32, name="group_sums")
-    kd.store(sums, act_row[:, None], g, kd.sum(lo_g, axis=2) + kd.sum(hi_g, axis=2), mask=valid[:, None])
+    kd.store(sums, act_row[:, None], g, group_sums, mask=valid[:, None])
     scale = kd.output((M, K // GROUP), kd.f32, name="group_scales")
     kd.store(scale, act_row[:, None], g, xs, mask=valid[:, None])
     return planes, sums, scale

@@ -54,8 +54,7 @@ def problems_for_model(model: str, gpu: bool = True) -> list[tuple[str, dict]]:
         for m in (16, 512, 2048):
             out.append(("qmm", {"M": m, "N": g["N"], "K": g["K"], "bits": 4, "gs": 64}))
         out.append(("qmatmul_rows_crossover", {"N": g["N"], "K": g["K"], "bits": 4, "gs": 64}))
-    if gpu and cfg.head_dim % 64 == 0 and not cfg.qk_norm \
-            and not cfg.attention_bias:
+    if gpu and cfg.head_dim % 64 == 0 and not cfg.qk_norm and not cfg.attention_bias:
         # the decode qkv projection with its rope + cache epilogue (kernels/qkv_rope.py), where the model takes it
         for m in (1, 4):
             out.append(("qkv_rope_cache_h2", {"M": m, "Hq": cfg.num_heads, "Hk": cfg.num_kv_heads, "D": cfg.head_dim,

@@ -118,22 +118,22 @@ class LlamaModel:
             fmt = self._prepared_format([layer.o], q.view(B * T, qs))
             o = ops.attention(q.view(B, T, Hq, D), k_cache, v_cache, positions, cfg.attn_scale,
                               softcap=cfg.attn_logit_softcap, window=window, prepared=fmt)
-            return _linear(ops, o if fmt is not None else o.reshape(B * T, Hq * D), [layer.o])
-        qkv = _linear(ops, x, layer.qkv)                       # (B*T, q + 2kv)
-        if layer.qkv_bias is not None:
-            # qwen2's bias add: the ops contract has no bias epilogue, and this is one tiny elementwise op.
-            qkv = qkv + layer.qkv_bias
-        q = qkv[:, :qs].view(B * T, Hq, D)
-        k = qkv[:, qs:qs + ks].view(B * T, Hk, D)
-        v = qkv[:, qs + ks:].view(B * T, Hk, D)
-        if layer.q_norm is not None:
-            q = ops.rms_norm(q, layer.q_norm, cfg.rms_norm_eps, weight_offset=self._norm_offset)
-            k = ops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps, weight_offset=self._norm_offset)
-        fmt = self._prepared_format([layer.o], qkv[:, :qs])     # (B*T, Hq*D), as o's input
-        # rotary embedding, the cache write and attention, in as few launches as the ops can
-        o = ops.attention_new_tokens(q, k, v, positions, rows_flat, inv, k_cache, v_cache, cfg.attn_scale,
-                                     softcap=cfg.attn_logit_softcap, window=window, interleaved=cfg.rope_interleaved,
-                                     prepared=fmt)
+        else:
+            qkv = _linear(ops, x, layer.qkv)                       # (B*T, q + 2kv)
+            if layer.qkv_bias is not None:
+                # qwen2's bias add: the ops contract has no bias epilogue, and this is one tiny elementwise op.
+                qkv = qkv + layer.qkv_bias
+            q = qkv[:, :qs].view(B * T, Hq, D)
+            k = qkv[:, qs:qs + ks].view(B * T, Hk, D)
+            v = qkv[:, qs + ks:].view(B * T, Hk, D)
+            if layer.q_norm is not None:
+                q = ops.rms_norm(q, layer.q_norm, cfg.rms_norm_eps, weight_offset=self._norm_offset)
+                k = ops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps, weight_offset=self._norm_offset)
+            fmt = self._prepared_format([layer.o], qkv[:, :qs])     # (B*T, Hq*D), as o's input
+            # rotary embedding, the cache write and attention, in as few launches as the ops can
+            o = ops.attention_new_tokens(q, k, v, positions, rows_flat, inv, k_cache, v_cache, cfg.attn_scale,
+                                         softcap=cfg.attn_logit_softcap, window=window,
+                                         interleaved=cfg.rope_interleaved, prepared=fmt)
         return _linear(ops, o if fmt is not None else o.reshape(B * T, Hq * D), [layer.o])
 
     def _mlp(self, layer: LayerWeights, x):

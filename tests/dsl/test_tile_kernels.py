@@ -413,3 +413,33 @@ print("ok")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+@kd.kernel(tune={"B": kd.choice(8)})
+def _swap_halves(x, *, B):
+    """Each row's interleaved pairs (x[2i], x[2i+1]) swapped, through kd.reshape and kd.halves."""
+    row = kd.grid(x.shape[0])
+    a, b = kd.halves(kd.reshape(kd.load(x, row, kd.arange(0, 2 * B)), (B, 2)), axis=1)
+    out = kd.output(x.shape, x.dtype)
+    kd.store(out, row, 2 * kd.arange(0, B), b)
+    kd.store(out, row, 2 * kd.arange(0, B) + 1, a)
+    return out
+
+
+def test_halves_takes_an_axis_of_size_two_apart():
+    x = torch.randn(3, 16)
+    want = x.view(3, 8, 2).flip(-1).reshape(3, 16)
+    for backend in BACKENDS:
+        torch.testing.assert_close(_swap_halves(x, backend=backend), want)
+
+
+@kd.kernel(tune={"B": kd.choice(8)})
+def _halves_of_a_wrong_axis(x, *, B):
+    out = kd.output(x.shape, x.dtype)
+    kd.store(out, 0, kd.arange(0, B), kd.halves(kd.reshape(kd.load(x, 0, kd.arange(0, B)), (2, 4)), axis=1)[0])
+    return out
+
+
+def test_halves_of_an_axis_not_of_size_two_is_refused():
+    with pytest.raises(kd.DSLError, match="axis of size 2"):
+        _halves_of_a_wrong_axis(torch.randn(1, 8), backend="reference")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU-machine driver: bash bench/device_run.sh STEP...   (needs .whl carried; everything lands in $OUT)
-# Steps: gputests gpuquick (TESTS=files) e2eab (AB_VAR=KILNX_PDL|KILNX_GEMV_PREFETCH|KILNX_FUSED_QKV_ROPE|KILNX_FUSED_ROPE|KILNX_ATTENTION_PREPARED AB_VALUES="1 0") quant qmv tc qmm ncu fusions moe e2e1b e2e8b (E2E_CSV=name) tune (TUNE_MODEL) tune8b cold8b   -- each has its own time limit and log.
+# Steps: gputests gpuquick (TESTS=files) e2eab (AB_MODELS="8b 1b" AB_VAR=KILNX_PDL|KILNX_GEMV_PREFETCH|KILNX_FUSED_QKV_ROPE|KILNX_FUSED_ROPE|KILNX_ATTENTION_PREPARED AB_VALUES="1 0") quant qmv tc qmm ncu fusions moe e2e1b e2e8b (E2E_CSV=name) tune (TUNE_MODEL) tune8b cold8b   -- each has its own time limit and log.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -41,11 +41,12 @@ for s in "$@"; do case $s in
   moe) step moe ${MOE_SECS:-200} python3 bench/bench_kernels.py --suite moe --out $OUT ;;
   e2e1b) step e2e1b 120 python3 -m kilnx.cli bench --model llama-3.2-1b --random --prompt-lens 128 --gen 64 --device cuda --csv $OUT/${E2E_CSV:-e2e}.csv ;;
   e2eab) for v in $(for i in $(seq ${AB_ROUNDS:-2}); do echo ${AB_VALUES:-1 0}; done); do export ${AB_VAR:-KILNX_PDL}=$v   # A/B of a switch, twice, in one process image
-          step e2e8b_${AB_VAR:-KILNX_PDL}$v 200 python3 -m kilnx.cli bench --model llama-3.1-8b --random --prompt-lens 128,2048 --gen 64 --device cuda --csv $OUT/e2e_ab$v.csv
-          step e2e1b_${AB_VAR:-KILNX_PDL}$v 120 python3 -m kilnx.cli bench --model llama-3.2-1b --random --prompt-lens 128 --gen 64 --device cuda --csv $OUT/e2e_ab$v.csv
+          case "${AB_MODELS:-8b 1b}" in *8b*) step e2e8b_${AB_VAR:-KILNX_PDL}$v 200 python3 -m kilnx.cli bench --model llama-3.1-8b --random --prompt-lens 128,2048 --gen 64 --device cuda --csv $OUT/e2e_ab$v.csv ;; esac
+          case "${AB_MODELS:-8b 1b}" in *1b*) step e2e1b_${AB_VAR:-KILNX_PDL}$v 120 python3 -m kilnx.cli bench --model llama-3.2-1b --random --prompt-lens 128 --gen 64 --device cuda --csv $OUT/e2e_ab$v.csv ;; esac
           done; unset ${AB_VAR:-KILNX_PDL} ;;
   e2e8b) step e2e8b 240 python3 -m kilnx.cli bench --model llama-3.1-8b --random --prompt-lens 128,2048 --gen 64 --device cuda --csv $OUT/${E2E_CSV:-e2e}.csv ;;
-  tune) step tune_${TUNE_MODEL:-llama-3.2-1b} ${TUNE_SECS:-330} python3 -m kilnx.cli tune --device sm_90 --model ${TUNE_MODEL:-llama-3.2-1b} --budget ${TUNE_BUDGET:-290s} --workers 1 ${TUNE_ARGS:-} --csv $OUT/tune_${TUNE_MODEL:-llama-3.2-1b}.csv ;;
+  tune) step tune_${TUNE_MODEL:-llama-3.2-1b} ${TUNE_SECS:-330} python3 -m kilnx.cli tune --device sm_90 --model ${TUNE_MODEL:-llama-3.2-1b} --budget ${TUNE_BUDGET:-290s} --workers 1 ${TUNE_ARGS:-} --csv $OUT/tune_${TUNE_MODEL:-llama-3.2-1b}.csv
+        cp ${KILNX_DB#sqlite:///} $OUT/tune_${TUNE_MODEL:-llama-3.2-1b}.db 2>/dev/null ;;   # carried into a later call with KILNX_DB
   tune8b) step tune8b ${TUNE_SECS:-330} python3 -m kilnx.cli tune --device sm_90 --model llama-3.1-8b --budget ${TUNE_BUDGET:-290s} --workers 1 ${TUNE_ARGS:-} --csv $OUT/tune.csv
           python3 -m kilnx.cli db export $OUT/tune.json > /dev/null 2>&1; cp /tmp/kilnx-tune.db $OUT/ 2>/dev/null ;;
 esac; done

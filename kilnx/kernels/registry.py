@@ -45,26 +45,32 @@ def problems_for_model(model: str, gpu: bool = True) -> list[tuple[str, dict]]:
     `gpu` picks the kernel the runtime calls there (qmv_h2 on the GPU, the interleaved qmv_il on the CPU)."""
     from kilnx.models.presets import get_preset, problems
     cfg = get_preset(model)
-    out: list[tuple[str, dict]] = []
     from kilnx.models.loaders import BUNDLED
     gs = 32 if model in BUNDLED else 64
-    for g in problems(cfg):
-        for m in (1, 4) if gpu else (1,):   # the GPU's 4-bit rows go to qmv_h2, the CPU's to qmv_il
-            out.append(("qmv_h2" if gpu else "qmv_il", {"M": m, "N": g["N"], "K": g["K"], "bits": 4, "gs": gs}))
-        for m in (16, 512, 2048):
-            out.append(("qmm", {"M": m, "N": g["N"], "K": g["K"], "bits": 4, "gs": 64}))
-        out.append(("qmatmul_rows_crossover", {"N": g["N"], "K": g["K"], "bits": 4, "gs": 64}))
-    if gpu and cfg.head_dim % 64 == 0 and not cfg.qk_norm and not cfg.attention_bias:
-        # the decode qkv projection with its rope + cache epilogue (kernels/qkv_rope.py), where the model takes it
-        for m in (1, 4):
-            out.append(("qkv_rope_cache_h2", {"M": m, "Hq": cfg.num_heads, "Hk": cfg.num_kv_heads, "D": cfg.head_dim,
-                                              "K": cfg.hidden_size, "bits": 4, "gs": gs}))
+    gemv = "qmv_h2" if gpu else "qmv_il"   # the GPU's 4-bit rows go to qmv_h2, the CPU's to qmv_il
+    width = cfg.intermediate_size or cfg.moe_intermediate_size
+    fused_qkv = gpu and cfg.head_dim % 64 == 0 and not cfg.qk_norm and not cfg.attention_bias
+
+    def decode(m: int) -> list[tuple[str, dict]]:
+        out = [(gemv, {"M": m, "N": g["N"], "K": g["K"], "bits": 4, "gs": gs}) for g in problems(cfg)]
+        if fused_qkv:   # the decode qkv projection with its rope + cache epilogue (kernels/qkv_rope.py)
+            out.append(("qkv_rope_cache_h2", {"M": m, "Hq": cfg.num_heads, "Hk": cfg.num_kv_heads,
+                                              "D": cfg.head_dim, "K": cfg.hidden_size, "bits": 4, "gs": gs}))
+        return out
+
+    def rows(n: int) -> list[tuple[str, dict]]:
+        return [("add_rms_norm_kernel", {"rows": n, "D": cfg.hidden_size, "dtype": "bf16"}),
+                ("rms_norm_kernel", {"rows": n, "D": cfg.hidden_size, "dtype": "bf16"}),
+                ("silu_mul_kernel", {"rows": n, "D": width, "dtype": "bf16"})]
+
+    # Most important first: a tune whose budget runs out skips the tail (tuner/session.py). One-token
+    # decode is what a user waits on token after token; then 4-row decode, MoE, and prefill.
+    out = decode(1) + rows(1) + (decode(4) if gpu else [])
     if cfg.is_moe:
         from kilnx.kernels.moe_specs import moe_problems
         out += moe_problems(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size)
-    for rows in (1, 2048):
-        out.append(("add_rms_norm_kernel", {"rows": rows, "D": cfg.hidden_size, "dtype": "bf16"}))
-        out.append(("rms_norm_kernel", {"rows": rows, "D": cfg.hidden_size, "dtype": "bf16"}))
-        width = cfg.intermediate_size or cfg.moe_intermediate_size
-        out.append(("silu_mul_kernel", {"rows": rows, "D": width, "dtype": "bf16"}))
+    for g in problems(cfg):
+        out += [("qmm", {"M": m, "N": g["N"], "K": g["K"], "bits": 4, "gs": 64}) for m in (16, 512, 2048)]
+        out.append(("qmatmul_rows_crossover", {"N": g["N"], "K": g["K"], "bits": 4, "gs": 64}))
+    out += rows(2048)
     return out

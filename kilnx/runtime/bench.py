@@ -8,7 +8,9 @@ a large device-to-device torch copy (read + write bytes / time), what a well-wri
 from __future__ import annotations
 
 import csv as csv_mod
+import dataclasses
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass
 
@@ -69,7 +71,9 @@ def weights_label(lm, random: bool, random_format: str) -> str:
 
 
 def run_bench(lm, *, prompt_lens: list[int], gen: int, model_name: str, weights: str, ops_name: str,
-              bandwidth_gbps: float | None = None, seed: int = 0) -> list[BenchRow]:
+              bandwidth_gbps: float | None = None, seed: int = 0, repeats: int = 1) -> list[BenchRow]:
+    """One row per prompt length; with `repeats` > 1 each figure is the median over that many measured
+    runs of the same prompt (a 64-token decode is ~50 ms on a GPU: single runs spread by several percent)."""
     cfg = lm.config
     need = max(prompt_lens) + gen + 1
     if max(prompt_lens) >= cfg.max_position_embeddings:
@@ -92,7 +96,7 @@ def run_bench(lm, *, prompt_lens: list[int], gen: int, model_name: str, weights:
         # each prompt length runs once unmeasured: its prefill chunk shapes may pick kernel configs
         # (and so compiles) the short warm-up never touched
         _run(engine, ids, SamplingParams(max_tokens=2, ignore_eos=True))
-        st = _run(engine, ids, params)
+        st = median_stats([_run(engine, ids, params) for _ in range(max(1, repeats))])
         # Average context over the decode steps: each step reads all keys and values written so far.
         kv_read = int(kv_per_tok * (L + gen / 2))
         per_token = weight_bytes + kv_read
@@ -103,6 +107,14 @@ def run_bench(lm, *, prompt_lens: list[int], gen: int, model_name: str, weights:
             weight_bytes=weight_bytes, kv_bytes_per_token=kv_per_tok, bytes_per_decode_token=per_token,
             copy_bandwidth_gbps=bw, roofline_pct=100.0 * st.decode_tok_s / ideal_tok_s, timestamp=stamp))
     return rows
+
+
+def median_stats(runs: list) -> GenerationStats:
+    """The runs' median TTFT, prefill and decode rates (each figure's own median)."""
+    med = statistics.median
+    return dataclasses.replace(runs[0], ttft_s=med([r.ttft_s for r in runs]),
+                               prefill_tok_s=med([r.prefill_tok_s for r in runs]),
+                               decode_tok_s=med([r.decode_tok_s for r in runs]))
 
 
 def _run(engine: Engine, ids: list[int], params: SamplingParams) -> GenerationStats:

@@ -85,6 +85,7 @@ def bench(
     random: Annotated[bool, typer.Option(help="Random weights at the preset's real size (any preset).")] = False,
     prompt_lens: Annotated[str, typer.Option(help="Comma-separated prompt lengths.")] = "128,2048",
     gen: Annotated[int, typer.Option(help="Tokens to decode per prompt.")] = 128,
+    repeats: Annotated[int, typer.Option(help="Measured runs per prompt length; each figure is their median.")] = 3,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
     csv: Annotated[Optional[str], typer.Option(help="Append result rows to this CSV file.")] = None,
     weights: Annotated[str, typer.Option(help="Random weight format: q4 (MLX 4-bit, groups of 64) or bf16.")] = "q4",
@@ -105,6 +106,8 @@ def bench(
     lens = _parse_lens(prompt_lens)
     if gen < 1:
         _fail("--gen must be at least 1.")
+    if repeats < 1:
+        _fail("--repeats must be at least 1.")
     if weights not in ("q4", "bf16"):
         _fail(f"--weights {weights!r}: use q4 or bf16.")
     if peer not in (None, "hf"):
@@ -119,14 +122,14 @@ def bench(
                         random=random, random_format=weights)
         rows = run_bench(lm, prompt_lens=lens, gen=gen, model_name=model,
                          weights=weights_label(lm, random, weights), ops_name=ops_name(lm.model.ops),
-                         bandwidth_gbps=info.copy_bandwidth_gbps)
+                         bandwidth_gbps=info.copy_bandwidth_gbps, repeats=repeats)
         if peer == "hf":
             if random:
                 _fail("--peer hf needs a real checkpoint (not --random).")
             from kilnx.runtime.hf_peer import run_hf_bench
             rows += run_hf_bench(lm.source, vocab_size=lm.config.vocab_size, prompt_lens=lens, gen=gen,
                                  model_name=model, weights=rows[0].weights,
-                                 bandwidth_gbps=rows[0].copy_bandwidth_gbps)
+                                 bandwidth_gbps=rows[0].copy_bandwidth_gbps, repeats=repeats)
     except _user_errors() as e:
         _fail(str(e))
     table = Table(title=f"{model} on {info.name} ({rows[0].ops} ops, {rows[0].weights}, "

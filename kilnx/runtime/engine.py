@@ -96,10 +96,11 @@ class Engine:
         return logits[0, -1]
 
     @torch.no_grad()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One step for rows 0..B-1: tokens (B,) at positions (B,) -> logits (B, V)."""
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, *, max_position: int | None = None) -> torch.Tensor:
+        """One step for rows 0..B-1: tokens (B,) at positions (B,) -> logits (B, V). `max_position`, where
+        the caller knows it, spares reading the positions back from the device (a sync per step)."""
         B = tokens.shape[0]
-        if int(positions.max()) >= self.max_seq:
+        if (int(positions.max()) if max_position is None else max_position) >= self.max_seq:
             raise ContextLengthError(f"generation reached the context length ({self.max_seq} tokens).")
         if self.cuda_graphs:
             if not self._graphs:

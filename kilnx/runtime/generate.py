@@ -10,6 +10,7 @@ after the first over the time after the first (the steady-state rate of one-toke
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterator
@@ -62,12 +63,11 @@ def generate_ids(engine: Engine, ids: list[int], params: SamplingParams) -> Iter
                               "context" if params.max_tokens else "max_tokens")
         return
     logits = engine.prefill(ids)
-    tok = int(sampler(logits)[0])
+    first = sampler(logits)
+    tok = int(first[0])
     ttft = time.perf_counter() - t0
     decode_start = time.perf_counter()
-    pos = len(ids)
-    step_tok = torch.empty(1, dtype=torch.long, device=engine.device)
-    step_pos = torch.empty(1, dtype=torch.long, device=engine.device)
+    steps = _StepQueue(engine, sampler, first[:1], len(ids), budget, lookahead=_lookahead(engine))
     while True:
         out.append(tok)
         yield tok
@@ -77,11 +77,7 @@ def generate_ids(engine: Engine, ids: list[int], params: SamplingParams) -> Iter
         if len(out) >= budget:
             reason = "max_tokens" if len(out) >= params.max_tokens else "context"
             break
-        step_tok.fill_(tok)
-        step_pos.fill_(pos)
-        logits = engine.decode(step_tok, step_pos)
-        tok = int(sampler(logits)[0])
-        pos += 1
+        tok = steps.token(len(out))
     end = time.perf_counter()
     n_after = len(out) - 1
     yield GenerationStats(
@@ -89,6 +85,60 @@ def generate_ids(engine: Engine, ids: list[int], params: SamplingParams) -> Iter
         prefill_tok_s=len(ids) / ttft if ttft > 0 else 0.0,
         decode_tok_s=n_after / (end - decode_start) if n_after > 0 and end > decode_start else 0.0,
         total_s=end - t0, stop_reason=reason, token_ids=out)
+
+
+def _lookahead(engine: Engine) -> int:
+    """Decode steps enqueued ahead of the token the host reads: 1 on a GPU, 0 on the CPU (_StepQueue says
+    why); KILNX_DECODE_LOOKAHEAD overrides, for A/B runs."""
+    env = os.environ.get("KILNX_DECODE_LOOKAHEAD")
+    if env is not None:
+        return max(0, int(env))
+    return int(engine.device.type == "cuda")
+
+
+class _StepQueue:
+    """Decode steps kept `lookahead` steps ahead of the host.
+
+    Each step's input token is the previous step's sampled token, fed on the device (copy into the step's
+    input, position + 1), and its own token comes back through a non-blocking copy. So on a GPU the host
+    enqueues step n + 1 before it reads step n's token and the GPU never waits for the host's per-token
+    work (the synchronous loop left it idle between steps while the host read the token back, checked it,
+    and launched the next step's input copies). The price is one step computed past a stop token, whose
+    K/V lands beyond the sequence's end, where nothing reads it. On the CPU the kernels run as they are
+    launched, so a step ahead would only add a wasted step: lookahead 0 there."""
+
+    def __init__(self, engine: Engine, sampler: Sampler, first: torch.Tensor, position: int, budget: int,
+                 lookahead: int):
+        self.engine, self.sampler, self.lookahead = engine, sampler, lookahead
+        self.budget = budget                                  # tokens in all, the prefill's included
+        self.tok = first.to(torch.long).reshape(1).clone()    # the next step's input, on the device
+        self.pos = torch.full((1,), position, dtype=torch.long, device=engine.device)
+        self.first_position = position
+        cuda = engine.device.type == "cuda"
+        self.host = torch.empty(max(budget, 1), dtype=torch.long, pin_memory=cuda)
+        self.done: list = []                                  # per enqueued step: its event (None on the CPU)
+
+    def _enqueue(self) -> None:
+        i = len(self.done)
+        logits = self.engine.decode(self.tok, self.pos, max_position=self.first_position + i)
+        nxt = self.sampler(logits)[:1]
+        self.tok.copy_(nxt)
+        self.pos.add_(1)
+        self.host[i + 1:i + 2].copy_(nxt, non_blocking=True)
+        ev = None
+        if self.engine.device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record()
+        self.done.append(ev)
+
+    def token(self, n: int) -> int:
+        """Token number n (0 is the prefill's), enqueueing the steps up to it and `lookahead` beyond."""
+        want = min(n + self.lookahead, self.budget - 1)       # step i makes token i + 1
+        while len(self.done) < want:
+            self._enqueue()
+        if self.done[n - 1] is not None:
+            self.done[n - 1].synchronize()
+        return int(self.host[n])
 
 
 def stream(lm, prompt: str | list[int], params: SamplingParams | None = None, *, chat: bool = False,

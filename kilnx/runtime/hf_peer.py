@@ -9,6 +9,7 @@ order as run_bench draws them.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 
 import torch
@@ -51,7 +52,8 @@ def _step(model, tok, out):
 
 
 def run_hf_bench(source: str, *, vocab_size: int, prompt_lens: list[int], gen: int, model_name: str,
-                 weights: str, bandwidth_gbps: float | None = None, seed: int = 0) -> list[BenchRow]:
+                 weights: str, bandwidth_gbps: float | None = None, seed: int = 0,
+                 repeats: int = 1) -> list[BenchRow]:
     model = load_hf_model(source)
     cfg = model.config
     bw = bandwidth_gbps or copy_bandwidth_gbps(torch.device("cpu"))
@@ -66,7 +68,8 @@ def run_hf_bench(source: str, *, vocab_size: int, prompt_lens: list[int], gen: i
     rows, stamp = [], time.strftime("%Y-%m-%dT%H:%M:%S")
     for L in prompt_lens:
         ids = torch.randint(0, vocab_size, (L,), generator=g).tolist()
-        ttft, decode = _greedy(model, ids, gen)
+        runs = [_greedy(model, ids, gen) for _ in range(max(1, repeats))]   # medians, as run_bench's
+        ttft, decode = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
         per_token = weight_bytes + int(kv_per_tok * (L + gen / 2))
         rows.append(BenchRow(
             model=model_name, device="cpu", ops="hf-transformers", weights=weights, prompt_len=L, gen=gen,

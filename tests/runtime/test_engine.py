@@ -115,3 +115,62 @@ def test_recorder_refuses_a_strided_copy(monkeypatch):
     with Recorder() as rec:
         activations.scaled_add(x, torch.randn(4, 8), 0.5)
     assert rec.refused and len(rec.steps) == 1
+
+
+@pytest.mark.parametrize("lookahead", ["0", "1", "3"])
+def test_steps_enqueued_ahead_give_the_same_tokens_and_stop_where_the_synchronous_loop_does(lookahead, monkeypatch):
+    """Steps run ahead of the host (the GPU's pipelined decode) compute the tokens the one-at-a-time loop
+    does; a stop token ends the output at the same place, and what the extra steps wrote past it (K/V
+    beyond the sequence's end) does not change the next generation in the same engine."""
+    from kilnx.runtime.generate import generate_ids
+    model = tiny_model("llama")
+    prompt = [3, 1, 4, 1, 5]
+
+    def run(eng, params):
+        *toks, stats = generate_ids(eng, prompt, params)
+        return toks, stats
+
+    monkeypatch.setenv("KILNX_DECODE_LOOKAHEAD", "0")
+    ref, _ = run(Engine(model, max_seq=32), SamplingParams(max_tokens=12, ignore_eos=True))
+    monkeypatch.setenv("KILNX_DECODE_LOOKAHEAD", lookahead)
+    eng = Engine(model, max_seq=32)
+    toks, stats = run(eng, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert toks == ref and stats.generated_tokens == 12
+    stop = ref[4]
+    cut, stats = run(eng, SamplingParams(max_tokens=12, stop_token_ids=(stop,)))
+    assert cut == ref[:ref.index(stop) + 1] and stats.stop_reason == "stop_token"
+    again, _ = run(eng, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert again == ref
+    # sampled, seeded: the same draws whether the steps run ahead or not
+    monkeypatch.setenv("KILNX_DECODE_LOOKAHEAD", "0")
+    sampled_ref, _ = run(Engine(model, max_seq=32), SamplingParams(max_tokens=8, temperature=0.9, top_k=20, seed=3,
+                                                                   ignore_eos=True))
+    monkeypatch.setenv("KILNX_DECODE_LOOKAHEAD", lookahead)
+    sampled, _ = run(Engine(model, max_seq=32), SamplingParams(max_tokens=8, temperature=0.9, top_k=20, seed=3,
+                                                               ignore_eos=True))
+    assert sampled == sampled_ref
+
+
+def test_a_bench_row_holds_the_median_of_its_measured_runs(monkeypatch):
+    """`kilnx bench --repeats 3`: every figure of a row is the median of the three measured runs of that
+    prompt (warm-up runs excluded), so one slow or fast run does not set the number."""
+    from types import SimpleNamespace
+
+    from kilnx.runtime import bench
+    model = tiny_model("llama")
+    measured, real = [], bench._run
+
+    def run(engine, ids, params):
+        st = real(engine, ids, params)
+        if params.max_tokens == 5:
+            measured.append(st)
+        return st
+
+    monkeypatch.setattr(bench, "_run", run)
+    rows = bench.run_bench(SimpleNamespace(config=model.config, model=model), prompt_lens=[8], gen=5,
+                           model_name="tiny", weights="random", ops_name="kilnx", bandwidth_gbps=100.0, repeats=3)
+    assert len(measured) == 3 and len(rows) == 1
+    for field, scale in (("decode_tok_s", 1), ("prefill_tok_s", 1), ("ttft_s", 1e3)):
+        values = sorted(getattr(st, field) for st in measured)
+        got = getattr(rows[0], "ttft_ms" if field == "ttft_s" else field)
+        assert got == pytest.approx(values[1] * scale)

@@ -94,3 +94,19 @@ def test_lazy_graphs_capture_at_the_first_decode_step_after_a_prefill(monkeypatc
     assert not engines["kilnx"]._graphs
     follow_the_peer(engines, random_prompt(12, 7), 5)
     assert engines["kilnx"]._graphs
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_steps_run_ahead_on_graphs_give_the_synchronous_loops_tokens(sampled, monkeypatch):
+    """The GPU's pipelined decode (steps enqueued a step ahead, tokens fed on the device through the
+    graph's inputs) yields the tokens of the loop that reads every token before the next step."""
+    from kilnx.runtime.generate import generate_ids
+    from kilnx.runtime.sampling import SamplingParams
+    params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8 if sampled else 0.0, seed=5)
+    eng = Engine(model("llama", "kilnx"), max_seq=64)
+    runs = {}
+    for ahead in ("0", "1", "2"):
+        monkeypatch.setenv("KILNX_DECODE_LOOKAHEAD", ahead)
+        *runs[ahead], stats = generate_ids(eng, random_prompt(9, 4), params)
+        assert stats.generated_tokens == 24
+    assert runs["1"] == runs["0"] and runs["2"] == runs["0"]

@@ -52,3 +52,27 @@ def test_the_default_is_recorded_when_nothing_beats_it(sqlite_url, cpu):
     with TuningDB(sqlite_url) as db:
         [stored] = db.valid_results(cpu)
     assert stored.config == BEST and stored.time_s == stored.default_time_s
+
+
+
+def test_the_budget_is_a_deadline_targets_past_it_are_not_started(sqlite_url, cpu):
+    """Once the budget is spent no further target starts (each would still time its default and check its
+    configs, whatever its share): they are reported as not started, and a later tune with budget left
+    reaches them."""
+    from kilnx.tuner.budget import Budget
+    from kilnx.tuner.session import TargetSpec, tune_session
+    from kilnx.tuner.study import TuneSettings
+    from tests.tuner.helpers import FAKE
+
+    class SpentAfterTheFirst(Budget):   # the clock runs out as the first target finishes
+        def remaining_s(self) -> float:
+            return 60.0 if self.done == 0 else 0.0
+
+    specs = [TargetSpec(f"{FAKE}:scale_add", {"M": m, "N": 64}) for m in (4, 8, 16)]
+    with TuningDB(sqlite_url) as db:
+        results = tune_session(cpu, specs, db, SpentAfterTheFirst(60.0, len(specs)),
+                               TuneSettings(trials=4, trial_timeout_s=5.0))
+        stored = [r.bucket for r in db.valid_results(cpu)]
+    assert results[0].error == "" and results[0].config is not None
+    assert [r.error.split(":")[0] for r in results[1:]] == ["not started", "not started"]
+    assert stored == ["M=4,N=64"]

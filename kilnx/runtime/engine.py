@@ -107,8 +107,9 @@ class Engine:
                 self._capture_all()
             bucket = next(b for b in self._graphs if b >= B)
             g = self._graphs[bucket]
-            g.ids[:B, 0].copy_(tokens)
-            g.positions[:B, 0].copy_(positions)
+            for src, dst in ((tokens, g.ids[:B, 0]), (positions, g.positions[:B, 0])):
+                if src.data_ptr() != dst.data_ptr():     # not already written there (decode_inputs)
+                    dst.copy_(src)
             g.graph.replay()
             return g.logits[:B, 0]
         if self.cpu_replay:
@@ -124,6 +125,17 @@ class Engine:
         logits = self.model.forward(tokens.view(B, 1).to(self.device), positions.view(B, 1).to(self.device),
                                     cache, last_only=True)
         return logits[:, 0]
+
+    def decode_inputs(self, B: int = 1) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The captured B-row step's own input buffers (tokens (B,), positions (B,)), where B is a captured
+        bucket; else None. A caller that writes the next step's inputs there, on the device, spares
+        decode() two copies per step (the pipelined loop in runtime/generate.py)."""
+        if not self.cuda_graphs:
+            return None
+        if not self._graphs:
+            self._capture_all()
+        g = self._graphs.get(B)
+        return None if g is None else (g.ids[:, 0], g.positions[:, 0])
 
     # ------------------------------------------------------------------ CPU step replay
     def _record(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -111,8 +111,11 @@ class _StepQueue:
                  lookahead: int):
         self.engine, self.sampler, self.lookahead = engine, sampler, lookahead
         self.budget = budget                                  # tokens in all, the prefill's included
-        self.tok = first.to(torch.long).reshape(1).clone()    # the next step's input, on the device
-        self.pos = torch.full((1,), position, dtype=torch.long, device=engine.device)
+        # the next step's input, on the device: the captured step's own buffers where there is one
+        self.tok, self.pos = engine.decode_inputs(1) or (torch.empty(1, dtype=torch.long, device=engine.device),
+                                                         torch.empty(1, dtype=torch.long, device=engine.device))
+        self.tok.copy_(first.reshape(1))
+        self.pos.fill_(position)
         self.first_position = position
         cuda = engine.device.type == "cuda"
         self.host = torch.empty(max(budget, 1), dtype=torch.long, pin_memory=cuda)

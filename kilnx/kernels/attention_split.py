@@ -174,17 +174,16 @@ def attention_merge_prep(part_acc, part_max, part_sum, q, *, PER: kd.constexpr, 
     qmv_h2's prepared form for the o projection: each program merges one head, whose D values are whole
     quantization groups (HEAD_D % GROUP == 0), so it also owns their planes, sums and scales."""
     from kilnx.kernels import qmv_h2 as H
-    NS = part_acc.shape[0]
     B, T, Hq, D = q.shape
-    b, t, h, top, _, norm = _merge_weights(part_max, part_sum, B, T, Hq, BLOCK_S)
+    b, t, h, _, w, norm = _merge_weights(part_max, part_sum, B, T, Hq, BLOCK_S)
     DW = HEAD_D // PER                          # packed words of one head
     lo_i, hi_i = H.code_pairs_index(kd.arange(0, DW), PER)
-    lo = kd.zeros((DW, PER // 2), kd.f32)
-    hi = kd.zeros((DW, PER // 2), kd.f32)
-    for split in kd.range(0, NS):   # a (DW, PER/2) tile per range: its weight is read as a scalar
-        w = kd.exp(kd.load(part_max, split, b, t, h) - top)
-        lo += kd.load(part_acc, split, b, t, h, lo_i) * w
-        hi += kd.load(part_acc, split, b, t, h, hi_i) * w
+    # every range's (DW, PER/2) tiles in one (BLOCK_S, DW, PER/2) load: a loop over the ranges waited for
+    # each range's loads in turn (17 round trips at a 2113-token cache: 5.0 us per layer on the H200,
+    # as long as the attention itself)
+    s = kd.arange(0, BLOCK_S)[:, None, None]
+    lo = kd.sum(kd.load(part_acc, s, b, t, h, lo_i[None, :, :]) * w[:, None, None], axis=0)
+    hi = kd.sum(kd.load(part_acc, s, b, t, h, hi_i[None, :, :]) * w[:, None, None], axis=0)
     y_lo = (lo * norm).astype(q.dtype).f32()
     y_hi = (hi * norm).astype(q.dtype).f32()
     return H.store_prepared(y_lo, y_hi, b * T + t, h * DW, h * DW + kd.arange(0, DW), B * T, Hq * HEAD_D,

@@ -100,6 +100,9 @@ def add_rms_norm_prep(x, res, w, *, eps: float, offset: float, PER: kd.constexpr
     row = kd.grid(M)
     words = kd.arange(0, BW)
     lo_i, hi_i = H.code_pairs_index(words, PER)
+    # the norm weight is loaded with the row: loaded after the residual's stores, it could not be issued
+    # before them (the compiler cannot rule out aliasing) and cost a memory round trip of its own
+    w_lo, w_hi = offset + kd.load(w, lo_i).f32(), offset + kd.load(w, hi_i).f32()
     lo = kd.load(x, row, lo_i).f32() + kd.load(res, row, lo_i).f32()
     hi = kd.load(x, row, hi_i).f32() + kd.load(res, row, hi_i).f32()
     h = kd.output((M, K), x.dtype, name="residual")
@@ -107,8 +110,8 @@ def add_rms_norm_prep(x, res, w, *, eps: float, offset: float, PER: kd.constexpr
     kd.store(h, row, hi_i, hi)
     # the norm of the fp32 sum, as add_rms_norm_kernel (not of h rounded to x.dtype)
     inv = kd.rsqrt((kd.sum(kd.sum(lo * lo, axis=1), axis=0) + kd.sum(kd.sum(hi * hi, axis=1), axis=0)) / K + eps)
-    y_lo = (lo * inv * (offset + kd.load(w, lo_i).f32())).astype(x.dtype).f32()
-    y_hi = (hi * inv * (offset + kd.load(w, hi_i).f32())).astype(x.dtype).f32()
+    y_lo = (lo * inv * w_lo).astype(x.dtype).f32()
+    y_hi = (hi * inv * w_hi).astype(x.dtype).f32()
     return (h, *H.store_prepared(y_lo, y_hi, row, 0, words, M, K, PER=PER, GROUP=GROUP))
 
 

@@ -157,6 +157,9 @@ def _merge_weights(part_max, part_sum, B, T, Hq, BLOCK_S: int):
     return b, t, h, top, w, 1.0 / kd.where(total > 0, total, 1.0)
 
 
+MERGE_CHUNK = 32   # key ranges the prepared merge reads per load
+
+
 def _merge_prep_spec(part_acc, part_max, part_sum, q, *, PER, GROUP, **_):
     from kilnx.kernels.qmv_h2 import _prep_spec
     out = _merge_spec(part_acc, part_max, part_sum, q)
@@ -175,15 +178,26 @@ def attention_merge_prep(part_acc, part_max, part_sum, q, *, PER: kd.constexpr, 
     quantization groups (HEAD_D % GROUP == 0), so it also owns their planes, sums and scales."""
     from kilnx.kernels import qmv_h2 as H
     B, T, Hq, D = q.shape
-    b, t, h, _, w, norm = _merge_weights(part_max, part_sum, B, T, Hq, BLOCK_S)
+    b, t, h, top, w, norm = _merge_weights(part_max, part_sum, B, T, Hq, BLOCK_S)
     DW = HEAD_D // PER                          # packed words of one head
     lo_i, hi_i = H.code_pairs_index(kd.arange(0, DW), PER)
-    # every range's (DW, PER/2) tiles in one (BLOCK_S, DW, PER/2) load: a loop over the ranges waited for
-    # each range's loads in turn (17 round trips at a 2113-token cache: 5.0 us per layer on the H200,
-    # as long as the attention itself)
-    s = kd.arange(0, BLOCK_S)[:, None, None]
-    lo = kd.sum(kd.load(part_acc, s, b, t, h, lo_i[None, :, :]) * w[:, None, None], axis=0)
-    hi = kd.sum(kd.load(part_acc, s, b, t, h, hi_i[None, :, :]) * w[:, None, None], axis=0)
+    lo_i, hi_i = lo_i[None, :, :], hi_i[None, :, :]    # (1, DW, PER/2): broadcast over the ranges
+    # the ranges' (DW, PER/2) tiles in (ranges, DW, PER/2) loads, MERGE_CHUNK ranges at a time: a loop
+    # over single ranges waited for each range's loads in turn (17 round trips at a 2113-token cache:
+    # 5.0 us per layer on the H200, as long as the attention itself); the chunk bounds the registers
+    # at long contexts (64 ranges at 128k tokens)
+    if BLOCK_S <= MERGE_CHUNK:
+        s = kd.arange(0, BLOCK_S)[:, None, None]
+        lo = kd.sum(kd.load(part_acc, s, b, t, h, lo_i) * w[:, None, None], axis=0)
+        hi = kd.sum(kd.load(part_acc, s, b, t, h, hi_i) * w[:, None, None], axis=0)
+    else:
+        lo = kd.zeros((DW, PER // 2), kd.f32)
+        hi = kd.zeros((DW, PER // 2), kd.f32)
+        for s0 in kd.range(0, part_acc.shape[0], MERGE_CHUNK):
+            s = s0 + kd.arange(0, MERGE_CHUNK)
+            ws = kd.exp(kd.load(part_max, s, b, t, h, other=MASKED_MAX) - top)[:, None, None]
+            lo += kd.sum(kd.load(part_acc, s[:, None, None], b, t, h, lo_i) * ws, axis=0)
+            hi += kd.sum(kd.load(part_acc, s[:, None, None], b, t, h, hi_i) * ws, axis=0)
     y_lo = (lo * norm).astype(q.dtype).f32()
     y_hi = (hi * norm).astype(q.dtype).f32()
     return H.store_prepared(y_lo, y_hi, b * T + t, h * DW, h * DW + kd.arange(0, DW), B * T, Hq * HEAD_D,

@@ -195,6 +195,27 @@ def test_split_attention_merge_writes_the_o_projections_prepared_input(backend):
         torch.testing.assert_close(H._x_of(got.planes, got.xs), H._x_of(want[0], want[2]), rtol=2e-3, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", ["triton", "numba"])
+def test_the_prepared_merge_of_more_ranges_than_one_load_takes(backend):
+    """At long contexts the prepared merge reads the key ranges MERGE_CHUNK at a time: 40 ranges of 16 keys
+    with keys in both chunks (one row at position 600, one at 20) merge as the reference does."""
+    from kilnx.kernels import attention_split as AS
+    from kilnx.kernels import qmv_h2 as H
+    g = torch.Generator().manual_seed(4)
+    S, D = 640, 64
+    q = torch.randn(2, 1, 4, D, generator=g)
+    k_cache, v_cache = torch.randn(2, 2, S, D, generator=g), torch.randn(2, 2, S, D, generator=g)
+    positions = torch.tensor([[600], [20]])
+    kw = A._kernel_kwargs(q, k_cache, 0.125, None, None)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "KEYS_PER_SPLIT": 16}
+    assert S // 16 > AS.MERGE_CHUNK
+    got = AS.attention_split(q, k_cache, v_cache, positions, kw, config=cfg, backend=backend, prepared=(8, 64))
+    out = AS.attention_split(q, k_cache, v_cache, positions, kw, config=cfg, backend="reference")
+    want = H._prep_spec(out.reshape(2, 4 * D).float(), PER=8, GROUP=64)
+    assert torch.equal(got.xs, want[2])
+    torch.testing.assert_close(H._x_of(got.planes, got.xs), H._x_of(want[0], want[2]), rtol=2e-3, atol=1e-6)
+
+
 @pytest.mark.parametrize("backend", ["triton", "reference", "numba"])
 @pytest.mark.parametrize("B,T,D,fmt", [(2, 1, 64, (8, 64)), (1, 3, 128, (8, 64)), (2, 1, 32, (4, 32))])
 def test_attention_writing_the_o_projections_prepared_input_equals_preparing_its_output(monkeypatch, backend, B, T,

@@ -17,7 +17,7 @@ import torch
 from kilnx.dsl.kernel import _tuning_generation, format_key
 from kilnx.dsl.tunables import Space, choice
 
-ROUTING_VERSION = "3"
+ROUTING_VERSION = "4"
 TC_NEVER = 65            # past qmv_tc.MAX_ROWS: the tensor-core GEMV is never chosen
 # On the H200 qmv_tc took the same time at 1, 4 and 8 rows and beat qmv_h2 at 8 on every llama-3.1-8b
 # shape (by 9-15%), lost at 4 (by 29-71%) (bench/results/2026-12-03_h200_quant_s5.csv); kilnx tune
@@ -35,13 +35,13 @@ class QmatmulRowsRoute:
     """
 
     name = "qmatmul_rows_crossover"
-    ROWS = (1, 2, 4, 8, 16)
+    ROWS = (1, 2, 4, 8, 16, 32)
 
     def __init__(self):
         from kilnx.kernels import qmatmul as qm
         from kilnx.kernels import qmv_cpu, qmv_h2, qmv_tc
         self._qm, self._h2, self._tc, self._il = qm, qmv_h2, qmv_tc, qmv_cpu
-        self.space = Space({"QMV_MAX_ROWS": choice(0, 1, 2, 4, 8, 16, default=qm.QMV_MAX_ROWS),
+        self.space = Space({"QMV_MAX_ROWS": choice(0, 1, 2, 4, 8, 16, 32, default=qm.QMV_MAX_ROWS),
                             # qmv_h2 was 1.06-1.53x faster than qmv at every llama-3.1-8b shape, M = 1..8
                             # (H200, bench/results/2026-12-02_h200_qmv_h2_s3.csv)
                             "GEMV": choice("qmv", "qmv_h2", "qmv_il", default="qmv_h2"),
@@ -62,8 +62,11 @@ class QmatmulRowsRoute:
     def default_config(self, x, *args, **_) -> dict:
         if x.device.type == "cpu":
             # numba: the row-interleaved GEMV (kernels/qmv_cpu.py) ran SmolLM2's decode GEMVs 1.3-2.3x
-            # faster than qmv on 2 EPYC cores; prefill (more rows) takes the tile GEMM
-            return self.space.validate({"QMV_MAX_ROWS": 4, "GEMV": "qmv_il", "TC_MIN_ROWS": TC_NEVER})
+            # faster than qmv on 2 EPYC cores. Its time grows with the rows while the tile GEMM's barely
+            # does (the GEMM's weight decoding dominates it here), and they cross between 32 and 64 rows
+            # on SmolLM2's shapes (0.65-4.05 ms against 1.06-7.02 at 32 rows, 1.6-7.5 against 1.6-7.4 at
+            # 64): prompts and prefill chunks up to 32 rows take the GEMV
+            return self.space.validate({"QMV_MAX_ROWS": 32, "GEMV": "qmv_il", "TC_MIN_ROWS": TC_NEVER})
         return self.space.default()
 
     def sample_problems(self) -> list[dict]:

@@ -57,8 +57,9 @@ def test_ops_qmatmul_takes_it_on_cpu(monkeypatch):
     x, qw, want = mlx_case(1, 40, 128, 4, 64, seed=11)
     bf = x.to(torch.bfloat16)
     got = ops.qmatmul(bf.reshape(1, 1, 128), qw)
-    ops.qmatmul(torch.zeros(5, 128, dtype=torch.bfloat16), qw)      # prefill rows: the tile GEMM
-    assert used == [1]
+    ops.qmatmul(torch.zeros(5, 128, dtype=torch.bfloat16), qw)      # a short prompt's rows: the GEMV too
+    ops.qmatmul(torch.zeros(33, 128, dtype=torch.bfloat16), qw)     # past 32 rows: the tile GEMM
+    assert used == [1, 5]
     assert got.shape == (1, 1, 40) and got.dtype == torch.bfloat16
     want_bf = C._dense_spec(bf, qw.packed, qw.scales, qw.biases, 4, 64)
     assert torch.allclose(got[0].float(), want_bf.float(), rtol=2e-2, atol=1e-2 * float(want_bf.abs().max()))

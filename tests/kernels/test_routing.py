@@ -70,8 +70,8 @@ def test_the_stored_choice_is_what_the_runtime_reads(tmp_path, monkeypatch):
     monkeypatch.setenv("KILNX_DB", url)
     dispatch.reset()
     args = qmatmul_rows.make_args(PROBLEM, "cpu")
-    # nothing tuned: the device's default (on the CPU, up to 4 rows through the row-interleaved GEMV)
-    assert qmatmul_rows.choice_for(*args) == {"QMV_MAX_ROWS": 4, "GEMV": "qmv_il", "TC_MIN_ROWS": TC_NEVER}
+    # nothing tuned: the device's default (on the CPU, up to 32 rows through the row-interleaved GEMV)
+    assert qmatmul_rows.choice_for(*args) == {"QMV_MAX_ROWS": 32, "GEMV": "qmv_il", "TC_MIN_ROWS": TC_NEVER}
     with TuningDB(url) as db:
         db.record_result(kernel=qmatmul_rows.name, source_hash=qmatmul_rows.source_hash, device=cpu_info(),
                          bucket=qmatmul_rows.key(*args), config={"QMV_MAX_ROWS": 16, "GEMV": "qmv_h2", "TC_MIN_ROWS": 6}, time_s=1e-5)
@@ -105,7 +105,7 @@ def test_a_tune_records_a_choice(tmp_path):
         stored = db.valid_results(cpu_info())
     assert not results[0].error, results[0].error
     assert [(r.kernel, r.bucket) for r in stored] == [("qmatmul_rows_crossover", "N=24,K=128,bits=4,gs=64")]
-    assert stored[0].config["QMV_MAX_ROWS"] in (0, 1, 2, 4, 8, 16) and stored[0].config["GEMV"] in ("qmv", "qmv_h2", "qmv_il")
+    assert stored[0].config["QMV_MAX_ROWS"] in (0, 1, 2, 4, 8, 16, 32) and stored[0].config["GEMV"] in ("qmv", "qmv_h2", "qmv_il")
 
 
 def test_qmatmul_decides_once_per_weight_and_row_count(monkeypatch):

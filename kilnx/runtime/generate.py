@@ -91,9 +91,12 @@ def _lookahead(engine: Engine) -> int:
     """Decode steps enqueued ahead of the token the host reads: 1 on a GPU, 0 on the CPU (_StepQueue says
     why); KILNX_DECODE_LOOKAHEAD overrides, for A/B runs."""
     env = os.environ.get("KILNX_DECODE_LOOKAHEAD")
-    if env is not None:
-        return max(0, int(env))
-    return int(engine.device.type == "cuda")
+    if env is None:
+        return int(engine.device.type == "cuda")
+    if not env.strip().isdigit():
+        raise ValueError(f"KILNX_DECODE_LOOKAHEAD={env!r}: give a number of steps (0 = no lookahead, 1 = the "
+                         "GPU default) or unset it.")
+    return int(env)
 
 
 class _StepQueue:

@@ -174,3 +174,10 @@ def test_a_bench_row_holds_the_median_of_its_measured_runs(monkeypatch):
         values = sorted(getattr(st, field) for st in measured)
         got = getattr(rows[0], "ttft_ms" if field == "ttft_s" else field)
         assert got == pytest.approx(values[1] * scale)
+
+
+def test_a_malformed_lookahead_setting_is_named_in_the_error(monkeypatch):
+    from kilnx.runtime.generate import generate_ids
+    monkeypatch.setenv("KILNX_DECODE_LOOKAHEAD", "soon")
+    with pytest.raises(ValueError, match="KILNX_DECODE_LOOKAHEAD='soon'"):
+        list(generate_ids(Engine(tiny_model("llama"), max_seq=32), [1, 2, 3], SamplingParams(max_tokens=3)))

@@ -352,6 +352,10 @@ def _call_capturing_locals(fn, args, kwargs):
             captured.update(frame.f_locals)
 
     old = sys.getprofile()
+    if old is not None and not callable(old):
+        # a C-level profiler (cProfile on Python 3.11) is installed: setprofile would silence it and could
+        # not put it back; trace without the author's names (generated names only differ in the source)
+        return fn(*args, **kwargs), captured
     sys.setprofile(prof)
     try:
         result = fn(*args, **kwargs)

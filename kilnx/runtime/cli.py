@@ -26,7 +26,8 @@ def _fail(message: str) -> None:
 def _user_errors():
     from kilnx.models.errors import ModelError
     from kilnx.runtime.device import DeviceError
-    return (ModelError, DeviceError)
+    from kilnx.runtime.mlx_peer import PeerUnavailable
+    return (ModelError, DeviceError, PeerUnavailable)
 
 
 def _parse_lens(text: str) -> list[int]:
@@ -91,7 +92,8 @@ def bench(
     weights: Annotated[str, typer.Option(help="Random weight format: q4 (MLX 4-bit, groups of 64) or bf16.")] = "q4",
     ops: Annotated[Optional[str], typer.Option(help=_OPS_HELP)] = None,
     peer: Annotated[Optional[str], typer.Option(
-        help="Also time a peer in the same run: hf (HF transformers on the same checkpoint, CPU).")] = None,
+        help="Also time a peer in the same run: hf (HF transformers on the same checkpoint, CPU) or mlx "
+             "(mlx-lm on the same preset, random 4-bit gs64 weights; with --random).")] = None,
     threads: Annotated[Optional[int], typer.Option(
         help="CPU threads for torch and numba (kilnx and the peer alike); default: as configured.")] = None,
 ) -> None:
@@ -110,8 +112,11 @@ def bench(
         _fail("--repeats must be at least 1.")
     if weights not in ("q4", "bf16"):
         _fail(f"--weights {weights!r}: use q4 or bf16.")
-    if peer not in (None, "hf"):
-        _fail(f"--peer {peer!r}: the only peer is hf.")
+    if peer not in (None, "hf", "mlx"):
+        _fail(f"--peer {peer!r}: the peers are hf and mlx.")
+    if peer == "mlx" and (not random or weights != "q4"):
+        _fail("--peer mlx builds the preset in mlx-lm with random 4-bit weights: use it with --random "
+              "(and --weights q4).")
     if threads is not None:
         if threads < 1:
             _fail("--threads must be at least 1.")
@@ -130,6 +135,10 @@ def bench(
             rows += run_hf_bench(lm.source, vocab_size=lm.config.vocab_size, prompt_lens=lens, gen=gen,
                                  model_name=model, weights=rows[0].weights,
                                  bandwidth_gbps=rows[0].copy_bandwidth_gbps, repeats=repeats)
+        if peer == "mlx":
+            from kilnx.runtime.mlx_peer import run_mlx_bench
+            rows += run_mlx_bench(lm.config, prompt_lens=lens, gen=gen, model_name=model,
+                                  bandwidth_gbps=rows[0].copy_bandwidth_gbps, repeats=repeats)
     except _user_errors() as e:
         _fail(str(e))
     table = Table(title=f"{model} on {info.name} ({rows[0].ops} ops, {rows[0].weights}, "
@@ -140,9 +149,9 @@ def bench(
         table.add_row(r.ops, str(r.prompt_len), str(r.gen), f"{r.ttft_ms:.1f}", f"{r.prefill_tok_s:.1f}",
                       f"{r.decode_tok_s:.1f}", f"{r.roofline_pct:.1f}")
     Console().print(table)
-    for ours, theirs in zip(rows, [r for r in rows if r.ops == "hf-transformers"]):
+    for ours, theirs in zip(rows, [r for r in rows if r.ops in ("hf-transformers", "mlx-lm")]):
         print(f"decode at prompt {ours.prompt_len}: {ours.ops} {ours.decode_tok_s:.1f} tok/s = "
-              f"{ours.decode_tok_s / theirs.decode_tok_s:.2f}x hf-transformers ({theirs.decode_tok_s:.1f} tok/s)")
+              f"{ours.decode_tok_s / theirs.decode_tok_s:.2f}x {theirs.ops} ({theirs.decode_tok_s:.1f} tok/s)")
     if csv:
         append_csv(csv, rows)
 

@@ -8,8 +8,8 @@ from kilnx.dsl.lang import Value, arange, sum, where  # noqa: A004 - kd.sum
 
 def halves(x: Value, axis: int):
     """(x[..., 0, ...], x[..., 1, ...]): the two slices of x along `axis`, which has size 2, each without
-    that axis. With kd.reshape, this is how a kernel takes a tile's interleaved halves apart (rotary
-    pairs, the two fp16 code planes of a packed word)."""
+    that axis. With kd.reshape, this is how a kernel takes a tile's interleaved halves apart (e.g. the
+    two members of rotary pairs)."""
     ax = axis % len(x.shape)
     if x.shape[ax] != 2:
         raise dsl_error(f"kd.halves takes an axis of size 2, got {list(x.shape)} along axis {axis}")

@@ -19,7 +19,6 @@ exp(old max - new max) whenever the max grows.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -73,15 +72,9 @@ def attention_formula(q, k_cache, v_cache, positions, scale, softcap=None, windo
     return torch.einsum("bhts,bhsd->bthd", probs, v).to(q.dtype)
 
 
-def _attn_spec(q, k_cache, v_cache, positions, *, scale, cap=0.0, window=NO_WINDOW, SOFTCAP=False, PER=0, GROUP=0,
-               **_):
-    out = attention_formula(q, k_cache, v_cache, positions, scale, softcap=cap if SOFTCAP else None,
-                            window=None if window >= NO_WINDOW else window)
-    if not PER:
-        return out
-    from kilnx.kernels.qmv_h2 import _prep_spec
-    B, T, Hq, D = out.shape
-    return _prep_spec(out.reshape(B * T, Hq * D).float(), PER=PER, GROUP=GROUP)
+def _attn_spec(q, k_cache, v_cache, positions, *, scale, cap=0.0, window=NO_WINDOW, SOFTCAP=False, **_):
+    return attention_formula(q, k_cache, v_cache, positions, scale, softcap=cap if SOFTCAP else None,
+                             window=None if window >= NO_WINDOW else window)
 
 
 def _shape_derived_kwargs(q, k_cache, v_cache, positions) -> dict:
@@ -141,21 +134,15 @@ def attend(q_tile, pos, k_cache, v_cache, b, kv_head, d, key_start, key_stop, ke
 
 
 def attend_all(q_tile, token, head, d, pos, q, k_cache, v_cache, b, kv_head, *, scale, cap, window, SOFTCAP,
-               BLOCK_N: int, PER: int = 0, GROUP: int = 0):
-    """Every key the tile's rows can see, normalized: the (B, T, Hq, D) output in q.dtype, or with PER
-    (and BLOCK_D = D, a multiple of GROUP) that output rounded to q.dtype and written as the o
-    projection's prepared input (planes, sums, scales of (B*T, Hq*D)): a head's values are whole groups."""
+               BLOCK_N: int):
+    """Every key the tile's rows can see, normalized: the (B, T, Hq, D) output in q.dtype."""
     B, T, Hq, D = q.shape
     S = k_cache.shape[2]
     key_start, key_stop = visible_keys(pos, token < T, S, window, BLOCK_N)
     acc, row_max, row_sum = attend(q_tile, pos, k_cache, v_cache, b, kv_head, d, key_start, key_stop, S,
                                    scale=scale, cap=cap, window=window, SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N)
-    seen_any = kd.where(row_sum > 0, row_sum, 1.0)   # padding rows saw no key: 0, not 0/0
-    if PER:
-        from kilnx.kernels.qmv_h2 import store_prepared_rows
-        y = (acc / seen_any[:, None]).astype(q.dtype).f32()
-        return store_prepared_rows(y, b * T + token, head * (D // PER), token < T, B * T, Hq * D, PER=PER, GROUP=GROUP)
     out = kd.output((B, T, Hq, D), q.dtype)
+    seen_any = kd.where(row_sum > 0, row_sum, 1.0)   # padding rows saw no key: 0, not 0/0
     kd.store(out, b, token[:, None], head[:, None], d[None, :], acc / seen_any[:, None])
     return out
 
@@ -166,8 +153,7 @@ TUNE = {"BLOCK_M": kd.pow2(4, 128, default=16), "BLOCK_N": kd.pow2(16, 128, defa
 
 @kd.kernel(tune=TUNE, key=_attn_key, default=_attn_default, spec=_attn_spec, specialize=_shape_derived_kwargs)
 def attention_kernel(q, k_cache, v_cache, positions, *, scale: float, cap: float = 0.0, window: int = NO_WINDOW,
-                     BLOCK_D: kd.constexpr = 64, SOFTCAP: kd.constexpr = False, PER: kd.constexpr = 0,
-                     GROUP: kd.constexpr = 0, BLOCK_M, BLOCK_N):
+                     BLOCK_D: kd.constexpr = 64, SOFTCAP: kd.constexpr = False, BLOCK_M, BLOCK_N):
     B, T, Hq, D = q.shape
     group = Hq // k_cache.shape[1]
     pid_m, pid_bh = kd.grid(kd.cdiv(T * group, BLOCK_M), B * k_cache.shape[1])
@@ -176,7 +162,7 @@ def attention_kernel(q, k_cache, v_cache, positions, *, scale: float, cap: float
     q_tile, token, head, _, d = query_tile(q, pid_m, kv_head, b, group, T, BLOCK_M, BLOCK_D)
     pos = kd.load(positions, b, token, other=-1)
     return attend_all(q_tile, token, head, d, pos, q, k_cache, v_cache, b, kv_head, scale=scale, cap=cap,
-                      window=window, SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N, PER=PER, GROUP=GROUP)
+                      window=window, SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N)
 
 
 def _kernel_kwargs(q, k_cache, scale, softcap, window) -> dict:
@@ -196,22 +182,11 @@ def attention(q, k_cache, v_cache, positions, scale, *, softcap=None, window=Non
     kw = _kernel_kwargs(q, k_cache, scale, softcap, window)
     if attention_split.use_split(q, k_cache):
         return attention_split.attention_split(q, k_cache, v_cache, positions, kw, prepared=prepared)
-    from kilnx.kernels.prepared import PreparedX, prepare
-    if prepared is not None and writes_prepared(q, prepared):
-        planes, sums, xs = attention_kernel(q, k_cache, v_cache, positions, PER=prepared[0], GROUP=prepared[1], **kw)
-        return PreparedX(planes, sums, xs, q.dtype)
     out = attention_kernel(q, k_cache, v_cache, positions, **kw)
     if prepared is None:
         return out
+    from kilnx.kernels.prepared import prepare
     return prepare(out.reshape(-1, out.shape[2] * out.shape[3]), prepared)
-
-
-def writes_prepared(q, prepared) -> bool:
-    """Whether attention_kernel writes the o projection's prepared input itself (one launch fewer than
-    preparing its output): the head dim a power of two (no padded tile columns) of whole groups.
-    KILNX_ATTENTION_PREPARED=1 turns it on; off by default until measured on a GPU."""
-    D = q.shape[3]
-    return os.environ.get("KILNX_ATTENTION_PREPARED", "0") == "1" and D == _next_pow2(D) and D % prepared[1] == 0
 
 
 def _attn_problem_args(problem: dict, device: str):

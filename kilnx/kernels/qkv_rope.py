@@ -46,13 +46,12 @@ def pair_rows(pid_n, *, BLOCK_N: int, D: int, INTERLEAVED: bool):
     return first + (i // (BLOCK_N // 2)) * offset
 
 
-def _spec(planes, sums, xs, wq, scales, biases, positions, rows, inv_freq, k_cache, v_cache, *, INTERLEAVED=False,
+def _spec(planes, sums, xs, wq, scales, biases, positions, rows, inv_freq, k_cache, v_cache, *, HQ, INTERLEAVED=False,
           **kw):
     """q rotated (M, HQ*D) in scales' dtype; the caches get rotated k and v at [rows[m], :, positions[m], :]
     (checked by the tests; the kernel returns q)."""
     qkv = H._spec(planes, sums, xs, wq, scales, biases, **kw)
     D, hk = k_cache.shape[3], k_cache.shape[1]
-    HQ = wq.shape[0] // D - 2 * hk
     m = qkv.shape[0]
     q, k, v = qkv[:, :HQ * D].view(m, HQ, D), qkv[:, HQ * D:(HQ + hk) * D].view(m, hk, D), qkv[:, (HQ + hk) * D:]
     qr, _, _ = _rope_cache_spec(q, k, v.reshape(m, hk, D), positions, rows, inv_freq, k_cache, v_cache,

@@ -114,26 +114,6 @@ def store_prepared(lo, hi, row, w0, w, M, K, *, PER: int, GROUP: int, BIAS: int 
     return planes, sums, scale
 
 
-def store_prepared_rows(y, act_row, word0, valid, M, K, *, PER: int, GROUP: int):
-    """store_prepared for a tile y (R, L) fp32 whose row r holds the L consecutive values of activation
-    row act_row[r] from word word0[r] on (L and word0 in whole groups): rows are activation slices, e.g.
-    one attention head each; rows where `valid` is False are not stored."""
-    R, L = y.shape
-    HALF = PER // 2
-    lo, hi = kd.halves(kd.reshape(y, (R, L // PER, 2, HALF)), axis=2)   # (R, words, HALF)
-    packed, group_sums, xs = _prepared_tiles(lo, hi, PER=PER, GROUP=GROUP)
-    w = word0[:, None] + kd.arange(0, L // PER)[None, :]
-    planes = kd.output((M, HALF, K // PER), kd.u32, name="planes")
-    kd.store(planes, act_row[:, None, None], kd.arange(0, HALF)[None, None, :], w[:, :, None], packed,
-             mask=valid[:, None, None])
-    g = word0[:, None] // (GROUP // PER) + kd.arange(0, L // GROUP)[None, :]
-    sums = kd.output((M, K // GROUP), kd.f32, name="group_sums")
-    kd.store(sums, act_row[:, None], g, group_sums, mask=valid[:, None])
-    scale = kd.output((M, K // GROUP), kd.f32, name="group_scales")
-    kd.store(scale, act_row[:, None], g, xs, mask=valid[:, None])
-    return planes, sums, scale
-
-
 def code_pairs_index(w, PER: int):
     """(lo, hi) element indices of words w: (BW, PER/2) tiles of x[w*PER + p], x[w*PER + p + PER/2]."""
     p = kd.arange(0, PER // 2)

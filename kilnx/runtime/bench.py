@@ -8,7 +8,6 @@ a large device-to-device torch copy (read + write bytes / time), what a well-wri
 from __future__ import annotations
 
 import csv as csv_mod
-import dataclasses
 import os
 import statistics
 import time
@@ -72,49 +71,49 @@ def weights_label(lm, random: bool, random_format: str) -> str:
 
 def run_bench(lm, *, prompt_lens: list[int], gen: int, model_name: str, weights: str, ops_name: str,
               bandwidth_gbps: float | None = None, seed: int = 0, repeats: int = 1) -> list[BenchRow]:
-    """One row per prompt length; with `repeats` > 1 each figure is the median over that many measured
-    runs of the same prompt (a 64-token decode is ~50 ms on a GPU: single runs spread by several percent)."""
+    """kilnx's rows: one per prompt length, timed by `timed_rows`."""
     cfg = lm.config
     need = max(prompt_lens) + gen + 1
     if max(prompt_lens) >= cfg.max_position_embeddings:
         raise ContextLengthError(f"prompt length {max(prompt_lens)} does not fit the model's context "
                                  f"({cfg.max_position_embeddings} tokens); use shorter --prompt-lens.")
     engine = Engine(lm.model, max_seq=min(need, cfg.max_position_embeddings))
-    device = engine.device
-    bw = bandwidth_gbps or copy_bandwidth_gbps(device)
-    weight_bytes = lm.model.weights.nbytes()
-    kv_per_tok = engine.cache.bytes_per_token()
+
+    def greedy(ids: list[int], tokens: int) -> tuple[float, float]:
+        st = _run(engine, ids, SamplingParams(max_tokens=tokens, ignore_eos=True))
+        return st.ttft_s, st.decode_tok_s
+
+    return timed_rows(greedy, vocab_size=cfg.vocab_size, prompt_lens=prompt_lens, gen=gen, seed=seed,
+                      repeats=repeats, model=model_name, device=str(engine.device), ops=ops_name, weights=weights,
+                      weight_bytes=lm.model.weights.nbytes(), kv_bytes_per_token=engine.cache.bytes_per_token(),
+                      bandwidth_gbps=bandwidth_gbps or copy_bandwidth_gbps(engine.device))
+
+
+def timed_rows(greedy, *, vocab_size: int, prompt_lens: list[int], gen: int, seed: int, repeats: int,
+               model: str, device: str, ops: str, weights: str, weight_bytes: int, kv_bytes_per_token: int,
+               bandwidth_gbps: float) -> list[BenchRow]:
+    """The protocol kilnx and every peer are timed by, so their rows compare: `greedy(ids, n)` generates
+    n tokens after prompt ids and returns (TTFT seconds, decode tok/s over the tokens after the first).
+    Prompts come from one seeded generator in one order (a warm-up prompt, then one per length); each
+    length runs once unmeasured (its prefill shapes may compile what the warm-up did not), then `repeats`
+    times, each figure the median (a 64-token decode is ~50 ms on a GPU: single runs spread by several
+    percent)."""
     g = torch.Generator().manual_seed(seed)
-    params = SamplingParams(max_tokens=gen, ignore_eos=True)
-    # Warm-up: first calls compile kernels and grow allocators; keep that out of the numbers.
-    _run(engine, torch.randint(0, cfg.vocab_size, (min(16, max(prompt_lens)),), generator=g).tolist(),
-         SamplingParams(max_tokens=min(4, gen), ignore_eos=True))
-    rows = []
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+    greedy(torch.randint(0, vocab_size, (min(16, max(prompt_lens)),), generator=g).tolist(), min(4, gen))
+    rows, stamp = [], time.strftime("%Y-%m-%dT%H:%M:%S")
     for L in prompt_lens:
-        ids = torch.randint(0, cfg.vocab_size, (L,), generator=g).tolist()
-        # each prompt length runs once unmeasured: its prefill chunk shapes may pick kernel configs
-        # (and so compiles) the short warm-up never touched
-        _run(engine, ids, SamplingParams(max_tokens=2, ignore_eos=True))
-        st = median_stats([_run(engine, ids, params) for _ in range(max(1, repeats))])
+        ids = torch.randint(0, vocab_size, (L,), generator=g).tolist()
+        greedy(ids, 2)
+        runs = [greedy(ids, gen) for _ in range(max(1, repeats))]
+        ttft, decode = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
         # Average context over the decode steps: each step reads all keys and values written so far.
-        kv_read = int(kv_per_tok * (L + gen / 2))
-        per_token = weight_bytes + kv_read
-        ideal_tok_s = bw * 1e9 / per_token
+        per_token = weight_bytes + int(kv_bytes_per_token * (L + gen / 2))
         rows.append(BenchRow(
-            model=model_name, device=str(device), ops=ops_name, weights=weights, prompt_len=L, gen=gen,
-            ttft_ms=st.ttft_s * 1e3, prefill_tok_s=st.prefill_tok_s, decode_tok_s=st.decode_tok_s,
-            weight_bytes=weight_bytes, kv_bytes_per_token=kv_per_tok, bytes_per_decode_token=per_token,
-            copy_bandwidth_gbps=bw, roofline_pct=100.0 * st.decode_tok_s / ideal_tok_s, timestamp=stamp))
+            model=model, device=device, ops=ops, weights=weights, prompt_len=L, gen=gen, ttft_ms=ttft * 1e3,
+            prefill_tok_s=L / ttft, decode_tok_s=decode, weight_bytes=weight_bytes,
+            kv_bytes_per_token=kv_bytes_per_token, bytes_per_decode_token=per_token, copy_bandwidth_gbps=bandwidth_gbps,
+            roofline_pct=100.0 * decode * per_token / (bandwidth_gbps * 1e9), timestamp=stamp))
     return rows
-
-
-def median_stats(runs: list) -> GenerationStats:
-    """The runs' median TTFT, prefill and decode rates (each figure's own median)."""
-    med = statistics.median
-    return dataclasses.replace(runs[0], ttft_s=med([r.ttft_s for r in runs]),
-                               prefill_tok_s=med([r.prefill_tok_s for r in runs]),
-                               decode_tok_s=med([r.decode_tok_s for r in runs]))
 
 
 def _run(engine: Engine, ids: list[int], params: SamplingParams) -> GenerationStats:

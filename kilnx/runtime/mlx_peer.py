@@ -3,20 +3,16 @@
 `kilnx bench --random --peer mlx` builds the preset in mlx-lm (random weights, `nn.quantize` to 4-bit
 gs64, the format kilnx's `--random` weights have) and times mlx-lm's own generation loop
 (`generate_step`) in the same process: TTFT to the first token, decode tok/s over the tokens after it,
-counted as generate.py counts. Prompts are drawn from the same seeded generator in the same order as
-run_bench draws them. mlx runs on its default device (the CPU with `mlx[cpu]`; CUDA with mlx's CUDA
+counted as generate.py counts, by bench.timed_rows as kilnx is timed. mlx runs on its default device (the CPU with `mlx[cpu]`; CUDA with mlx's CUDA
 wheels), so the CSV row's device says which.
 """
 
 from __future__ import annotations
 
 import importlib
-import statistics
 import time
 
-import torch
-
-from kilnx.runtime.bench import BenchRow
+from kilnx.runtime.bench import BenchRow, timed_rows
 
 # kilnx architectures mlx-lm builds from a config (llama family; others: no peer)
 _MLX_MODULE = {"llama": "llama", "qwen3": "qwen3", "qwen2": "qwen2"}
@@ -45,14 +41,14 @@ def mlx_config(cfg) -> dict:
 
 def build_mlx_model(cfg, seed: int = 0):
     """The preset in mlx-lm with random weights, quantized to 4-bit groups of 64."""
+    config = mlx_config(cfg)
     try:
         import mlx.core as mx
         import mlx.nn as nn
-        module = importlib.import_module(f"mlx_lm.models.{_MLX_MODULE.get(cfg.arch, cfg.arch)}")
+        module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     except ImportError as e:
         raise PeerUnavailable(f"--peer mlx needs mlx and mlx-lm ({e}); install them with "
                               "`pip install 'kilnx[mlx]'`.") from e
-    config = mlx_config(cfg)
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
     nn.quantize(model, group_size=64, bits=4)
@@ -80,26 +76,13 @@ def _greedy(model, ids: list[int], gen: int) -> tuple[float, float]:
 
 def run_mlx_bench(cfg, *, prompt_lens: list[int], gen: int, model_name: str, bandwidth_gbps: float,
                   seed: int = 0, repeats: int = 1) -> list[BenchRow]:
-    import mlx.core as mx
     model = build_mlx_model(cfg, seed)
+    import mlx.core as mx
     from mlx.utils import tree_flatten
-    weight_bytes = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
-    kv_per_tok = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2   # mlx-lm's cache in the model dtype
-    g = torch.Generator().manual_seed(seed)
-    # the same draws as run_bench: a warm-up prompt, then one prompt per length
-    warm = torch.randint(0, cfg.vocab_size, (min(16, max(prompt_lens)),), generator=g).tolist()
-    _greedy(model, warm, min(4, gen))
-    rows, stamp = [], time.strftime("%Y-%m-%dT%H:%M:%S")
-    for L in prompt_lens:
-        ids = torch.randint(0, cfg.vocab_size, (L,), generator=g).tolist()
-        _greedy(model, ids, 2)                 # this length's shapes once, unmeasured (as run_bench)
-        runs = [_greedy(model, ids, gen) for _ in range(max(1, repeats))]
-        ttft, decode = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
-        per_token = weight_bytes + int(kv_per_tok * (L + gen / 2))
-        rows.append(BenchRow(
-            model=model_name, device=f"mlx:{mx.default_device()}", ops="mlx-lm", weights="random-q4",
-            prompt_len=L, gen=gen, ttft_ms=ttft * 1e3, prefill_tok_s=L / ttft, decode_tok_s=decode,
-            weight_bytes=weight_bytes, kv_bytes_per_token=kv_per_tok, bytes_per_decode_token=per_token,
-            copy_bandwidth_gbps=bandwidth_gbps, roofline_pct=100.0 * decode / (bandwidth_gbps * 1e9 / per_token),
-            timestamp=stamp))
-    return rows
+    return timed_rows(lambda ids, n: _greedy(model, ids, n), vocab_size=cfg.vocab_size, prompt_lens=prompt_lens,
+                      gen=gen, seed=seed, repeats=repeats, model=model_name, device=f"mlx:{mx.default_device()}",
+                      ops="mlx-lm", weights="random-q4",
+                      weight_bytes=sum(p.nbytes for _, p in tree_flatten(model.parameters())),
+                      # mlx-lm's cache holds keys and values in the model's 16-bit dtype
+                      kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2,
+                      bandwidth_gbps=bandwidth_gbps)

@@ -214,30 +214,3 @@ def test_the_prepared_merge_of_more_ranges_than_one_load_takes(backend):
     want = H._prep_spec(out.reshape(2, 4 * D).float(), PER=8, GROUP=64)
     assert torch.equal(got.xs, want[2])
     torch.testing.assert_close(H._x_of(got.planes, got.xs), H._x_of(want[0], want[2]), rtol=2e-3, atol=1e-6)
-
-
-@pytest.mark.parametrize("backend", ["triton", "reference", "numba"])
-@pytest.mark.parametrize("B,T,D,fmt", [(2, 1, 64, (8, 64)), (1, 3, 128, (8, 64)), (2, 1, 32, (4, 32))])
-def test_attention_writing_the_o_projections_prepared_input_equals_preparing_its_output(monkeypatch, backend, B, T,
-                                                                                        D, fmt):
-    """KILNX_ATTENTION_PREPARED=1: the one-program kernel stores each head's output (whole groups) as
-    qmv_h2's planes, sums and scales; the same as preparing the output it would have stored. Rows at
-    different positions, grouped heads, a tile with padding rows."""
-    from kilnx.kernels import qmv_h2 as H
-    from kilnx.kernels.prepared import PreparedX
-    monkeypatch.setenv("KILNX_ATTENTION_PREPARED", "1")
-    g = torch.Generator().manual_seed(B * 100 + T * 10 + D)
-    Hq, Hk, S = 6, 2, 24
-    q = torch.randn(B, T, Hq, D, generator=g).bfloat16()
-    k_cache, v_cache = (torch.randn(B, Hk, S, D, generator=g).bfloat16() for _ in range(2))
-    positions = torch.tensor([[5 + t + 7 * b for t in range(T)] for b in range(B)])
-    kw = A._kernel_kwargs(q, k_cache, D ** -0.5, None, None)
-    cfg = {"BLOCK_M": 16, "BLOCK_N": 16}
-    planes, sums, xs = A.attention_kernel(q, k_cache, v_cache, positions, PER=fmt[0], GROUP=fmt[1], backend=backend,
-                                          config=cfg, **kw)
-    out = A.attention_kernel(q, k_cache, v_cache, positions, backend=backend, config=cfg, **kw)
-    want = H._prep_spec(out.reshape(B * T, Hq * D).float(), PER=fmt[0], GROUP=fmt[1])
-    assert torch.equal(planes, want[0]) and torch.equal(xs, want[2])
-    torch.testing.assert_close(sums, want[1], rtol=1e-5, atol=1e-5)
-    got = A.attention(q, k_cache, v_cache, positions, D ** -0.5, prepared=fmt)
-    assert isinstance(got, PreparedX) and got.shape == (B * T, Hq * D)

@@ -79,8 +79,6 @@ compile_for_target(AS.attention_merge_prep, (*parts, q), {}, kw={"PER": 8, "GROU
 long_kc = torch.randn(1, 8, 8192, 128).bfloat16()   # 64 ranges: the merge reads them in chunks
 long_parts = AS._split_spec(q, long_kc, long_kc, torch.tensor([[8000]]), KEYS_PER_SPLIT=128, **kw)
 compile_for_target(AS.attention_merge_prep, (*long_parts, q), {}, kw={"PER": 8, "GROUP": 64})
-compile_for_target(A.attention_kernel, (q, kc, kc, torch.tensor([[700]])), {"BLOCK_M": 16, "BLOCK_N": 64},
-                   kw={**kw, "PER": 8, "GROUP": 64})       # the o projection's prepared input written directly
 from kilnx.kernels import qkv_rope as QR
 for inter in (False, True):
     qa = QR._problem_args({"M": 1, "Hq": 32, "Hk": 8, "D": 128, "K": 256, "S": 64}, "cpu")

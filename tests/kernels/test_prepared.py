@@ -171,20 +171,3 @@ def test_split_decode_attention_on_the_gpu_matches_the_one_pass_kernel():
         xp = A.attention(q, k, v, pos, 128 ** -0.5, prepared=(8, 64))      # the merge writes o's input
         assert isinstance(xp, prepared.PreparedX) and xp.shape == (B, 32 * 128)
         torch.testing.assert_close(_x_of(xp), got.reshape(B, -1).float(), rtol=2 ** -7, atol=1e-3)
-
-
-@pytest.mark.gpu
-def test_one_program_attention_writing_the_prepared_o_input_on_the_gpu(monkeypatch):
-    """KILNX_ATTENTION_PREPARED=1 at llama-3.2-1b's and -3.1-8b's heads, a short cache (the one-program
-    kernel): the planes, sums and scales equal preparing the output the kernel stores otherwise."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a GPU")
-    from kilnx.kernels import attention as A
-    monkeypatch.setenv("KILNX_ATTENTION_PREPARED", "1")
-    for D in (64, 128):
-        q, k, v, pos = A._attn_problem_args({"B": 1, "T": 1, "Hq": 32, "Hk": 8, "D": D, "S": 256, "ctx": 200}, "cuda")
-        xp = A.attention(q, k, v, pos, D ** -0.5, prepared=(8, 64))
-        out = A.attention_kernel(q, k, v, pos, **A._kernel_kwargs(q, k, D ** -0.5, None, None))
-        planes, sums, xs = H.qmv_h2_prep(out.reshape(1, -1), PER=8, GROUP=64)
-        assert torch.equal(xp.xs, xs) and torch.allclose(xp.sums, sums, rtol=1e-5, atol=1e-5)
-        assert torch.allclose(_x_of(xp), H._x_of(planes, xs), rtol=2 ** -7, atol=0)

@@ -8,14 +8,17 @@ the HBM copy ceiling in the same process.
   GEMM configs are swept; `tok_s` is the best, `tok_s_default_config` is kilnx.ops.moe untuned.
   Peer: cuBLAS bf16 doing the same FLOPs as two dense GEMMs (slots x hidden @ hidden x 2F and
   slots x F @ F x hidden), i.e. a grouped GEMM with no routing, padding or dequantization cost.
-- moe_decode{1,4}_qwen3_30b_a3b (GBps, pct_of_copy): the two-launch decode path, GB/s over the bytes
-  of the experts the step touches (packed words + scales + biases). Each input copy routes to other
+- moe_decode{1,4}_qwen3_30b_a3b (GBps, pct_of_copy): the decode path kilnx.ops.moe takes on the GPU
+  (kernels/moe_h2.py: prep x, gate_up + SwiGLU, prep h, down + weighted sum; its GEMVs swept), GB/s
+  over the bytes of the experts the step touches (packed words + scales + biases); `*_f32_gemvs`: the
+  two fp32 per-slot GEMVs of kernels/moe.py on the same inputs. Each input copy routes to other
   experts of one weight stack, so successive replays do not find the weights in L2. Peer: cuBLAS
   bf16 on the same experts' weights laid out dense (one GEMV each for gate_up and down).
 """
 
 from __future__ import annotations
 
+import os
 import traceback
 
 import torch
@@ -45,7 +48,8 @@ def bench_moe(rec, copy_bw: float, smoke: bool):
     gu, dn = _stack(E, 2 * F, H, dev), _stack(E, H, F, dev)
     dense = _dense_bf16(gu), _dense_bf16(dn)
     T = 2048 if not smoke else 32
-    _safe(rec, f"moe_prefill{T}_qwen3_30b_a3b", lambda: _bench_prefill(rec, T, shape, gu, dn, dense, dev, smoke))
+    if os.environ.get("KILNX_MOE_CASES", "all") != "decode":    # decode only: KILNX_MOE_CASES=decode
+        _safe(rec, f"moe_prefill{T}_qwen3_30b_a3b", lambda: _bench_prefill(rec, T, shape, gu, dn, dense, dev, smoke))
     # decode: the configs swept at one token; at four, the default against those winners
     configs = [GLU_CONFIGS[: (1 if smoke else None)], COMBINE_CONFIGS[: (1 if smoke else None)]]
     for T in ((1, 4) if not smoke else (1,)):
@@ -212,10 +216,50 @@ def _bench_decode(rec, case, T, shape, gu, dn, dense, configs, dev, copy_bw, smo
                       dn_dense[flat].permute(1, 0, 2).reshape(H, -1)))
     peer_bytes = sum(t.numel() * 2 for t in peers[0][1::2])
     t_cublas = time_calls(lambda x, w1, h, w2: (x @ w1.T, h @ w2.T), peers)
-    rec.add("moe", case, "GBps", nbytes / t_step / 1e9, "cublas_bf16_GBps", peer_bytes / t_cublas / 1e9)
-    rec.add("moe", case, "pct_of_copy", 100 * nbytes / t_step / 1e9 / copy_bw, "copy_GBps", copy_bw)
+    # the fp32 per-slot GEMVs (kernels/moe.py), as measured in session 2
+    rec.add("moe", case, "GBps_f32_gemvs", nbytes / t_step / 1e9, "cublas_bf16_GBps", peer_bytes / t_cublas / 1e9)
+    rec.add("moe", case, "us_f32_gemvs", t_step * 1e6, "cublas_bf16_us", t_cublas * 1e6)
+    rec.add("moe", case, "us_f32_gate_up_swiglu", t_gu * 1e6, "best_config", str(cfg_gu))
+    rec.add("moe", case, "us_f32_down_combine", t_dn * 1e6, "best_config", str(cfg_dn))
+    t_h2, t_h2_kernels = _bench_decode_h2(rec, case, sets, gu, dn, h_ref, y_ref, smoke)
+    rec.add("moe", case, "GBps", nbytes / t_h2 / 1e9, "cublas_bf16_GBps", peer_bytes / t_cublas / 1e9)
+    rec.add("moe", case, "pct_of_copy", 100 * nbytes / t_h2 / 1e9 / copy_bw, "copy_GBps", copy_bw)
+    rec.add("moe", case, "pct_of_copy_without_preps", 100 * nbytes / t_h2_kernels / 1e9 / copy_bw)
     rec.add("moe", case, "GBps_default_config", nbytes / t_default / 1e9, "touched_MB", nbytes / 1e6)
-    rec.add("moe", case, "us", t_step * 1e6, "cublas_bf16_us", t_cublas * 1e6)
-    rec.add("moe", case, "us_gate_up_swiglu", t_gu * 1e6, "best_config", str(cfg_gu))
-    rec.add("moe", case, "us_down_combine", t_dn * 1e6, "best_config", str(cfg_dn))
+    rec.add("moe", case, "us", t_h2 * 1e6, "cublas_bf16_us", t_cublas * 1e6)
     return cfg_gu, cfg_dn
+
+
+H2_CONFIGS = [{"BLOCK_N": bn, "BLOCK_KW": kw, "num_warps": nw, "STAGES": st}
+              for bn, kw, nw, st in [(8, 128, 2, 3), (16, 128, 2, 3), (8, 64, 1, 3), (16, 64, 2, 3), (32, 64, 4, 3),
+                                     (8, 256, 4, 3), (16, 128, 4, 4), (32, 32, 2, 3), (64, 32, 4, 3)]]
+
+
+def _bench_decode_h2(rec, case, sets, gu, dn, h_ref, y_ref, smoke):
+    """The packed-fp16 decode path (kernels/moe_h2.py, what kilnx.ops.moe runs on the GPU): its two
+    GEMVs swept on prepared inputs, then the whole step (prep x, gate_up, prep h, down). Returns
+    (seconds per step, seconds of the two GEMVs alone)."""
+    from kilnx.kernels import moe_h2 as MH
+    from kilnx.kernels import qmv_h2 as QH
+    g, d = (gu.packed, gu.scales, gu.biases), (dn.packed, dn.scales, dn.biases)
+    t_default = time_calls(lambda x, ids, rw: MH.moe_decode(x, gu, dn, ids, rw), sets)
+    preps = [(QH.qmv_h2_prep(x, PER=8, GROUP=GS), ids, rw) for x, ids, rw in sets]
+    configs = H2_CONFIGS[: (1 if smoke else None)]
+    t_gu, cfg_gu = _best(f"{case} h2 gate_up", MH.gather_qmv_h2_glu, lambda p, ids, rw: (*p, *g, ids),
+                         configs, preps, lambda h: _rel_err(h, h_ref))
+    hps = [(QH.qmv_h2_prep(MH.gather_qmv_h2_glu(*p, *g, ids, config=cfg_gu), PER=8, GROUP=GS), ids, rw)
+           for p, ids, rw in preps]
+    t_dn, cfg_dn = _best(f"{case} h2 down", MH.gather_qmv_h2_combine, lambda p, ids, rw: (*p, *d, ids, rw),
+                         configs, hps, lambda y: _rel_err(y, y_ref))
+
+    def step(x, ids, rw):
+        h = MH.gather_qmv_h2_glu(*QH.qmv_h2_prep(x, PER=8, GROUP=GS), *g, ids, config=cfg_gu)
+        return MH.gather_qmv_h2_combine(*QH.qmv_h2_prep(h, PER=8, GROUP=GS), *d, ids, rw, config=cfg_dn)
+    assert _rel_err(step(*sets[0]), y_ref) < 3e-2, "the h2 decode step is wrong"
+    t_step = time_calls(step, sets)
+    t_prep_x = time_calls(lambda x, ids, rw: QH.qmv_h2_prep(x, PER=8, GROUP=GS), sets)
+    rec.add("moe", case, "us_h2_default_config", t_default * 1e6)
+    rec.add("moe", case, "us_h2_gate_up_swiglu", t_gu * 1e6, "best_config", str(cfg_gu))
+    rec.add("moe", case, "us_h2_down_combine", t_dn * 1e6, "best_config", str(cfg_dn))
+    rec.add("moe", case, "us_h2_prep_x", t_prep_x * 1e6)
+    return t_step, t_gu + t_dn

@@ -38,7 +38,7 @@ for s in "$@"; do case $s in
           step cold8b_profile 120 python3 bench/cold_first_token.py --model llama-3.1-8b --profile $OUT/cold_profile.txt
           KILNX_LAZY_GRAPHS=1 step cold8b_lazy 120 python3 bench/cold_first_token.py --model llama-3.1-8b --csv $OUT/cold_lazy.csv ;;
   fusions) step fusions 150 python3 bench/bench_kernels.py --suite fusions --quick --out $OUT ;;
-  moe) step moe ${MOE_SECS:-200} python3 bench/bench_kernels.py --suite moe --out $OUT ;;
+  moe) KILNX_MOE_CASES=${MOE_CASES:-all} step moe ${MOE_SECS:-200} python3 bench/bench_kernels.py --suite moe --out $OUT ;;
   e2e1b) step e2e1b 120 python3 -m kilnx.cli bench --model llama-3.2-1b --random --prompt-lens 128 --gen 64 --device cuda --csv $OUT/${E2E_CSV:-e2e}.csv ;;
   e2eab) for v in $(for i in $(seq ${AB_ROUNDS:-2}); do echo ${AB_VALUES:-1 0}; done); do export ${AB_VAR:-KILNX_PDL}=$v   # A/B of a switch, twice, in one process image
           case "${AB_MODELS:-8b 1b}" in *8b*) step e2e8b_${AB_VAR:-KILNX_PDL}$v 200 python3 -m kilnx.cli bench --model llama-3.1-8b --random --prompt-lens 128,2048 --gen 64 --device cuda --csv $OUT/e2e_ab$v.csv ;; esac

@@ -378,8 +378,9 @@ def moe(x, w_gate_up, w_down, expert_ids, routing_weights, activation: str = "si
     """kilnx.ops.moe: sum_k routing_weights[.., k] * down_e(act(gate_e x) * up_e x), e = expert_ids[.., k].
 
     x (..., H); w_gate_up (E, 2F, H) laid out [gate | up]; w_down (E, H, F); expert_ids and
-    routing_weights (..., top_k). Returns (..., H) in x.dtype. Up to MOE_DECODE_MAX_TOKENS tokens: two
-    GEMV launches, no align step; more: align, then two grouped GEMMs."""
+    routing_weights (..., top_k). Returns (..., H) in x.dtype. Up to MOE_DECODE_MAX_TOKENS tokens: per-slot
+    GEMVs, no align step (on the GPU with 4/8-bit weights the packed-fp16 ones of kernels/moe_h2.py);
+    more: align, then two grouped GEMMs."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"moe: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
     _check_weight(w_gate_up, x.shape[-1], "moe (gate_up)")
@@ -398,7 +399,10 @@ def moe(x, w_gate_up, w_down, expert_ids, routing_weights, activation: str = "si
         return torch.zeros_like(x)
     gu = (w_gate_up.packed, w_gate_up.scales, w_gate_up.biases)
     dn = (w_down.packed, w_down.scales, w_down.biases)
-    if x2.shape[0] <= MOE_DECODE_MAX_TOKENS:
+    from kilnx.kernels import moe_h2    # built on this module's helpers
+    if x2.shape[0] <= MOE_DECODE_MAX_TOKENS and moe_h2.serves(w_gate_up, w_down):
+        y = moe_h2.moe_decode(x2, w_gate_up, w_down, ids, rw, activation)
+    elif x2.shape[0] <= MOE_DECODE_MAX_TOKENS:
         h = gather_qmv_glu(x2, *gu, ids, ACT=activation)
         y = gather_qmv_combine(h, *dn, ids, rw)
     else:

@@ -89,15 +89,17 @@ def gather_tolerance(args, *, glu: bool):
 
 # ---- tuning --------------------------------------------------------------------------------------
 def moe_problems(E: int, top_k: int, hidden: int, width: int, *, bits: int = 4, gs: int = 64,
-                 decode=(1, 4), prefill=(512, 2048)) -> list[tuple[str, dict]]:
+                 decode=(1, 4), prefill=(512, 2048), gpu: bool = True) -> list[tuple[str, dict]]:
     """(kernel name, problem) for one MoE layer's shapes: gate_up (+ activation) and down (+ combine),
-    per-slot GEMVs at decode sizes, grouped GEMMs and the align step at prefill sizes."""
+    per-slot GEMVs at decode sizes (the packed-fp16 ones where `gpu`: what kilnx.ops.moe runs there),
+    grouped GEMMs and the align step at prefill sizes."""
     base = {"top_k": top_k, "E": E, "bits": bits, "gs": gs}
     gate_up = {**base, "N": 2 * width, "K": hidden, "x": "token"}
     down = {**base, "N": hidden, "K": width, "x": "slot"}
+    glu, combine = ("gather_qmv_h2_glu", "gather_qmv_h2_combine") if gpu else ("gather_qmv_glu", "gather_qmv_combine")
     out = []
     for T in decode:
-        out += [("gather_qmv_glu", {**gate_up, "T": T}), ("gather_qmv_combine", {**down, "T": T})]
+        out += [(glu, {**gate_up, "T": T}), (combine, {**down, "T": T})]
     out.append(("gather_qmv", {**gate_up, "T": decode[0]}))
     for T in prefill:
         bm = align_block_m(T * top_k, E)
@@ -178,13 +180,20 @@ def gemm_seeds() -> list[dict]:
             for bn, bk, nw, ns in GEMM_SEEDS]
 
 
+def problems_by_kernel() -> dict[str, list[dict]]:
+    """The qwen3-30b-a3b problems of every MoE kernel (the GPU's decode kernels and the CPU's)."""
+    problems: dict[str, list[dict]] = {}
+    for name, problem in moe_problems(**QWEN3_30B_A3B) + moe_problems(**QWEN3_30B_A3B, gpu=False):
+        if problem not in problems.setdefault(name, []):
+            problems[name].append(problem)
+    return problems
+
+
 def register_tuning():
     """Declare the tuner's inputs and the qwen3-30b-a3b problems on every MoE kernel."""
     from kilnx.kernels import moe
     from kilnx.kernels.moe_align import moe_align_count, moe_align_scatter
-    problems: dict[str, list[dict]] = {}
-    for name, problem in moe_problems(**QWEN3_30B_A3B):
-        problems.setdefault(name, []).append(problem)
+    problems = problems_by_kernel()
     for kernel, gemm, weighted, glu in [(moe.gather_qmm, True, False, False), (moe.gather_qmm_glu, True, False, True),
                                         (moe.gather_qmm_combine, True, True, False),
                                         (moe.gather_qmv, False, False, False), (moe.gather_qmv_glu, False, False, True),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 
 MODULES = ("norms", "activations", "rope", "attention", "attention_split", "attention_decode", "prepared", "qmatmul",
-           "qmv_h2", "qkv_rope", "qmv_tc", "qmatmul_fp4", "fp4_qmv_h2", "routing", "moe_align", "moe", "qmv_cpu", "embedding")
+           "qmv_h2", "qkv_rope", "qmv_tc", "qmatmul_fp4", "fp4_qmv_h2", "routing", "moe_align", "moe", "moe_h2", "qmv_cpu", "embedding")
 
 
 def all() -> list:  # noqa: A001 - the registry's natural verb
@@ -68,7 +68,8 @@ def problems_for_model(model: str, gpu: bool = True) -> list[tuple[str, dict]]:
     out = decode(1) + rows(1) + (decode(4) if gpu else [])
     if cfg.is_moe:
         from kilnx.kernels.moe_specs import moe_problems
-        out += moe_problems(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size)
+        out += moe_problems(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
+                            gpu=gpu)
     for g in problems(cfg):
         out += [("qmm", {"M": m, "N": g["N"], "K": g["K"], "bits": 4, "gs": 64}) for m in (16, 512, 2048)]
         out.append(("qmatmul_rows_crossover", {"N": g["N"], "K": g["K"], "bits": 4, "gs": 64}))

@@ -97,3 +97,22 @@ def test_public_moe_on_gpu_every_path():
         y = S.gather_formula(h, dn.packed, dn.scales, dn.biases, ids, 8, 64, False)
         want = (y.reshape(T, TOP_K, H) * rw.cpu().double()[..., None]).sum(1)
         close(M.moe(x, gu, dn, ids, rw), want)
+
+
+@pytest.mark.parametrize("cfg", [None, {"BLOCK_N": 16, "BLOCK_KW": 64, "num_warps": 2, "STAGES": 3},
+                                 {"BLOCK_N": 8, "BLOCK_KW": 128, "num_warps": 4, "STAGES": 1}])
+@pytest.mark.parametrize("T", [1, 4])
+def test_packed_fp16_decode_kernels_on_gpu(cfg, T):
+    """kernels/moe_h2.py (what moe() runs on the GPU for 4/8-bit stacks) on realistic routing sizes."""
+    from kilnx.kernels import moe_h2 as MH
+    from kilnx.kernels import qmv_h2 as QH
+    gu, dn = stack(2 * F, H, 4, seed=5), stack(H, F, 8, seed=6)
+    ids, rw = routing(T, 9)
+    x = torch.randn(T, H).bfloat16().cuda()
+    g, d = (gu.packed, gu.scales, gu.biases), (dn.packed, dn.scales, dn.biases)
+    h = MH.gather_qmv_h2_glu(*QH.qmv_h2_prep(x, PER=8, GROUP=64), *g, ids, config=cfg)
+    close(h, S.gather_spec(x, *g, ids, gemm=False, act="silu", combine=False, BITS=4, GROUP=64,
+                           X_BY_TOKEN=True).cpu().double())
+    y = MH.gather_qmv_h2_combine(*QH.qmv_h2_prep(h, PER=4, GROUP=64), *d, ids, rw, config=cfg)
+    close(y, S.gather_spec(h, *d, ids, rw, gemm=False, act=None, combine=True, BITS=8, GROUP=64,
+                           X_BY_TOKEN=False).cpu().double())

@@ -2,7 +2,8 @@
 
 The Triton interpreter accepts programs the compiler rejects (scalar/tile mixes in loop-carried
 values, dot shapes), so the align step and each gather kernel (GLU, weighted, combine; both
-dequantizations; 2/4/8-bit) are compiled ahead of time in a process without TRITON_INTERPRET.
+dequantizations; 2/4/8-bit; the packed-fp16 decode pair) are compiled ahead of time in a process
+without TRITON_INTERPRET.
 """
 
 from __future__ import annotations
@@ -39,6 +40,15 @@ for bits in (2, 4, 8):
         if kernel in (M.gather_qmv_glu, M.gather_qmv_combine):   # the pipelined chunk loop
             ck = compile_for_target(kernel, args, {"STAGES": 3, "BLOCK_KW": 16}, aligned=True)
             assert "cp.async" in ck.asm["ptx"], kernel.name
+    if bits in (4, 8):   # the packed-fp16 decode GEMVs (kernels/moe_h2.py) on prepared activations
+        from kilnx.kernels import moe_h2 as MH
+        from kilnx.kernels import qmv_h2 as QH
+        px, ph = QH._prep_spec(x, PER=32 // bits, GROUP=64), QH._prep_spec(h, PER=32 // bits, GROUP=64)
+        for kernel, args in ((MH.gather_qmv_h2_glu, (*px, *gu, ids)), (MH.gather_qmv_h2_combine, (*ph, *dn, ids, rw))):
+            for cfg in ({"STAGES": 1, "BLOCK_N": 8}, {"STAGES": 3, "BLOCK_N": 16, "BLOCK_KW": 16}):
+                ck = compile_for_target(kernel, args, cfg, aligned=True)
+                assert ck.asm["ptx"].count("fma.rn.f16x2") >= 2, kernel.name
+                assert ("cp.async" in ck.asm["ptx"]) == (cfg["STAGES"] > 1), kernel.name
 print("ok")
 """
 

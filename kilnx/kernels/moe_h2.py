@@ -1,0 +1,195 @@
+"""The decode MoE on qmv_h2's packed-fp16 GEMV: gate_up + activation, then down + the weighted sum.
+
+Why: the per-slot GEMVs of kernels/moe.py decode and multiply in fp32, ~5.5 instructions per 4-bit code,
+which held the fused decode MoE to 15% of the copy ceiling on the H200 (qwen3-30b-a3b, one token:
+bench/results/2026-12-02_h200_moe.csv). These take the activations in qmv_h2's prepared form (fp16
+pairs scaled per group, qmv_h2_prep) and run qmv_h2's main loop (two codes per instruction) over rows
+gathered from the expert stacks:
+
+- gate_up (`gather_qmv_h2_glu`): a program owns BLOCK_N / 2 gate rows and the matching up rows of one
+  (token, slot)'s expert, seen as rows of the stack flattened to (E * 2F, K); it applies the
+  activation and stores (T * top_k, F).
+- down (`gather_qmv_h2_combine`): a program owns BLOCK_N / SLOTS output rows of one token for all of its
+  top_k slots (tile row r: slot r // (BLOCK_N / SLOTS)), each slot's rows multiplied by that slot's
+  prepared activations, then weighted by the routing weights and summed inside the program (no atomics).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import kilnx.dsl as kd
+from kilnx.kernels import _gemv as gemv
+from kilnx.kernels import qmv_h2 as H
+from kilnx.kernels.moe import ACTIVATIONS, _next_pow2, _pow2_dividing
+
+BITS_SERVED = H.BITS_SERVED
+
+
+def _format(planes, wq, scales):
+    per = 2 * planes.shape[1]
+    return {"BITS": 32 // per, "GROUP": per * planes.shape[2] // scales.shape[2]}
+
+
+def _specialize(planes, sums, xs, wq, scales, biases, expert_ids, *_):
+    return {**_format(planes, wq, scales), "SLOTS": _next_pow2(expert_ids.shape[1]),
+            "N_DIV": _pow2_dividing(wq.shape[1]), "KW_DIV": _pow2_dividing(wq.shape[2])}
+
+
+def _key(planes, sums, xs, wq, scales, biases, expert_ids, *_, **kw):
+    return {"M": expert_ids.numel(), "N": wq.shape[1], "K": 2 * planes.shape[1] * planes.shape[2], "E": wq.shape[0],
+            "bits": kw["BITS"], "gs": kw["GROUP"]}
+
+
+def _default(planes, sums, xs, wq, scales, biases, expert_ids, *_, SLOTS, N_DIV, **__):
+    """qmv_h2's one-row default (8 rows x 128 words, 2 warps, 3 stages) where the rows allow: the
+    combine needs BLOCK_N to be a multiple of SLOTS, the GLU a divisor of 2F (N_DIV)."""
+    if not planes.is_cuda:
+        return {"BLOCK_N": max(SLOTS, 2), "BLOCK_KW": 32, "num_warps": 4, "STAGES": 1}
+    return {"BLOCK_N": min(max(8, SLOTS), N_DIV), "BLOCK_KW": 128, "num_warps": 2, "STAGES": 3}
+
+
+TUNE = {"BLOCK_N": kd.pow2(2, 64, default=8), "BLOCK_KW": kd.pow2(8, 512, default=128),
+        "num_warps": kd.choice(1, 2, 4, 8, default=2), "STAGES": kd.choice(1, 2, 3, 4, default=3)}
+
+
+def _spec(planes, sums, xs, wq, scales, biases, expert_ids, *rest, BITS, GROUP, ACT="silu", **_):
+    from kilnx.kernels.moe_specs import gather_spec
+    x = H._x_of(planes, xs).to(scales.dtype)
+    if rest:   # the combine: x rows are slots
+        return gather_spec(x, wq, scales, biases, expert_ids, *rest, gemm=False, act=None, combine=True, BITS=BITS,
+                           GROUP=GROUP, X_BY_TOKEN=False)
+    return gather_spec(x, wq, scales, biases, expert_ids, gemm=False, act=ACT, combine=False, BITS=BITS, GROUP=GROUP,
+                       X_BY_TOKEN=True)
+
+
+def _gather_accumulate(f, planes, sums, xs, wq, scales, biases, expert, x_row, *, BITS: int):
+    """(BLOCK_N,) fp32: row f.n[r] of expert[r]'s weight . activation row x_row (prepared; a scalar:
+    one row for all, or one per weight row), qmv_h2's loop with the rows gathered from the stack."""
+    PER = 32 // BITS
+    e = expert[:, None] if len(expert.shape) else expert
+    xr = x_row[:, None] if len(x_row.shape) else x_row
+    rows, check = f.n[:, None], (False, False, not f.K_IN)
+    acc = kd.zeros((f.BLOCK_N,), kd.f32)
+    for w0 in f.chunks():
+        wc = w0 + kd.arange(0, f.CHUNK)
+        gi = w0 // f.WPG + kd.arange(0, f.G)[None, :] + rows * 0
+        words = kd.load(wq, e, rows, wc[None, :], hint="stream", check=check)
+        s, b = kd.load(scales, e, rows, gi, check=check).f32(), kd.load(biases, e, rows, gi, check=check).f32()
+        d = None
+        for p in kd.static_range(PER // 2):
+            xp = kd.load(planes, xr, p, wc[None, :] + rows * 0, check=check)
+            code = H._exact_pair(words, BITS, p)
+            d = kd.h2_fma(code, xp, 0) if d is None else kd.h2_fma(code, xp, d)
+        qx_g = f.per_group(kd.h2_sum(d))
+        xs_g, sums_g = kd.load(xs, xr, gi, check=check[1:]), kd.load(sums, xr, gi, check=check[1:])
+        acc += kd.sum(qx_g * s * xs_g + b * sums_g, axis=1)
+    return acc
+
+
+def _frame(wq, rows, BLOCK_N, BLOCK_KW, STAGES, BITS, GROUP, KW_DIV, rows_of):
+    return gemv.Frame(rows, wq.shape[2], WPG=GROUP * BITS // 32, BLOCK_M=1, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW,
+                      SPLIT_K=1, N_DIV=BLOCK_N, KW_DIV=KW_DIV, STAGES=STAGES, rows_of=rows_of)
+
+
+@kd.kernel(tune=TUNE, key=_key, spec=_spec, default=_default, specialize=_specialize)
+def gather_qmv_h2_glu(planes, sums, xs, wq, scales, biases, expert_ids, *, BITS: kd.constexpr, GROUP: kd.constexpr,
+                      SLOTS: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr, ACT: kd.constexpr = "silu",
+                      BLOCK_N, BLOCK_KW, STAGES):
+    """Prepared x (T rows) and a [gate | up] stack wq (E, 2F, K) -> (T * top_k, F) in scales' dtype:
+    act(x W_gate^T) * (x W_up^T) per (token, slot)."""
+    T, TOP_K = expert_ids.shape
+    E, N2, KW = wq.shape
+    F, HB = N2 // 2, BLOCK_N // 2
+    if N_DIV % BLOCK_N:
+        raise kd.DSLError(f"gather_qmv_h2_glu: BLOCK_N {BLOCK_N} must divide 2F (here a multiple of {N_DIV}) "
+                          f"with its halves whole")
+    blocks = F // HB                                 # programs per slot
+
+    slot, blk = kd.program_id(0) // blocks, kd.program_id(0) % blocks
+    r = kd.arange(0, BLOCK_N)
+    f = _frame(wq, T * TOP_K * N2, BLOCK_N, BLOCK_KW, STAGES, BITS, GROUP, KW_DIV,
+               rows_of=lambda pid: blk * HB + r % HB + (r // HB) * F)      # [gate rows | up rows]
+    expert = kd.load(expert_ids, slot // TOP_K, slot % TOP_K)
+    acc = _gather_accumulate(f, planes, sums, xs, wq, scales, biases, expert, slot // TOP_K, BITS=BITS)
+    gate, up = kd.halves(kd.reshape(acc, (2, HB)), axis=0)
+    out = kd.output((T * TOP_K, F), scales.dtype)
+    kd.store(out, slot, blk * HB + kd.arange(0, HB), ACTIVATIONS[ACT](gate) * up)
+    return out
+
+
+@kd.kernel(tune=TUNE, key=_key, spec=_spec, default=_default, specialize=_specialize)
+def gather_qmv_h2_combine(planes, sums, xs, wq, scales, biases, expert_ids, routing_weights, *, BITS: kd.constexpr,
+                          GROUP: kd.constexpr, SLOTS: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr,
+                          BLOCK_N, BLOCK_KW, STAGES):
+    """Prepared h (T * top_k rows, one per slot) and a stack wq (E, N, F) -> (T, N) in scales' dtype:
+    sum_k routing_weights[t, k] * h[t * top_k + k] @ W[expert_ids[t, k]]^T."""
+    T, TOP_K = expert_ids.shape
+    E, N, KW = wq.shape
+    OB = BLOCK_N // SLOTS                            # output rows per program
+    if OB == 0 or N_DIV % OB:
+        raise kd.DSLError(f"gather_qmv_h2_combine: BLOCK_N {BLOCK_N} must be a multiple of the {SLOTS} slots "
+                          f"and BLOCK_N / slots must divide N (here a multiple of {N_DIV})")
+    blocks = N // OB
+    r = kd.arange(0, BLOCK_N)
+    token = kd.program_id(0) // blocks
+    k = kd.minimum(r // OB, TOP_K - 1)              # slots past top_k repeat the last one, weighted 0
+    n = (kd.program_id(0) % blocks) * OB + r % OB
+
+    f = _frame(wq, T * N * SLOTS, BLOCK_N, BLOCK_KW, STAGES, BITS, GROUP, KW_DIV, rows_of=lambda pid: n)
+    acc = _gather_accumulate(f, planes, sums, xs, wq, scales, biases, kd.load(expert_ids, token, k),
+                             token * TOP_K + k, BITS=BITS)
+    w = kd.where(r // OB < TOP_K, kd.load(routing_weights, token, k).f32(), 0.0)
+    y = kd.sum(kd.reshape(acc * w, (SLOTS, OB)), axis=0)
+    out = kd.output((T, N), scales.dtype)
+    kd.store(out, token, (kd.program_id(0) % blocks) * OB + kd.arange(0, OB), y)
+    return out
+
+
+def serves(w_gate_up, w_down) -> bool:
+    return all(w.mode == "affine" and w.bits in BITS_SERVED and w.packed.is_cuda for w in (w_gate_up, w_down))
+
+
+def moe_decode(x, w_gate_up, w_down, expert_ids, routing_weights, activation: str = "silu"):
+    """x (T, H) -> (T, H): prep x, gate_up + activation, prep h, down + weighted sum (four launches)."""
+    gu, dn = w_gate_up, w_down
+    planes, sums, xs = H.qmv_h2_prep(x, PER=32 // gu.bits, GROUP=gu.group_size)
+    h = gather_qmv_h2_glu(planes, sums, xs, gu.packed, gu.scales, gu.biases, expert_ids, ACT=activation)
+    planes, sums, xs = H.qmv_h2_prep(h, PER=32 // dn.bits, GROUP=dn.group_size)
+    y = gather_qmv_h2_combine(planes, sums, xs, dn.packed, dn.scales, dn.biases, expert_ids, routing_weights)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def make_args(problem: dict, device: str):
+    """{T, top_k, E, N, K, bits, gs, x}: the prepared activations of the gather kernels' problem."""
+    from kilnx.kernels.moe_specs import make_args_for
+    weighted = problem.get("x") == "slot"
+    args = make_args_for(False, weighted)(problem, "cpu")
+    PER = 32 // problem.get("bits", 4)
+    prepared = H._prep_spec(args[0], PER=PER, GROUP=problem.get("gs", 64))
+    return tuple(a.to(device) for a in (*prepared, *args[1:]))
+
+
+def _tolerance(glu: bool):
+    def tol(args):
+        from kilnx.kernels.moe_specs import gather_tolerance
+        x = H._x_of(args[0], args[2])
+        return gather_tolerance((x, *args[3:]), glu=glu)
+    return tol
+
+
+def register_tuning():
+    from kilnx.kernels.moe_specs import problems_by_kernel
+    problems = problems_by_kernel()
+    for kernel, glu in ((gather_qmv_h2_glu, True), (gather_qmv_h2_combine, False)):
+        kernel.tuning(make_args=make_args, problems=problems[kernel.name])
+        kernel.tolerance = _tolerance(glu)
+        kernel.seed_configs = lambda problem: [
+            {"BLOCK_N": bn, "BLOCK_KW": kw, "num_warps": nw, "STAGES": st}
+            for bn, kw, nw, st in [(8, 128, 2, 3), (16, 64, 2, 3), (8, 64, 1, 3), (16, 128, 4, 3), (32, 64, 4, 2),
+                                   (8, 256, 4, 4)]]
+
+
+register_tuning()
+
+__all__ = ["gather_qmv_h2_glu", "gather_qmv_h2_combine", "moe_decode", "serves"]

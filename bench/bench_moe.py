@@ -232,7 +232,8 @@ def _bench_decode(rec, case, T, shape, gu, dn, dense, configs, dev, copy_bw, smo
 
 H2_CONFIGS = [{"BLOCK_N": bn, "BLOCK_KW": kw, "num_warps": nw, "STAGES": st}
               for bn, kw, nw, st in [(8, 128, 2, 3), (16, 128, 2, 3), (8, 64, 1, 3), (16, 64, 2, 3), (32, 64, 4, 3),
-                                     (8, 256, 4, 3), (16, 128, 4, 4), (32, 32, 2, 3), (64, 32, 4, 3)]]
+                                     (8, 256, 4, 3), (16, 128, 4, 4), (32, 32, 2, 3), (64, 32, 4, 3), (4, 256, 2, 3),
+                                     (32, 128, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (16, 256, 4, 2)]]
 
 
 def _bench_decode_h2(rec, case, sets, gu, dn, h_ref, y_ref, smoke):

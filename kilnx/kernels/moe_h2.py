@@ -49,7 +49,7 @@ def _default(planes, sums, xs, wq, scales, biases, expert_ids, *_, SLOTS, N_DIV,
     return {"BLOCK_N": min(max(8, SLOTS), N_DIV), "BLOCK_KW": 128, "num_warps": 2, "STAGES": 3}
 
 
-TUNE = {"BLOCK_N": kd.pow2(2, 64, default=8), "BLOCK_KW": kd.pow2(8, 512, default=128),
+TUNE = {"BLOCK_N": kd.pow2(2, 128, default=8), "BLOCK_KW": kd.pow2(8, 512, default=128),
         "num_warps": kd.choice(1, 2, 4, 8, default=2), "STAGES": kd.choice(1, 2, 3, 4, default=3)}
 
 
@@ -63,33 +63,37 @@ def _spec(planes, sums, xs, wq, scales, biases, expert_ids, *rest, BITS, GROUP, 
                        X_BY_TOKEN=True)
 
 
-def _gather_accumulate(f, planes, sums, xs, wq, scales, biases, expert, x_row, *, BITS: int):
-    """(BLOCK_N,) fp32: row f.n[r] of expert[r]'s weight . activation row x_row (prepared; a scalar:
-    one row for all, or one per weight row), qmv_h2's loop with the rows gathered from the stack."""
+def _gather_accumulate(f, planes, sums, xs, wq, scales, biases, expert, rows, x_row, *, BITS: int):
+    """(A, B) fp32: row rows[a, b] of expert[a]'s weight . prepared activation row x_row[a] (expert and
+    x_row: (A, 1) tiles, or scalars shared by all), qmv_h2's loop over rows gathered from the stack.
+    Activations are loaded once per tile row a and broadcast over its B weight rows (a load per weight
+    row would stage B copies of them through shared memory in a pipelined loop)."""
     PER = 32 // BITS
-    e = expert[:, None] if len(expert.shape) else expert
-    xr = x_row[:, None] if len(x_row.shape) else x_row
-    rows, check = f.n[:, None], (False, False, not f.K_IN)
-    acc = kd.zeros((f.BLOCK_N,), kd.f32)
+    A, B = rows.shape
+    e3 = expert[:, :, None] if len(expert.shape) else expert
+    x3 = x_row[:, :, None] if len(x_row.shape) else x_row
+    r3, check = rows[:, :, None], (False, False, not f.K_IN)
+    acc = kd.zeros((A, B), kd.f32)
     for w0 in f.chunks():
-        wc = w0 + kd.arange(0, f.CHUNK)
-        gi = w0 // f.WPG + kd.arange(0, f.G)[None, :] + rows * 0
-        words = kd.load(wq, e, rows, wc[None, :], hint="stream", check=check)
-        s, b = kd.load(scales, e, rows, gi, check=check).f32(), kd.load(biases, e, rows, gi, check=check).f32()
+        wc = (w0 + kd.arange(0, f.CHUNK))[None, None, :]
+        gi = (w0 // f.WPG + kd.arange(0, f.G))[None, None, :]
+        words = kd.load(wq, e3, r3, wc, hint="stream", check=check)
+        s, b = kd.load(scales, e3, r3, gi, check=check).f32(), kd.load(biases, e3, r3, gi, check=check).f32()
         d = None
         for p in kd.static_range(PER // 2):
-            xp = kd.load(planes, xr, p, wc[None, :] + rows * 0, check=check)
+            xp = kd.load(planes, x3, p, wc, check=check)
             code = H._exact_pair(words, BITS, p)
             d = kd.h2_fma(code, xp, 0) if d is None else kd.h2_fma(code, xp, d)
-        qx_g = f.per_group(kd.h2_sum(d))
-        xs_g, sums_g = kd.load(xs, xr, gi, check=check[1:]), kd.load(sums, xr, gi, check=check[1:])
-        acc += kd.sum(qx_g * s * xs_g + b * sums_g, axis=1)
+        qx_g = kd.reshape(kd.sum(kd.reshape(kd.h2_sum(d), (A * B * f.G, f.WPG)), axis=1), (A, B, f.G))
+        xs_g, sums_g = kd.load(xs, x3, gi, check=check[1:]), kd.load(sums, x3, gi, check=check[1:])
+        acc += kd.sum(qx_g * s * xs_g + b * sums_g, axis=2)
     return acc
 
 
-def _frame(wq, rows, BLOCK_N, BLOCK_KW, STAGES, BITS, GROUP, KW_DIV, rows_of):
+def _frame(wq, rows, BLOCK_N, BLOCK_KW, STAGES, BITS, GROUP, KW_DIV):
+    """The grid and chunk loop (the weight rows are gathered by the kernels themselves)."""
     return gemv.Frame(rows, wq.shape[2], WPG=GROUP * BITS // 32, BLOCK_M=1, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW,
-                      SPLIT_K=1, N_DIV=BLOCK_N, KW_DIV=KW_DIV, STAGES=STAGES, rows_of=rows_of)
+                      SPLIT_K=1, N_DIV=BLOCK_N, KW_DIV=KW_DIV, STAGES=STAGES)
 
 
 @kd.kernel(tune=TUNE, key=_key, spec=_spec, default=_default, specialize=_specialize)
@@ -105,14 +109,12 @@ def gather_qmv_h2_glu(planes, sums, xs, wq, scales, biases, expert_ids, *, BITS:
         raise kd.DSLError(f"gather_qmv_h2_glu: BLOCK_N {BLOCK_N} must divide 2F (here a multiple of {N_DIV}) "
                           f"with its halves whole")
     blocks = F // HB                                 # programs per slot
-
+    f = _frame(wq, T * TOP_K * N2, BLOCK_N, BLOCK_KW, STAGES, BITS, GROUP, KW_DIV)
     slot, blk = kd.program_id(0) // blocks, kd.program_id(0) % blocks
-    r = kd.arange(0, BLOCK_N)
-    f = _frame(wq, T * TOP_K * N2, BLOCK_N, BLOCK_KW, STAGES, BITS, GROUP, KW_DIV,
-               rows_of=lambda pid: blk * HB + r % HB + (r // HB) * F)      # [gate rows | up rows]
+    rows = blk * HB + kd.arange(0, HB)[None, :] + kd.arange(0, 2)[:, None] * F     # [gate rows; up rows]
     expert = kd.load(expert_ids, slot // TOP_K, slot % TOP_K)
-    acc = _gather_accumulate(f, planes, sums, xs, wq, scales, biases, expert, slot // TOP_K, BITS=BITS)
-    gate, up = kd.halves(kd.reshape(acc, (2, HB)), axis=0)
+    acc = _gather_accumulate(f, planes, sums, xs, wq, scales, biases, expert, rows, slot // TOP_K, BITS=BITS)
+    gate, up = kd.halves(acc, axis=0)
     out = kd.output((T * TOP_K, F), scales.dtype)
     kd.store(out, slot, blk * HB + kd.arange(0, HB), ACTIVATIONS[ACT](gate) * up)
     return out
@@ -131,18 +133,16 @@ def gather_qmv_h2_combine(planes, sums, xs, wq, scales, biases, expert_ids, rout
         raise kd.DSLError(f"gather_qmv_h2_combine: BLOCK_N {BLOCK_N} must be a multiple of the {SLOTS} slots "
                           f"and BLOCK_N / slots must divide N (here a multiple of {N_DIV})")
     blocks = N // OB
-    r = kd.arange(0, BLOCK_N)
-    token = kd.program_id(0) // blocks
-    k = kd.minimum(r // OB, TOP_K - 1)              # slots past top_k repeat the last one, weighted 0
-    n = (kd.program_id(0) % blocks) * OB + r % OB
-
-    f = _frame(wq, T * N * SLOTS, BLOCK_N, BLOCK_KW, STAGES, BITS, GROUP, KW_DIV, rows_of=lambda pid: n)
-    acc = _gather_accumulate(f, planes, sums, xs, wq, scales, biases, kd.load(expert_ids, token, k),
+    f = _frame(wq, T * N * SLOTS, BLOCK_N, BLOCK_KW, STAGES, BITS, GROUP, KW_DIV)
+    token, blk = kd.program_id(0) // blocks, kd.program_id(0) % blocks
+    slot = kd.arange(0, SLOTS)[:, None]
+    k = kd.minimum(slot, TOP_K - 1)                  # slots past top_k repeat the last one, weighted 0
+    rows = blk * OB + kd.arange(0, OB)[None, :] + slot * 0
+    acc = _gather_accumulate(f, planes, sums, xs, wq, scales, biases, kd.load(expert_ids, token, k), rows,
                              token * TOP_K + k, BITS=BITS)
-    w = kd.where(r // OB < TOP_K, kd.load(routing_weights, token, k).f32(), 0.0)
-    y = kd.sum(kd.reshape(acc * w, (SLOTS, OB)), axis=0)
+    w = kd.where(slot < TOP_K, kd.load(routing_weights, token, k).f32(), 0.0)
     out = kd.output((T, N), scales.dtype)
-    kd.store(out, token, (kd.program_id(0) % blocks) * OB + kd.arange(0, OB), y)
+    kd.store(out, token, blk * OB + kd.arange(0, OB), kd.sum(acc * w, axis=0))
     return out
 
 

@@ -118,6 +118,7 @@ def _best(case, kernel, args_of, configs, sets, check, reps=10):
                 print(f"{case} {cfg}: wrong (rel err {err:.3g}), skipped")
                 continue
             results.append((time_calls(run, sets, reps=reps), kernel.space.validate(cfg)))
+            print(f"{case} {results[-1][1]}: {results[-1][0] * 1e6:.2f} us")
         except Exception as e:  # noqa: BLE001 - a config that fails to compile is skipped
             print(f"{case} {cfg}: {e!r}"[:300])
     return min(results, key=lambda r: r[0])

@@ -41,12 +41,20 @@ def _key(planes, sums, xs, wq, scales, biases, expert_ids, *_, **kw):
             "bits": kw["BITS"], "gs": kw["GROUP"]}
 
 
-def _default(planes, sums, xs, wq, scales, biases, expert_ids, *_, SLOTS, N_DIV, **__):
-    """qmv_h2's one-row default (8 rows x 128 words, 2 warps, 3 stages) where the rows allow: the
-    combine needs BLOCK_N to be a multiple of SLOTS, the GLU a divisor of 2F (N_DIV)."""
+def _default(planes, sums, xs, wq, scales, biases, expert_ids, *rest, SLOTS, N_DIV, **__):
+    """The best of a 14-config sweep on the H200 for qwen3-30b-a3b's experts (bench/results/
+    2026-12-03_h200_moe_s9.csv): gate_up 32 rows (16 gate + 16 up) x 64 words, 4 warps; down 4 output
+    rows x the slots at one token, 16 at four (more tokens: more programs), 32 words; loads 3 deep.
+    The rows also have to fit the shapes (BLOCK_N a divisor of 2F for the GLU, a multiple of the
+    slots for the combine)."""
     if not planes.is_cuda:
-        return {"BLOCK_N": max(SLOTS, 2), "BLOCK_KW": 32, "num_warps": 4, "STAGES": 1}
-    return {"BLOCK_N": min(max(8, SLOTS), N_DIV), "BLOCK_KW": 128, "num_warps": 2, "STAGES": 3}
+        return {"BLOCK_N": min(8, N_DIV) if not rest else SLOTS, "BLOCK_KW": 32, "num_warps": 4, "STAGES": 1}
+    if not rest:    # the GLU
+        return {"BLOCK_N": min(32, N_DIV), "BLOCK_KW": 64, "num_warps": 4, "STAGES": 3}
+    ob = 4 if expert_ids.shape[0] == 1 else 16
+    while ob > 1 and N_DIV % ob:
+        ob //= 2
+    return {"BLOCK_N": SLOTS * ob, "BLOCK_KW": 32, "num_warps": 2 if ob <= 4 else 4, "STAGES": 3}
 
 
 TUNE = {"BLOCK_N": kd.pow2(2, 128, default=8), "BLOCK_KW": kd.pow2(8, 512, default=128),

@@ -30,13 +30,16 @@ for s in "$@"; do case $s in
                echo "== profile prompt/cache $a split=$sp"; KILNX_ATTENTION_SPLIT=$sp timeout 100 python3 bench/profile_decode.py llama-3.1-8b $a 2>&1 \
                | grep -E "decode after|attention|qmv_h2 |rope|Self CUDA time total"; done; done > $OUT/profsplit.log 2>&1; cat $OUT/profsplit.log ;;
   ncu) step ncu 240 ncu --clock-control none --set detailed -k regex:qmv --launch-skip 4 --launch-count 2 \
-         python3 bench/profile_qmv.py ${PROFILE_CONFIGS:-} ;;
+         python3 bench/profile_qmv.py "${PROFILE_CONFIGS:-{\}}" ;;
   tc) KILNX_BENCH_ONLY=qmv H2_STAGES=3 QMV_PATHS=qmv_h2,qmv_tc QMV_H2_MAX=0 QMV_SWEEP_ROWS=1 step tc ${TC_SECS:-420} python3 bench/bench_kernels.py --suite quant --out $OUT/tc ;;
   qmm) KILNX_BENCH_ONLY=qmm step qmm ${QMM_SECS:-200} python3 bench/bench_kernels.py --suite quant --out $OUT/qmm ;;
   cold8b) python3 bench/cold_first_token.py --model llama-3.1-8b > $OUT/cold_warmup.log 2>&1
           step cold8b 120 python3 bench/cold_first_token.py --model llama-3.1-8b --csv $OUT/cold.csv
           step cold8b_profile 120 python3 bench/cold_first_token.py --model llama-3.1-8b --profile $OUT/cold_profile.txt
           KILNX_LAZY_GRAPHS=1 step cold8b_lazy 120 python3 bench/cold_first_token.py --model llama-3.1-8b --csv $OUT/cold_lazy.csv ;;
+  coldrep) python3 bench/cold_first_token.py --model ${COLD_MODEL:-llama-3.1-8b} > $OUT/cold_warmup.log 2>&1   # fills the caches
+           for i in $(seq ${COLD_RUNS:-5}); do python3 bench/cold_first_token.py --model ${COLD_MODEL:-llama-3.1-8b} \
+             --csv $OUT/cold_run$i.csv 2>&1 | tail -1; done ;;
   fusions) step fusions 150 python3 bench/bench_kernels.py --suite fusions --quick --out $OUT ;;
   moe) KILNX_MOE_CASES=${MOE_CASES:-all} step moe ${MOE_SECS:-200} python3 bench/bench_kernels.py --suite moe --out $OUT ;;
   e2e1b) step e2e1b 120 python3 -m kilnx.cli bench --model llama-3.2-1b --random --prompt-lens 128 --gen 64 --device cuda --csv $OUT/${E2E_CSV:-e2e}.csv ;;

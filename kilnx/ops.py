@@ -138,10 +138,17 @@ def moe(x: torch.Tensor, w_gate_up, w_down, expert_ids: torch.Tensor, routing_we
     """Mixture-of-experts MLP: x (T, H); w_gate_up (E, 2F, H) laid out [gate | up]; w_down (E, H, F);
     expert_ids, routing_weights (T, top_k) -> (T, H) in x.dtype,
     y[t] = sum_k routing_weights[t, k] * down_e(act(gate_e x[t]) * up_e x[t]) with e = expert_ids[t, k].
-    activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU). Few tokens take a two-launch decode path,
-    more an align step and two grouped GEMMs (crossover: kilnx.kernels.moe.MOE_DECODE_MAX_TOKENS)."""
+    activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU). Few tokens take per-slot GEMVs, more an align
+    step and two grouped GEMMs (crossover: kilnx.kernels.moe.MOE_DECODE_MAX_TOKENS)."""
     from kilnx.kernels import moe as m
     return m.moe(x, w_gate_up, w_down, expert_ids, routing_weights, activation)
+
+
+def moe_route(logits: torch.Tensor, top_k: int, normalize: bool):
+    """An MoE router's choice: logits (T, E) -> (expert ids (T, top_k) int32, weights (T, top_k) fp32),
+    the top_k of softmax(logits) (ties to the lower expert), divided by their sum when `normalize`."""
+    from kilnx.kernels.moe_route import moe_route as route
+    return route(logits, top_k, normalize)
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,

@@ -352,7 +352,7 @@ def _check_weight(w, k: int, what: str):
 
 
 def _check_routing(x, expert_ids, what: str):
-    if expert_ids.shape[:-1] != x.shape[:-1] or expert_ids.is_floating_point():
+    if expert_ids.shape[:-1] != x.shape[:-1] or expert_ids.dtype.is_floating_point:
         raise ValueError(f"{what}: expert_ids must be integers shaped (..., top_k) with x's leading dims "
                          f"{tuple(x.shape[:-1])}, got {expert_ids.dtype} {tuple(expert_ids.shape)}")
 

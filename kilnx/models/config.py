@@ -17,6 +17,7 @@ from kilnx.models.errors import UnsupportedArchitectureError
 # general.architecture spellings map onto these.
 DENSE_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 MOE_ARCHS = ("qwen3_moe", "mixtral")
+RUNNABLE_ARCHS = DENSE_ARCHS + ("qwen3_moe",)
 _HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                    "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
 _GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
@@ -55,11 +56,13 @@ class ModelConfig:
     rope_local_theta: float | None = None # rope base of sliding layers
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
-    # MoE (recorded for the tuner; the forward for these comes later)
+    # MoE (qwen3_moe runs; mixtral's are recorded for the tuner)
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1          # every n-th layer is an MoE layer ...
+    mlp_only_layers: tuple[int, ...] = () # ... except these, which keep a dense MLP
     name: str = ""
 
     # ---- derived ----
@@ -78,6 +81,9 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def layer_is_moe(self, i: int) -> bool:
+        return self.is_moe and i not in self.mlp_only_layers and (i + 1) % max(self.decoder_sparse_step, 1) == 0
 
     def layer_is_sliding(self, i: int) -> bool:
         return bool(self.layer_types) and self.layer_types[i] == "sliding" and self.sliding_window is not None
@@ -100,11 +106,11 @@ class ModelConfig:
         return inv.to(torch.float32)
 
     def check_supported(self, source: str = "") -> None:
-        if self.arch not in DENSE_ARCHS:
+        if self.arch not in RUNNABLE_ARCHS:
             where = f"{source}: " if source else ""
-            extra = " (MoE forward is not implemented yet)" if self.arch in MOE_ARCHS else ""
+            extra = " (its MoE forward is not implemented yet)" if self.arch in MOE_ARCHS else ""
             raise UnsupportedArchitectureError(
-                f"{where}architecture {self.arch!r} cannot be run{extra}; supported: {', '.join(DENSE_ARCHS)}.")
+                f"{where}architecture {self.arch!r} cannot be run{extra}; supported: {', '.join(RUNNABLE_ARCHS)}.")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -166,6 +172,8 @@ def from_hf(cfg: dict, source: str = "config.json") -> ModelConfig:
         moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0) or cfg.get("intermediate_size", 0)
                                   if arch in MOE_ARCHS else 0),
         norm_topk_prob=bool(cfg.get("norm_topk_prob", arch == "mixtral")),
+        decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1) or 1),
+        mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
     )
     if arch == "gemma3":
         c = _gemma3_from_hf(c, cfg)

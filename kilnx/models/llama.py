@@ -1,4 +1,5 @@
-"""The llama-family decoder: llama 3.x, SmolLM2, mistral, qwen2 (qkv bias), qwen3 (q/k norms), gemma3.
+"""The llama-family decoder: llama 3.x, SmolLM2, mistral, qwen2 (qkv bias), qwen3 (q/k norms), gemma3,
+and qwen3-moe (qwen3 with routed expert MLPs).
 
 Every piece of arithmetic goes through the ops module the model was built with (kilnx.ops or the
 torch-eager peer), so the same forward runs on the tuned kernels and on the reference. What stays
@@ -88,9 +89,10 @@ class LlamaModel:
     # ------------------------------------------------------------------ blocks
     def _prepared_format(self, parts, x):
         """The format in which the GEMV of `parts` takes x prepared, or None (plain x): producers then
-        emit prepared activations in the same launch (kernels/prepared.py)."""
+        emit prepared activations in the same launch (kernels/prepared.py). An MoE layer's MLP (no
+        dense parts) takes plain x: the router and the expert kernels both read it."""
         ask = getattr(self.ops, "prepared_format", None)
-        return ask(parts, x) if ask is not None else None
+        return ask(parts, x) if ask is not None and parts else None
 
     def _add_norm(self, x, residual, norm, parts):
         """(residual, normed x) for the linear layer `parts`, prepared for its GEMV where it takes that."""
@@ -138,6 +140,12 @@ class LlamaModel:
 
     def _mlp(self, layer: LayerWeights, x):
         ops = self.ops
+        if layer.router is not None:
+            # MoE: the router's top-k experts per token, then their SwiGLU MLPs weighted and summed
+            cfg = self.config
+            ids, weights = ops.moe_route(_linear(ops, x, [layer.router]), cfg.num_experts_per_tok,
+                                         cfg.norm_topk_prob)
+            return ops.moe(x, layer.experts_gate_up, layer.experts_down, ids, weights, cfg.hidden_act)
         gate_up = _linear(ops, x, layer.gate_up)               # (B*T, 2F) laid out [gate | up]
         if self.config.hidden_act == "gelu_tanh":
             act = ops.gelu_tanh_mul(gate_up)

@@ -25,13 +25,17 @@ class LayerWeights:
     qkv: list                      # [fused (q+2kv, H)] or [q, k, v] when formats differ
     o: Linear
     mlp_norm: torch.Tensor         # the norm before the MLP
-    gate_up: list                  # [fused (2F, H)] or [gate, up]
-    down: Linear
+    gate_up: list                  # [fused (2F, H)] or [gate, up]; [] in an MoE layer
+    down: Linear | None            # None in an MoE layer
     qkv_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     post_attn_norm: torch.Tensor | None = None   # gemma3 sandwich norms
     post_mlp_norm: torch.Tensor | None = None
+    # an MoE layer's MLP: the router (E, H) and the expert stacks (E, 2F, H) [gate | up], (E, H, F)
+    router: Linear | None = None
+    experts_gate_up: "QWeight | None" = None  # noqa: F821
+    experts_down: "QWeight | None" = None  # noqa: F821
 
 
 @dataclass
@@ -43,8 +47,9 @@ class ModelWeights:
     rope_freq_factors: torch.Tensor | None = None   # llama.cpp's rope_freqs tensor, divides inv_freq
     extra: dict = field(default_factory=dict)
 
-    def nbytes(self) -> int:
-        """Bytes of weights a decode step reads (embedding lookup reads one row, so not counted)."""
+    def nbytes(self, expert_fraction: float = 1.0) -> int:
+        """Bytes of weights a decode step reads (embedding lookup reads one row, so not counted); of the
+        MoE expert stacks, `expert_fraction` (a one-token step reads top_k / E of them)."""
         total = 0
         seen = set()
         for w in _all_linears(self):
@@ -52,6 +57,10 @@ class ModelWeights:
                 continue
             seen.add(id(w))
             total += linear_nbytes(w)
+        for layer in self.layers:
+            for w in (layer.experts_gate_up, layer.experts_down):
+                if w is not None:
+                    total += int(linear_nbytes(w) * expert_fraction)
         for t in _all_norms(self):
             total += t.numel() * t.element_size()
         return total
@@ -72,11 +81,12 @@ def linear_nbytes(w) -> int:
 
 
 def _all_linears(w: ModelWeights):
+    """Every 2-D linear (the expert stacks are counted apart, see nbytes)."""
     for layer in w.layers:
         yield from layer.qkv
         yield layer.o
         yield from layer.gate_up
-        yield layer.down
+        yield from (t for t in (layer.down, layer.router) if t is not None)
     yield from w.lm_head
 
 
@@ -103,10 +113,11 @@ def concat_linears(parts: list) -> list:
         return parts
     QWeight = qweight_class()
     if QWeight is not None and all(isinstance(p, QWeight) for p in parts):
-        fmt = {(p.format, p.scales.dtype, p.global_scale is None, p.packed.dim()) for p in parts}
-        if len(fmt) == 1 and parts[0].global_scale is None and parts[0].packed.dim() == 2:
-            biases = None if parts[0].biases is None else torch.cat([p.biases for p in parts], 0)
-            return [QWeight(torch.cat([p.packed for p in parts], 0), torch.cat([p.scales for p in parts], 0),
+        fmt = {(p.format, p.scales.dtype, p.global_scale is None, p.packed.dim(), p.packed.shape[:-2]) for p in parts}
+        if len(fmt) == 1 and parts[0].global_scale is None:
+            rows = parts[0].packed.dim() - 2       # the rows axis: 0, or 1 after an expert axis
+            biases = None if parts[0].biases is None else torch.cat([p.biases for p in parts], rows)
+            return [QWeight(torch.cat([p.packed for p in parts], rows), torch.cat([p.scales for p in parts], rows),
                             biases, format=parts[0].format,
                             dtype=None if parts[0].format.has_bias else parts[0].dtype)]
     return parts
@@ -153,14 +164,17 @@ def build_weights(cfg: ModelConfig, src: WeightSource, *, device="cpu", dtype=to
     for i in range(cfg.num_layers):
         a = lambda p: _hf(i, p)  # noqa: E731
         qkv_names = [a(f"self_attn.{x}_proj.weight") for x in "qkv"]
+        moe = cfg.layer_is_moe(i)
         layer = LayerWeights(
             attn_norm=dense(a("input_layernorm.weight")),
             qkv=lin(qkv_names),
             o=lin([a("self_attn.o_proj.weight")])[0],
             mlp_norm=dense(a("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight")),
-            gate_up=lin([a("mlp.gate_proj.weight"), a("mlp.up_proj.weight")]),
-            down=lin([a("mlp.down_proj.weight")])[0],
+            gate_up=[] if moe else lin([a("mlp.gate_proj.weight"), a("mlp.up_proj.weight")]),
+            down=None if moe else lin([a("mlp.down_proj.weight")])[0],
         )
+        if moe:
+            layer.router, layer.experts_gate_up, layer.experts_down = _moe_weights(cfg, src, i, lin)
         if cfg.attention_bias:
             layer.qkv_bias = torch.cat([dense(a(f"self_attn.{x}_proj.bias")) for x in "qkv"])
         if cfg.qk_norm:
@@ -183,6 +197,26 @@ def build_weights(cfg: ModelConfig, src: WeightSource, *, device="cpu", dtype=to
     freq = src.dense("rope_freqs") if src.has("rope_freqs") else None
     return ModelWeights(embed=embed.to(device=device, dtype=dtype), layers=layers,
                         final_norm=dense("model.norm.weight"), lm_head=lm_head, rope_freq_factors=freq)
+
+
+def _moe_weights(cfg: ModelConfig, src: WeightSource, i: int, lin):
+    """(router, [gate | up] stack, down stack) of MoE layer i, from mlx-lm's stacked `switch_mlp` tensors."""
+    stack = _hf(i, "mlp.switch_mlp.{}_proj.weight")
+    if not src.has(stack.format("gate")) and src.has(_hf(i, "mlp.experts.0.gate_proj.weight")):
+        raise CheckpointError(f"{src.path}: the experts of this {cfg.arch} checkpoint are stored one by one (HF "
+                              f"layout); kilnx runs MoE experts as quantized stacks: convert it with "
+                              f"`mlx_lm.convert --hf-path <model> -q` and load that directory.")
+    gate_up = lin([stack.format("gate"), stack.format("up")])
+    down = lin([stack.format("down")])[0]
+    QWeight = qweight_class()
+    for w in (*gate_up, down):
+        if QWeight is None or not isinstance(w, QWeight) or w.packed.dim() != 3:
+            raise CheckpointError(f"{src.path}: layer {i}'s experts are not quantized (E, N, K) stacks; the MoE "
+                                  f"kernels take MLX affine 2/4/8-bit experts (mlx_lm.convert -q).")
+    if len(gate_up) != 1:
+        raise CheckpointError(f"{src.path}: layer {i}'s gate and up experts differ in format; they must share "
+                              f"bits and group size to run as one [gate | up] stack.")
+    return lin([_hf(i, "mlp.gate.weight")])[0], gate_up[0], down
 
 
 def _place(w, device, dtype):

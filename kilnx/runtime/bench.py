@@ -85,8 +85,13 @@ def run_bench(lm, *, prompt_lens: list[int], gen: int, model_name: str, weights:
 
     return timed_rows(greedy, vocab_size=cfg.vocab_size, prompt_lens=prompt_lens, gen=gen, seed=seed,
                       repeats=repeats, model=model_name, device=str(engine.device), ops=ops_name, weights=weights,
-                      weight_bytes=lm.model.weights.nbytes(), kv_bytes_per_token=engine.cache.bytes_per_token(),
+                      weight_bytes=lm.model.weights.nbytes(_experts_read_per_token(cfg)), kv_bytes_per_token=engine.cache.bytes_per_token(),
                       bandwidth_gbps=bandwidth_gbps or copy_bandwidth_gbps(engine.device))
+
+
+def _experts_read_per_token(cfg) -> float:
+    """The fraction of an MoE model's expert weights one decode step reads (its top_k of E experts)."""
+    return cfg.num_experts_per_tok / cfg.num_experts if cfg.is_moe else 1.0
 
 
 def timed_rows(greedy, *, vocab_size: int, prompt_lens: list[int], gen: int, seed: int, repeats: int,

@@ -49,6 +49,9 @@ for bits in (2, 4, 8):
                 ck = compile_for_target(kernel, args, cfg, aligned=True)
                 assert ck.asm["ptx"].count("fma.rn.f16x2") >= 2, kernel.name
                 assert ("cp.async" in ck.asm["ptx"]) == (cfg["STAGES"] > 1), kernel.name
+from kilnx.kernels.moe_route import moe_topk
+for logits in (torch.randn(3, 128).bfloat16(), torch.randn(5, 60)):
+    compile_for_target(moe_topk, (logits,), {"ROWS": 2}, kw={"TOP_K": 8, "NORM": True})
 print("ok")
 """
 

@@ -1,5 +1,6 @@
-"""MLX-format checkpoints written by mlx-lm itself (random tiny llama / qwen3, dense and 4-bit with a
-per-layer override): kilnx's logits equal mlx-lm's on the same directory."""
+"""MLX-format checkpoints written by mlx-lm itself (random tiny llama / qwen3 / qwen3-moe, dense and 4-bit
+with a per-layer override): kilnx's logits equal mlx-lm's on the same directory. A dense qwen3-moe
+checkpoint is refused (its experts must be quantized stacks) with the way out."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ CONFIGS = {
                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
     "qwen3": dict(BASE, model_type="qwen3", rope_theta=1e6, tie_word_embeddings=True, num_key_value_heads=1),
+    # 8 experts, top-3 renormalized; layer 0 keeps a dense MLP (mlp_only_layers), layer 1 is routed
+    "qwen3_moe": dict(BASE, model_type="qwen3_moe", rope_theta=1e6, tie_word_embeddings=False, num_experts=8,
+                      num_experts_per_tok=3, moe_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[0],
+                      norm_topk_prob=True),
 }
 IDS = [3, 17, 99, 250, 5, 61, 7, 128, 300, 42, 11]
 
@@ -57,11 +62,19 @@ def test_logits_match_mlx_lm(tmp_path, arch, quant, backend):
     from kilnx.models.loaders import load_model
     from kilnx.runtime.kv_cache import KVCache
     want = _write_mlx_checkpoint(tmp_path, dict(CONFIGS[arch]), quant)
+    if arch == "qwen3_moe" and not quant:
+        from kilnx.models.errors import CheckpointError
+        with pytest.raises(CheckpointError, match="not quantized .* stacks"):
+            load_model(str(tmp_path), device=backend.device, dtype=torch.float32, ops=backend.ops)
+        return
     lm = load_model(str(tmp_path), device=backend.device, dtype=torch.float32, ops=backend.ops)
     if quant:
         from kilnx.quant import QWeight
         assert isinstance(lm.model.weights.layers[0].qkv[0], QWeight)   # stayed quantized
         assert lm.model.weights.layers[0].down.bits == 8
+    if arch == "qwen3_moe":
+        layer = lm.model.weights.layers[1]
+        assert layer.down is None and layer.experts_gate_up.shape == (8, 128, 128) and layer.experts_down.bits == 8
     dev = backend.device
     cache = KVCache.for_model(lm.config, 1, 32, device=dev)
     with torch.no_grad():

@@ -86,10 +86,11 @@ def test_dsl_kernels_on_cpu_give_the_torch_peers_logits(arch, cpu_backend, monke
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("arch,replayed", [("llama", True), ("qwen2", False)])
+@pytest.mark.parametrize("arch,replayed", [("llama", True), ("qwen2", False), ("qwen3_moe", True)])
 def test_cpu_replay_equals_eager_decode(arch, replayed, monkeypatch):
     """The CPU engine records its first decode step's launches and replays them: the logits of every
-    later step are those of eager steps. qwen2's bias add is a torch op in the step, so it stays eager."""
+    later step are those of eager steps (qwen3-moe's too: routing, expert GEMVs and the weighted sum are all
+    launches). qwen2's bias add is a torch op in the step, so it stays eager."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     model = tiny_model(arch, ops="kilnx", device="cpu")
     ids = torch.randint(0, 256, (6,), generator=torch.Generator().manual_seed(3)).tolist()

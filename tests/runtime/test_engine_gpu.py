@@ -1,6 +1,7 @@
 """On the GPU: every architecture's forward on kilnx's kernels equals the torch peer's, through the
 paths only a GPU takes (run with -m gpu): the packed-fp16 GEMV at decode, dequantize + dense GEMM for
-prefills of 256+ tokens, the fused rope + KV-cache write, and CUDA-graph decode steps."""
+prefills of 256+ tokens, the fused rope + KV-cache write, CUDA-graph decode steps, and for qwen3-moe
+the packed-fp16 decode MoE (graph steps) and align + grouped GEMMs (9 and 300 tokens)."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def random_prompt(n, seed):
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3", "qwen3_moe"])
 def test_graph_decode_follows_the_torch_peer(arch):
     """CUDA-graph decode steps on kilnx's kernels give the torch eager peer's logits, step after step."""
     follow_the_peer(engines_for(arch, 64), random_prompt(20, 3), 8)
@@ -110,3 +111,4 @@ def test_steps_run_ahead_on_graphs_give_the_synchronous_loops_tokens(sampled, mo
         *runs[ahead], stats = generate_ids(eng, random_prompt(9, 4), params)
         assert stats.generated_tokens == 24
     assert runs["1"] == runs["0"] and runs["2"] == runs["0"]
+

@@ -136,4 +136,9 @@ def load_gguf(path: str):
     """(ModelConfig, GGUFSource) for a GGUF file."""
     src = GGUFSource(path)
     src.config.check_supported(path)
+    if src.config.is_moe:
+        from kilnx.models.errors import UnsupportedArchitectureError
+        raise UnsupportedArchitectureError(
+            f"{path}: GGUF MoE checkpoints are not loaded yet (their expert tensors need converting to stacks); "
+            f"use an MLX-format directory of the model (mlx_lm.convert -q).")
     return src.config, src

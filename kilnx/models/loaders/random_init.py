@@ -44,13 +44,17 @@ class RandomSource:
             "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
             "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
             "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+            "mlp.gate.weight": (c.num_experts, c.hidden_size),
+            "mlp.switch_mlp.gate_proj.weight": (c.num_experts, c.moe_intermediate_size, c.hidden_size),
+            "mlp.switch_mlp.up_proj.weight": (c.num_experts, c.moe_intermediate_size, c.hidden_size),
+            "mlp.switch_mlp.down_proj.weight": (c.num_experts, c.hidden_size, c.moe_intermediate_size),
         }
         return shapes.get(rest, (c.hidden_size,))   # the remaining per-layer tensors are norms
 
     def has(self, name: str) -> bool:
         if name == "lm_head.weight":
             return not self.cfg.tie_embeddings
-        if name == "rope_freqs":
+        if name == "rope_freqs" or ".mlp.experts." in name:    # experts come as stacks (switch_mlp)
             return False
         return True
 
@@ -70,16 +74,18 @@ class RandomSource:
         return [self._linear(self._shape(n)) for n in names]
 
     def _linear(self, shape):
-        n, k = shape
+        *lead, n, k = shape            # a leading expert axis for the MoE stacks
         std = k ** -0.5
         if self.fmt == "bf16":
+            if lead:
+                raise ValueError("random MoE experts are quantized stacks: use the q4 format")
             return self._randn(shape, std, torch.bfloat16 if self.dtype == torch.float32 else self.dtype)
         from kilnx.quant import QWeight
         gs, bits = 64, 4
-        packed = torch.randint(-2**31, 2**31, (n, k * bits // 32), generator=self.gen, device=self.device,
+        packed = torch.randint(-2**31, 2**31, (*lead, n, k * bits // 32), generator=self.gen, device=self.device,
                                dtype=torch.int64).to(torch.int32)
         # Uniform codes 0..15 have std ~4.6; scale so weights have std ~1/sqrt(K), centred on zero.
         scale_dtype = torch.float32 if self.dtype == torch.float32 else self.dtype
-        scales = torch.full((n, k // gs), std / 4.6, device=self.device, dtype=scale_dtype)
+        scales = torch.full((*lead, n, k // gs), std / 4.6, device=self.device, dtype=scale_dtype)
         biases = scales * -7.5
         return QWeight.from_mlx(packed, scales, biases, bits=bits, group_size=gs)

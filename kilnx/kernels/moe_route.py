@@ -1,0 +1,63 @@
+"""The MoE router's top-k: softmax over the experts, the k largest probabilities, optionally renormalized.
+
+One program takes ROWS tokens' router logits (a whole row of E experts each), so the softmax and the
+k selections never leave registers: each selection is a max, then the lowest index holding it (ties go
+to the lower expert, as a stable descending sort would), then that lane is knocked out. This is
+qwen3-moe's and mixtral's routing (mlx-lm: softmax, argpartition, take, divide by the sum when
+norm_topk_prob); weights come out in fp32, as the MoE kernels read them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import kilnx.dsl as kd
+
+
+def _spec(logits, *, TOP_K, NORM, **_):
+    from kilnx.ops_torch import moe_route
+    return moe_route(logits, TOP_K, NORM)
+
+
+def _specialize(logits):
+    return {"BLOCK_E": 1 << max(int(logits.shape[1]) - 1, 0).bit_length()}
+
+
+@kd.kernel(tune={"ROWS": kd.pow2(1, 16, default=1), "num_warps": kd.choice(1, 2, 4, default=1)},
+           key=lambda logits, **kw: {"E": logits.shape[1], "k": kw["TOP_K"], "rows": logits.shape[0]},
+           spec=_spec, specialize=_specialize)
+def moe_topk(logits, *, TOP_K: kd.constexpr, NORM: kd.constexpr, BLOCK_E: kd.constexpr, ROWS):
+    """logits (T, E) -> (expert ids (T, TOP_K) int32, routing weights (T, TOP_K) fp32)."""
+    T, E = logits.shape
+    pid = kd.grid(kd.cdiv(T, ROWS))
+    r = pid * ROWS + kd.arange(0, ROWS)
+    e = kd.arange(0, BLOCK_E)[None, :]
+    live = e < E
+    v = kd.where(live, kd.load(logits, r[:, None], e, check=(True, True)).f32(), -3.0e38)
+    p = kd.where(live, kd.exp(v - kd.max(v, axis=1)[:, None]), 0.0)
+    total = kd.sum(p, axis=1)
+    left = kd.where(live, p, -1.0)                  # padding lanes are never picked
+    ids = kd.output((T, TOP_K), kd.i32, name="expert_ids")
+    weights = kd.output((T, TOP_K), kd.f32, name="routing_weights")
+    picked = []
+    for j in kd.static_range(TOP_K):
+        best = kd.max(left, axis=1)
+        idx = kd.min(kd.where(left == best[:, None], e, BLOCK_E), axis=1)
+        kd.store(ids, r, j, idx, check=(True, False))
+        picked.append(best)
+        left = kd.where(e == idx[:, None], -1.0, left)
+    chosen = picked[0]
+    for j in kd.static_range(1, TOP_K):
+        chosen = chosen + picked[j]
+    norm = chosen if NORM else total
+    for j in kd.static_range(TOP_K):
+        kd.store(weights, r, j, picked[j] / norm, check=(True, False))
+    return ids, weights
+
+
+def moe_route(logits: torch.Tensor, top_k: int, normalize: bool):
+    """kilnx.ops.moe_route: router logits (T, E) -> (expert ids (T, top_k) int32, weights (T, top_k) fp32)."""
+    if logits.dim() != 2 or not 0 < top_k <= logits.shape[1]:
+        raise ValueError(f"moe_route: logits must be (tokens, experts) with 0 < top_k <= experts; got "
+                         f"{tuple(logits.shape)} and top_k {top_k}")
+    return moe_topk(logits, TOP_K=int(top_k), NORM=bool(normalize))

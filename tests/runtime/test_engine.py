@@ -86,6 +86,18 @@ def test_dsl_kernels_on_cpu_give_the_torch_peers_logits(arch, cpu_backend, monke
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_cli_ops_serve_every_architecture_on_the_kernels(arch, monkeypatch):
+    """The CLI's ops ("auto": kilnx.ops, torch eager only where a kernel is missing) have every op a model
+    calls, and on the CPU every one of them runs on a kernel: the logits are kilnx.ops' and nothing fell back."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    ids = torch.randint(0, 256, (6,), generator=torch.Generator().manual_seed(4)).tolist()
+    auto = tiny_model(arch, ops="auto", device="cpu")
+    got = _full_logits(auto, ids)
+    assert not auto.ops.fell_back
+    torch.testing.assert_close(got, _full_logits(tiny_model(arch, ops="kilnx", device="cpu"), ids), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("arch,replayed", [("llama", True), ("qwen2", False), ("qwen3_moe", True)])
 def test_cpu_replay_equals_eager_decode(arch, replayed, monkeypatch):
     """The CPU engine records its first decode step's launches and replays them: the logits of every

@@ -1,7 +1,7 @@
 """ModelConfig: the architecture numbers a model is built from, read from HF config.json or GGUF metadata.
 
 One flat dataclass covers the llama family (llama 3.x, SmolLM2, mistral, qwen2, qwen3 with q/k norms),
-gemma3, and records the MoE fields of qwen3-moe / mixtral so the tuner can see their shapes.
+gemma3, and the MoE members qwen3-moe and mixtral (routed expert MLPs; which layers, how many experts).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from kilnx.models.errors import UnsupportedArchitectureError
 # general.architecture spellings map onto these.
 DENSE_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 MOE_ARCHS = ("qwen3_moe", "mixtral")
-RUNNABLE_ARCHS = DENSE_ARCHS + ("qwen3_moe",)
+RUNNABLE_ARCHS = DENSE_ARCHS + MOE_ARCHS
 _HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                    "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
 _GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
@@ -56,7 +56,7 @@ class ModelConfig:
     rope_local_theta: float | None = None # rope base of sliding layers
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
-    # MoE (qwen3_moe runs; mixtral's are recorded for the tuner)
+    # MoE (qwen3_moe, mixtral)
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -81,6 +81,11 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def moe_block(self) -> str:
+        """Where an MoE layer's router and experts live in HF / mlx-lm names."""
+        return "block_sparse_moe" if self.arch == "mixtral" else "mlp"
 
     def layer_is_moe(self, i: int) -> bool:
         return self.is_moe and i not in self.mlp_only_layers and (i + 1) % max(self.decoder_sparse_step, 1) == 0

@@ -1,5 +1,5 @@
 """The llama-family decoder: llama 3.x, SmolLM2, mistral, qwen2 (qkv bias), qwen3 (q/k norms), gemma3,
-and qwen3-moe (qwen3 with routed expert MLPs).
+qwen3-moe and mixtral (routed expert MLPs).
 
 Every piece of arithmetic goes through the ops module the model was built with (kilnx.ops or the
 torch-eager peer), so the same forward runs on the tuned kernels and on the reference. What stays

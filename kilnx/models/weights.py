@@ -200,9 +200,12 @@ def build_weights(cfg: ModelConfig, src: WeightSource, *, device="cpu", dtype=to
 
 
 def _moe_weights(cfg: ModelConfig, src: WeightSource, i: int, lin):
-    """(router, [gate | up] stack, down stack) of MoE layer i, from mlx-lm's stacked `switch_mlp` tensors."""
-    stack = _hf(i, "mlp.switch_mlp.{}_proj.weight")
-    if not src.has(stack.format("gate")) and src.has(_hf(i, "mlp.experts.0.gate_proj.weight")):
+    """(router, [gate | up] stack, down stack) of MoE layer i, from mlx-lm's stacked `switch_mlp` tensors
+    (qwen3-moe's under `mlp`, mixtral's under `block_sparse_moe`)."""
+    block = cfg.moe_block
+    stack = _hf(i, block + ".switch_mlp.{}_proj.weight")
+    one_by_one = (_hf(i, f"{block}.experts.0.{p}.weight") for p in ("gate_proj", "w1"))
+    if not src.has(stack.format("gate")) and any(src.has(n) for n in one_by_one):
         raise CheckpointError(f"{src.path}: the experts of this {cfg.arch} checkpoint are stored one by one (HF "
                               f"layout); kilnx runs MoE experts as quantized stacks: convert it with "
                               f"`mlx_lm.convert --hf-path <model> -q` and load that directory.")
@@ -216,7 +219,7 @@ def _moe_weights(cfg: ModelConfig, src: WeightSource, i: int, lin):
     if len(gate_up) != 1:
         raise CheckpointError(f"{src.path}: layer {i}'s gate and up experts differ in format; they must share "
                               f"bits and group size to run as one [gate | up] stack.")
-    return lin([_hf(i, "mlp.gate.weight")])[0], gate_up[0], down
+    return lin([_hf(i, block + ".gate.weight")])[0], gate_up[0], down
 
 
 def _place(w, device, dtype):

@@ -1,5 +1,5 @@
-"""MLX-format checkpoints written by mlx-lm itself (random tiny llama / qwen3 / qwen3-moe, dense and 4-bit
-with a per-layer override): kilnx's logits equal mlx-lm's on the same directory. A dense qwen3-moe
+"""MLX-format checkpoints written by mlx-lm itself (random tiny llama / qwen3 / qwen3-moe / mixtral, dense
+and 4-bit with a per-layer override): kilnx's logits equal mlx-lm's on the same directory. A dense MoE
 checkpoint is refused (its experts must be quantized stacks) with the way out."""
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ CONFIGS = {
     "qwen3_moe": dict(BASE, model_type="qwen3_moe", rope_theta=1e6, tie_word_embeddings=False, num_experts=8,
                       num_experts_per_tok=3, moe_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[0],
                       norm_topk_prob=True),
+    # mixtral: every layer routed, top-2 of 4 (softmax over the chosen logits)
+    "mixtral": dict(BASE, model_type="mixtral", rope_theta=1e6, num_local_experts=4, num_experts_per_tok=2),
 }
 IDS = [3, 17, 99, 250, 5, 61, 7, 128, 300, 42, 11]
 
@@ -62,7 +64,7 @@ def test_logits_match_mlx_lm(tmp_path, arch, quant, backend):
     from kilnx.models.loaders import load_model
     from kilnx.runtime.kv_cache import KVCache
     want = _write_mlx_checkpoint(tmp_path, dict(CONFIGS[arch]), quant)
-    if arch == "qwen3_moe" and not quant:
+    if arch in ("qwen3_moe", "mixtral") and not quant:
         from kilnx.models.errors import CheckpointError
         with pytest.raises(CheckpointError, match="not quantized .* stacks"):
             load_model(str(tmp_path), device=backend.device, dtype=torch.float32, ops=backend.ops)
@@ -71,10 +73,13 @@ def test_logits_match_mlx_lm(tmp_path, arch, quant, backend):
     if quant:
         from kilnx.quant import QWeight
         assert isinstance(lm.model.weights.layers[0].qkv[0], QWeight)   # stayed quantized
-        assert lm.model.weights.layers[0].down.bits == 8
+        layer = lm.model.weights.layers[0]
+        assert (layer.down or layer.experts_down).bits == 8
     if arch == "qwen3_moe":
         layer = lm.model.weights.layers[1]
         assert layer.down is None and layer.experts_gate_up.shape == (8, 128, 128) and layer.experts_down.bits == 8
+    if arch == "mixtral":
+        assert all(layer.experts_gate_up.shape == (4, 512, 128) for layer in lm.model.weights.layers)
     dev = backend.device
     cache = KVCache.for_model(lm.config, 1, 32, device=dev)
     with torch.no_grad():

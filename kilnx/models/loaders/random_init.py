@@ -44,17 +44,17 @@ class RandomSource:
             "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
             "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
             "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
-            "mlp.gate.weight": (c.num_experts, c.hidden_size),
-            "mlp.switch_mlp.gate_proj.weight": (c.num_experts, c.moe_intermediate_size, c.hidden_size),
-            "mlp.switch_mlp.up_proj.weight": (c.num_experts, c.moe_intermediate_size, c.hidden_size),
-            "mlp.switch_mlp.down_proj.weight": (c.num_experts, c.hidden_size, c.moe_intermediate_size),
+            f"{c.moe_block}.gate.weight": (c.num_experts, c.hidden_size),
+            f"{c.moe_block}.switch_mlp.gate_proj.weight": (c.num_experts, c.moe_intermediate_size, c.hidden_size),
+            f"{c.moe_block}.switch_mlp.up_proj.weight": (c.num_experts, c.moe_intermediate_size, c.hidden_size),
+            f"{c.moe_block}.switch_mlp.down_proj.weight": (c.num_experts, c.hidden_size, c.moe_intermediate_size),
         }
         return shapes.get(rest, (c.hidden_size,))   # the remaining per-layer tensors are norms
 
     def has(self, name: str) -> bool:
         if name == "lm_head.weight":
             return not self.cfg.tie_embeddings
-        if name == "rope_freqs" or ".mlp.experts." in name:    # experts come as stacks (switch_mlp)
+        if name == "rope_freqs" or ".experts." in name:    # experts come as stacks (switch_mlp)
             return False
         return True
 

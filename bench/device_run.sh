@@ -47,7 +47,7 @@ for s in "$@"; do case $s in
           case "${AB_MODELS:-8b 1b}" in *8b*) step e2e8b_${AB_VAR:-KILNX_PDL}$v 200 python3 -m kilnx.cli bench --model llama-3.1-8b --random --prompt-lens 128,2048 --gen 64 --device cuda --csv $OUT/e2e_ab$v.csv ;; esac
           case "${AB_MODELS:-8b 1b}" in *1b*) step e2e1b_${AB_VAR:-KILNX_PDL}$v 120 python3 -m kilnx.cli bench --model llama-3.2-1b --random --prompt-lens 128 --gen 64 --device cuda --csv $OUT/e2e_ab$v.csv ;; esac
           done; unset ${AB_VAR:-KILNX_PDL} ;;
-  e2emoe) step e2emoe ${MOE_E2E_SECS:-300} python3 -m kilnx.cli bench --model qwen3-30b-a3b --random --prompt-lens 128,2048 --gen 64 --device cuda --csv $OUT/${E2E_CSV:-e2e}_moe.csv ;;
+  e2emoe) step e2emoe ${MOE_E2E_SECS:-300} python3 -m kilnx.cli bench --model ${MOE_MODEL:-qwen3-30b-a3b} --random --prompt-lens 128,2048 --gen 64 --device cuda --csv $OUT/${E2E_CSV:-e2e}_moe.csv ;;
   e2e8b) step e2e8b 240 python3 -m kilnx.cli bench --model llama-3.1-8b --random --prompt-lens 128,2048 --gen 64 --device cuda --csv $OUT/${E2E_CSV:-e2e}.csv ;;
   tune) step tune_${TUNE_MODEL:-llama-3.2-1b} ${TUNE_SECS:-330} python3 -m kilnx.cli tune --device sm_90 --model ${TUNE_MODEL:-llama-3.2-1b} --budget ${TUNE_BUDGET:-290s} --workers 1 ${TUNE_ARGS:-} --csv $OUT/tune_${TUNE_MODEL:-llama-3.2-1b}.csv
         cp ${KILNX_DB#sqlite:///} $OUT/tune_${TUNE_MODEL:-llama-3.2-1b}.db 2>/dev/null ;;   # carried into a later call with KILNX_DB

@@ -25,6 +25,7 @@ for s in "$@"; do case $s in
   gpuengine) step gpuengine 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_prepared.py tests/runtime/test_engine_gpu.py tests/tuner/test_tuner_gpu.py ;;
   fp4) KILNX_BENCH_ONLY=fp4 step fp4 90 python3 bench/bench_kernels.py --suite quant --out $OUT/fp4 ;;
   gateup) KILNX_BENCH_ONLY=gate_up step gateup 200 python3 bench/bench_kernels.py --suite quant --out $OUT/gateup ;;
+  profprefill) step profprefill_${PROFILE_LEN:-2048} 120 python3 bench/profile_prefill.py ${PROFILE_LEN:-2048} ${PROFILE_MODEL:-llama-3.1-8b} ;;
   profdecode) step profdecode 120 python3 bench/profile_decode.py ${PROFILE_MODEL:-llama-3.1-8b} ${PROFILE_ARGS:-} ;;
   profsplit) for a in "128 2113" "2048 2113"; do for sp in 1 0; do
                echo "== profile prompt/cache $a split=$sp"; KILNX_ATTENTION_SPLIT=$sp timeout 100 python3 bench/profile_decode.py llama-3.1-8b $a 2>&1 \

@@ -1,5 +1,6 @@
-"""Where a prefill's time goes: llama-3.1-8b (random 4-bit weights) prefills a prompt a few times, the
-wall time of each, then torch.profiler's CUDA-time table of one more. python3 bench/profile_prefill.py [L]"""
+"""Where a prefill's time goes: a model (random 4-bit weights) prefills a prompt a few times, the wall
+time of each, then torch.profiler's CUDA-time table of one more.
+    python3 bench/profile_prefill.py [L=2048] [MODEL=llama-3.1-8b]"""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from kilnx.runtime.engine import Engine
 from kilnx.runtime.sampling import SamplingParams
 
 L = int(sys.argv[1]) if len(sys.argv) > 1 else 2048
-lm = load_model("llama-3.1-8b", device="cuda", ops="auto", random=True, random_format="q4")
+lm = load_model(sys.argv[2] if len(sys.argv) > 2 else "llama-3.1-8b", device="cuda", ops="auto", random=True,
+                random_format="q4")
 engine = Engine(lm.model, max_seq=L + 8)
 ids = torch.randint(0, lm.config.vocab_size, (L,), generator=torch.Generator().manual_seed(0)).tolist()
 one = SamplingParams(max_tokens=1, ignore_eos=True)

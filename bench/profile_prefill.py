@@ -4,6 +4,7 @@ time of each, then torch.profiler's CUDA-time table of one more.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -27,6 +28,16 @@ for i in range(4):
     torch.cuda.synchronize()
     print(f"prefill {i}: {1e3 * (time.perf_counter() - t0):.1f} ms wall, ttft {1e3 * st.ttft_s:.1f} ms, "
           f"{st.prefill_tok_s:.0f} tok/s", flush=True)
+if os.environ.get("PROFILE_HOST") == "1":      # where the host's time goes (cProfile of one more prefill)
+    import cProfile
+    import pstats
+    host = cProfile.Profile()
+    host.enable()
+    _run(engine, ids, one)
+    torch.cuda.synchronize()
+    host.disable()
+    pstats.Stats(host).sort_stats("tottime").print_stats(25)
+    pstats.Stats(host).sort_stats("cumulative").print_stats(25)
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
     _run(engine, ids, one)
     torch.cuda.synchronize()

@@ -131,6 +131,7 @@ class Launch:
     def __init__(self, ir: KernelIR, backend: str, source: str | None, fn):
         self.ir, self.backend, self.source, self.fn = ir, backend, source, fn
         self.tensor_params = [p for p in ir.params if isinstance(p, TensorParam)]
+        self._plans: dict = {}
         if backend == "numba":
             self._numba = numba_launch._NumbaLaunch(ir, fn)
 
@@ -145,19 +146,40 @@ class Launch:
         fake = {k: numba_launch._ShapeOnly(v.shape) for k, v in tensors.items()}
         return reference.Interpreter(self.ir, fake, scalars).eval_host(node)
 
+    def _plan(self, tensors: dict, scalars: dict) -> tuple[list, tuple]:
+        """(output shapes, grid) of a call: host expressions of the argument shapes and scalars, evaluated
+        once per distinct shapes and scalars (interpreting them took ~30 us of a ~50 us launch on the host,
+        which an eager prefill pays for every kernel of every layer)."""
+        key = (tuple(tuple(t.shape) for t in tensors.values()), tuple(scalars.items()))
+        try:
+            plan = self._plans.get(key)
+        except TypeError:               # an unhashable scalar: evaluate every time
+            key, plan = None, None
+        if plan is None:
+            shapes = [[self.host_eval(s, tensors, scalars) for s in shape_nodes]
+                      for _, shape_nodes, _ in self.ir.outputs]
+            with_outs = {**tensors, **{p.name: numba_launch._ShapeOnly(shape)
+                                       for (p, _, _), shape in zip(self.ir.outputs, shapes)}}
+            grid = tuple(self.host_eval(g, with_outs, scalars) for g in self.ir.grid) or (1,)
+            plan = (shapes, grid)
+            if key is not None:
+                if len(self._plans) >= 256:     # prefill lengths vary: keep the memo small
+                    self._plans.clear()
+                self._plans[key] = plan
+        return plan
+
     def __call__(self, tensors: dict, scalars: dict):
         if self.backend == "numba":
             return self._numba(self, tensors, scalars)
         if numba_launch._recorder is not None:
             numba_launch._recorder.refuse(f"{self.ir.name} runs on the {self.backend} backend")
         device = next((t.device for t in tensors.values()), torch.device("cpu"))
+        shapes, grid = self._plan(tensors, scalars)
         outs = {}
-        for p, shape_nodes, zero in self.ir.outputs:
-            shape = [self.host_eval(s, tensors, scalars) for s in shape_nodes]
+        for (p, _, zero), shape in zip(self.ir.outputs, shapes):
             alloc = torch.zeros if zero else torch.empty
             outs[p.name] = alloc(shape, dtype=torch_dtype(p.dtype), device=device)
         allt = {**tensors, **outs}
-        grid = tuple(self.host_eval(g, allt, scalars) for g in self.ir.grid) or (1,)
         if min(grid) > 0:
             getattr(self, f"_run_{self.backend}")(allt, scalars, grid)
         return self.returns(outs)

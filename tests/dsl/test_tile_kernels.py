@@ -459,3 +459,20 @@ def _halves_of_a_wrong_axis(x, *, B):
 def test_halves_of_an_axis_not_of_size_two_is_refused():
     with pytest.raises(kd.DSLError, match="axis of size 2"):
         _halves_of_a_wrong_axis(torch.randn(1, 8), backend="reference")
+
+
+def test_a_launch_evaluates_its_grid_and_output_shapes_once_per_shape(monkeypatch):
+    """Output shapes and the grid are host expressions of the argument shapes: a launch evaluates them
+    once per distinct shapes (an eager prefill calls every kernel per layer) and still sizes each call
+    by its own shapes."""
+    from kilnx.codegen.launch import Launch
+    evals = []
+    real = Launch.host_eval
+    monkeypatch.setattr(Launch, "host_eval", lambda self, *a: evals.append(1) or real(self, *a))
+    cfg = {"BLOCK_M": 4, "BLOCK_K": 16, "STAGES": 1}
+    for rows in (5, 5, 9, 5, 9):
+        x = randn(rows, 40, seed=rows)
+        got = row_sum(x, backend="triton", config=cfg)
+        assert got.shape == (rows,)
+        torch.testing.assert_close(got, x.float().sum(1), rtol=1e-5, atol=1e-5)
+    assert len(evals) == 2 * 2        # (one output dim + one grid dim) x two distinct shapes

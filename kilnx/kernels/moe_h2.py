@@ -7,8 +7,8 @@ pairs scaled per group, qmv_h2_prep) and run qmv_h2's main loop (two codes per i
 gathered from the expert stacks:
 
 - gate_up (`gather_qmv_h2_glu`): a program owns BLOCK_N / 2 gate rows and the matching up rows of one
-  (token, slot)'s expert, seen as rows of the stack flattened to (E * 2F, K); it applies the
-  activation and stores (T * top_k, F).
+  (token, slot)'s expert, a (2, BLOCK_N / 2) tile of rows loaded from that expert's stack; it applies
+  the activation and stores (T * top_k, F).
 - down (`gather_qmv_h2_combine`): a program owns BLOCK_N / SLOTS output rows of one token for all of its
   top_k slots (tile row r: slot r // (BLOCK_N / SLOTS)), each slot's rows multiplied by that slot's
   prepared activations, then weighted by the routing weights and summed inside the program (no atomics).
@@ -194,8 +194,8 @@ def register_tuning():
         kernel.tolerance = _tolerance(glu)
         kernel.seed_configs = lambda problem: [
             {"BLOCK_N": bn, "BLOCK_KW": kw, "num_warps": nw, "STAGES": st}
-            for bn, kw, nw, st in [(8, 128, 2, 3), (16, 64, 2, 3), (8, 64, 1, 3), (16, 128, 4, 3), (32, 64, 4, 2),
-                                   (8, 256, 4, 4)]]
+            for bn, kw, nw, st in [(32, 64, 4, 3), (32, 32, 2, 3), (64, 32, 4, 3), (128, 32, 4, 3), (8, 128, 2, 3),
+                                   (16, 64, 2, 3)]]
 
 
 register_tuning()

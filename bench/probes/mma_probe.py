@@ -14,11 +14,14 @@ Variants (all: program = BLOCK_N rows x one SPLIT_K slice of K, chunks of BLOCK_
   dequant_bf16_fp32math  per-element shift/and, fp32 q*s+b, cast bf16, ONE tl.dot per chunk (natural K order)
 SWAP=True: acc(BLOCK_N, BLOCK_M) = W @ x^T; SWAP=False: acc(BLOCK_M, BLOCK_N) = x @ W^T.
 """
-import json, math, os, statistics, sys, time
+import json, math, os, sys, time
 
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench_kernels import copy_gbps as copy_bandwidth_gbps, time_calls  # noqa: E402 - the bench's own protocol
 
 GS = 64  # group size
 # The Triton CPU interpreter's tl.dot multiplies bf16 operands as their raw uint16 storage (wrong results);
@@ -294,47 +297,8 @@ def precompile(cfgs):
 
 
 def time_graph(fn_list, reps=10):
-    """fn_list: callables, one per launch in the graph. Returns median us per launch."""
-    for f in fn_list[:3]:
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    st = torch.cuda.Stream()
-    with torch.cuda.stream(st):
-        with torch.cuda.graph(g, stream=st):
-            for f in fn_list:
-                f()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3 / len(fn_list))
-    del g
-    return statistics.median(ts)
-
-
-def copy_ceiling():
-    a = torch.empty(2**30, dtype=torch.bfloat16, device="cuda").normal_()
-    c = torch.empty_like(a)
-    for _ in range(3):
-        c.copy_(a)
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(10):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        c.copy_(a)
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e-3)
-    del a, c
-    torch.cuda.empty_cache()
-    return 2 * 2**31 / statistics.median(ts) / 1e9
+    """Median us per launch of fn_list's calls replayed in one CUDA graph (bench_kernels' protocol)."""
+    return time_calls(lambda f: f(), [(f,) for f in fn_list], reps=reps) * 1e6
 
 
 def gpu_main():
@@ -346,7 +310,7 @@ def gpu_main():
     Ms = (1, 4, 8, 16)
     cfgs = cfg_list(False)
     precompile(cfgs)
-    copy_gbps = copy_ceiling()
+    copy_gbps = copy_bandwidth_gbps()
     print(f"copy ceiling: {copy_gbps:.0f} GB/s  [{time.time() - t_start:.0f}s]", flush=True)
     rows, best = [], {}
     broken = set()  # (variant, cfg) that failed to compile: skip on later shapes

@@ -26,13 +26,13 @@ from kilnx.kernels.moe import ACTIVATIONS, _next_pow2, _pow2_dividing
 BITS_SERVED = H.BITS_SERVED
 
 
-def _format(planes, wq, scales):
+def _format(planes, scales):
     per = 2 * planes.shape[1]
     return {"BITS": 32 // per, "GROUP": per * planes.shape[2] // scales.shape[2]}
 
 
 def _specialize(planes, sums, xs, wq, scales, biases, expert_ids, *_):
-    return {**_format(planes, wq, scales), "SLOTS": _next_pow2(expert_ids.shape[1]),
+    return {**_format(planes, scales), "SLOTS": _next_pow2(expert_ids.shape[1]),
             "N_DIV": _pow2_dividing(wq.shape[1]), "KW_DIV": _pow2_dividing(wq.shape[2])}
 
 
@@ -42,9 +42,10 @@ def _key(planes, sums, xs, wq, scales, biases, expert_ids, *_, **kw):
 
 
 def _default(planes, sums, xs, wq, scales, biases, expert_ids, *rest, SLOTS, N_DIV, **__):
-    """The best of a 14-config sweep on the H200 for qwen3-30b-a3b's experts (bench/results/
-    2026-12-03_h200_moe_s9.csv): gate_up 32 rows (16 gate + 16 up) x 64 words, 4 warps; down 4 output
-    rows x the slots at one token, 16 at four (more tokens: more programs), 32 words; loads 3 deep.
+    """The best of a 14-config sweep on the H200 for qwen3-30b-a3b's experts (every config's time in
+    bench/results/profiles/2026-12-03_h200_moe_s9.log): gate_up 32 rows (16 gate + 16 up) x 64 words,
+    4 warps; down 4 output rows x the slots at one token, 16 at four (more tokens: more programs), 32
+    words; loads 3 deep.
     The rows also have to fit the shapes (BLOCK_N a divisor of 2F for the GLU, a multiple of the
     slots for the combine)."""
     if not planes.is_cuda:

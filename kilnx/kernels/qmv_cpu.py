@@ -19,7 +19,8 @@ its own layout (no prep kernel, no prep launch): each program forms the group su
   single chain over the group the fma latency, not throughput, would set the pace.
 
 qmatmul's route (kernels/routing.py) takes it for CPU activations with up to 32 rows by default (decode
-and short prompts); longer prefill chunks take the tile GEMM. The repacked copy is made once per weight and kept while the weight lives.
+and short prompts); longer prefill chunks take the tile GEMM. The repacked copy is made once per weight
+and kept while the weight lives.
 """
 
 from __future__ import annotations

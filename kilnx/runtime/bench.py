@@ -85,7 +85,8 @@ def run_bench(lm, *, prompt_lens: list[int], gen: int, model_name: str, weights:
 
     return timed_rows(greedy, vocab_size=cfg.vocab_size, prompt_lens=prompt_lens, gen=gen, seed=seed,
                       repeats=repeats, model=model_name, device=str(engine.device), ops=ops_name, weights=weights,
-                      weight_bytes=lm.model.weights.nbytes(_experts_read_per_token(cfg)), kv_bytes_per_token=engine.cache.bytes_per_token(),
+                      weight_bytes=lm.model.weights.nbytes(_experts_read_per_token(cfg)),
+                      kv_bytes_per_token=engine.cache.bytes_per_token(),
                       bandwidth_gbps=bandwidth_gbps or copy_bandwidth_gbps(engine.device))
 
 

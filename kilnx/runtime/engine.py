@@ -103,10 +103,8 @@ class Engine:
         if (int(positions.max()) if max_position is None else max_position) >= self.max_seq:
             raise ContextLengthError(f"generation reached the context length ({self.max_seq} tokens).")
         if self.cuda_graphs:
-            if not self._graphs:
-                self._capture_all()
-            bucket = next(b for b in self._graphs if b >= B)
-            g = self._graphs[bucket]
+            graphs = self._captured()
+            g = graphs[next(b for b in graphs if b >= B)]
             for src, dst in ((tokens, g.ids[:B, 0]), (positions, g.positions[:B, 0])):
                 if src.data_ptr() != dst.data_ptr():     # not already written there (decode_inputs)
                     dst.copy_(src)
@@ -130,12 +128,14 @@ class Engine:
         """The captured B-row step's own input buffers (tokens (B,), positions (B,)), where B is a captured
         bucket; else None. A caller that writes the next step's inputs there, on the device, spares
         decode() two copies per step (the pipelined loop in runtime/generate.py)."""
-        if not self.cuda_graphs:
-            return None
+        g = self._captured().get(B) if self.cuda_graphs else None
+        return None if g is None else (g.ids[:, 0], g.positions[:, 0])
+
+    def _captured(self) -> dict:
+        """The decode graphs by batch bucket, captured at first use."""
         if not self._graphs:
             self._capture_all()
-        g = self._graphs.get(B)
-        return None if g is None else (g.ids[:, 0], g.positions[:, 0])
+        return self._graphs
 
     # ------------------------------------------------------------------ CPU step replay
     def _record(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

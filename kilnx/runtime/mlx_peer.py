@@ -3,8 +3,8 @@
 `kilnx bench --random --peer mlx` builds the preset in mlx-lm (random weights, `nn.quantize` to 4-bit
 gs64, the format kilnx's `--random` weights have) and times mlx-lm's own generation loop
 (`generate_step`) in the same process: TTFT to the first token, decode tok/s over the tokens after it,
-counted as generate.py counts, by bench.timed_rows as kilnx is timed. mlx runs on its default device (the CPU with `mlx[cpu]`; CUDA with mlx's CUDA
-wheels), so the CSV row's device says which.
+counted as generate.py counts, by bench.timed_rows as kilnx is timed. mlx runs on its default device
+(the CPU with `mlx[cpu]`; CUDA with mlx's CUDA wheels), so the CSV row's device says which.
 """
 
 from __future__ import annotations

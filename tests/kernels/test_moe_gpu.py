@@ -52,38 +52,38 @@ def test_gather_qmatmul_on_gpu(bits, T):
     close(M.gather_qmatmul(x, w, ids).reshape(T * TOP_K, -1), want)
 
 
-@pytest.mark.parametrize("cfg", [{"MAGIC": True}, {"MAGIC": False, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8},
-                                 {"BLOCK_N": 32, "BLOCK_K": 32, "num_stages": 2}])
-@pytest.mark.parametrize("bm", [16, 64])
-def test_grouped_gemm_variants_on_gpu(cfg, bm):
-    gu, dn = stack(2 * F, H, 4, seed=1), stack(H, F, 4, seed=2)
-    T = 300
-    ids, rw = routing(T, 5)
+def check_decode_pair(glu, combine, down_bits: int, seed: int, T: int):
+    """glu(x, gate_up, ids) -> h and combine(h, down, ids, rw) -> y of one decode MoE against the formulas."""
+    gu, dn = stack(2 * F, H, 4, seed=seed), stack(H, F, down_bits, seed=seed + 1)
+    ids, rw = routing(T, seed + 3)
     x = torch.randn(T, H).bfloat16().cuda()
-    sorted_ids, block_expert, _ = align(ids, E, bm)
-    g = (gu.packed, gu.scales, gu.biases)
-    h = M.gather_qmm_glu(x, *g, sorted_ids, block_expert, ids, config=cfg)
-    close(h, S.gather_spec(x, *g, sorted_ids, block_expert, ids, gemm=True, act="silu", combine=False, BITS=4,
-                           GROUP=64, X_BY_TOKEN=True, BLOCK_M=bm).cpu().double())
-    d = (dn.packed, dn.scales, dn.biases)
-    y = M.gather_qmm_combine(h, *d, sorted_ids, block_expert, rw, config=cfg)
-    close(y, S.gather_spec(h, *d, sorted_ids, block_expert, rw, gemm=True, act=None, combine=True, BITS=4,
-                           GROUP=64, X_BY_TOKEN=False, BLOCK_M=bm).cpu().double())
+    g, d = (gu.packed, gu.scales, gu.biases), (dn.packed, dn.scales, dn.biases)
+    h = glu(x, g, ids)
+    close(h, S.gather_spec(x, *g, ids, gemm=False, act="silu", combine=False, BITS=4, GROUP=64,
+                           X_BY_TOKEN=True).cpu().double())
+    y = combine(h, d, ids, rw)
+    close(y, S.gather_spec(h, *d, ids, rw, gemm=False, act=None, combine=True, BITS=down_bits, GROUP=64,
+                           X_BY_TOKEN=False).cpu().double())
 
 
 @pytest.mark.parametrize("cfg", [{"MAGIC": True}, {"MAGIC": False}, {"BLOCK_N": 16, "BLOCK_KW": 64, "num_warps": 2}])
 @pytest.mark.parametrize("T", [1, 4])
 def test_decode_kernels_on_gpu(cfg, T):
-    gu, dn = stack(2 * F, H, 4, seed=3), stack(H, F, 4, seed=4)
-    ids, rw = routing(T, 6)
-    x = torch.randn(T, H).bfloat16().cuda()
-    g, d = (gu.packed, gu.scales, gu.biases), (dn.packed, dn.scales, dn.biases)
-    h = M.gather_qmv_glu(x, *g, ids, config=cfg)
-    close(h, S.gather_spec(x, *g, ids, gemm=False, act="silu", combine=False, BITS=4, GROUP=64,
-                           X_BY_TOKEN=True).cpu().double())
-    y = M.gather_qmv_combine(h, *d, ids, rw, config=cfg)
-    close(y, S.gather_spec(h, *d, ids, rw, gemm=False, act=None, combine=True, BITS=4, GROUP=64,
-                           X_BY_TOKEN=False).cpu().double())
+    check_decode_pair(lambda x, g, ids: M.gather_qmv_glu(x, *g, ids, config=cfg),
+                      lambda h, d, ids, rw: M.gather_qmv_combine(h, *d, ids, rw, config=cfg), 4, 3, T)
+
+
+@pytest.mark.parametrize("cfg", [None, {"BLOCK_N": 16, "BLOCK_KW": 64, "num_warps": 2, "STAGES": 3},
+                                 {"BLOCK_N": 8, "BLOCK_KW": 128, "num_warps": 4, "STAGES": 1}])
+@pytest.mark.parametrize("T", [1, 4])
+def test_packed_fp16_decode_kernels_on_gpu(cfg, T):
+    """kernels/moe_h2.py (what moe() runs on the GPU for 4/8-bit stacks), on prepared activations."""
+    from kilnx.kernels import moe_h2 as MH
+    from kilnx.kernels import qmv_h2 as QH
+    check_decode_pair(
+        lambda x, g, ids: MH.gather_qmv_h2_glu(*QH.qmv_h2_prep(x, PER=8, GROUP=64), *g, ids, config=cfg),
+        lambda h, d, ids, rw: MH.gather_qmv_h2_combine(*QH.qmv_h2_prep(h, PER=4, GROUP=64), *d, ids, rw, config=cfg),
+        8, 5, T)
 
 
 def test_public_moe_on_gpu_every_path():
@@ -98,21 +98,3 @@ def test_public_moe_on_gpu_every_path():
         want = (y.reshape(T, TOP_K, H) * rw.cpu().double()[..., None]).sum(1)
         close(M.moe(x, gu, dn, ids, rw), want)
 
-
-@pytest.mark.parametrize("cfg", [None, {"BLOCK_N": 16, "BLOCK_KW": 64, "num_warps": 2, "STAGES": 3},
-                                 {"BLOCK_N": 8, "BLOCK_KW": 128, "num_warps": 4, "STAGES": 1}])
-@pytest.mark.parametrize("T", [1, 4])
-def test_packed_fp16_decode_kernels_on_gpu(cfg, T):
-    """kernels/moe_h2.py (what moe() runs on the GPU for 4/8-bit stacks) on realistic routing sizes."""
-    from kilnx.kernels import moe_h2 as MH
-    from kilnx.kernels import qmv_h2 as QH
-    gu, dn = stack(2 * F, H, 4, seed=5), stack(H, F, 8, seed=6)
-    ids, rw = routing(T, 9)
-    x = torch.randn(T, H).bfloat16().cuda()
-    g, d = (gu.packed, gu.scales, gu.biases), (dn.packed, dn.scales, dn.biases)
-    h = MH.gather_qmv_h2_glu(*QH.qmv_h2_prep(x, PER=8, GROUP=64), *g, ids, config=cfg)
-    close(h, S.gather_spec(x, *g, ids, gemm=False, act="silu", combine=False, BITS=4, GROUP=64,
-                           X_BY_TOKEN=True).cpu().double())
-    y = MH.gather_qmv_h2_combine(*QH.qmv_h2_prep(h, PER=4, GROUP=64), *d, ids, rw, config=cfg)
-    close(y, S.gather_spec(h, *d, ids, rw, gemm=False, act=None, combine=True, BITS=8, GROUP=64,
-                           X_BY_TOKEN=False).cpu().double())

@@ -23,19 +23,24 @@ def test_truncated_gguf(tmp_path, smollm2_path, nbytes):
     assert str(bad) in msg and ("truncated" in msg or "corrupt" in msg) and "\n" not in msg
 
 
-def test_unknown_architecture_gguf(tmp_path):
+def write_gguf(path, arch: str, metadata: dict, vocab: int = 4) -> str:
+    """A minimal GGUF file: `arch`'s uint32 metadata and an embedding table."""
     import gguf
-    from kilnx.models.loaders import load_model
-    p = tmp_path / "odd.gguf"
-    w = gguf.GGUFWriter(str(p), "mamba9")
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in metadata.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_tensor("token_embd.weight", torch.zeros(vocab, 8).numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return str(path)
+
+
+def test_unknown_architecture_gguf(tmp_path):
+    from kilnx.models.loaders import load_model
     with pytest.raises(UnsupportedArchitectureError, match="mamba9"):
-        load_model(str(p))
+        load_model(write_gguf(tmp_path / "odd.gguf", "mamba9", {"block_count": 1}))
 
 
 def test_unknown_architecture_dir(tmp_path):
@@ -47,21 +52,13 @@ def test_unknown_architecture_dir(tmp_path):
 
 def test_moe_gguf_is_refused_with_the_way_out(tmp_path):
     """qwen3-moe runs from MLX directories; its GGUF experts are not converted yet."""
-    import gguf
     from kilnx.models.loaders import load_model
-    p = tmp_path / "moe.gguf"
-    w = gguf.GGUFWriter(str(p), "qwen3moe")
-    for key, value in (("block_count", 1), ("embedding_length", 8), ("feed_forward_length", 16),
-                       ("attention.head_count", 2), ("attention.head_count_kv", 1), ("expert_count", 4),
-                       ("expert_used_count", 2), ("expert_feed_forward_length", 8)):
-        w.add_uint32(f"qwen3moe.{key}", value)
-    w.add_tensor("token_embd.weight", torch.zeros(10, 8).numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = write_gguf(tmp_path / "moe.gguf", "qwen3moe", {
+        "block_count": 1, "embedding_length": 8, "feed_forward_length": 16, "attention.head_count": 2,
+        "attention.head_count_kv": 1, "expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 8},
+        vocab=10)
     with pytest.raises(UnsupportedArchitectureError, match="GGUF MoE checkpoints .*mlx_lm.convert"):
-        load_model(str(p))
+        load_model(path)
 
 
 def test_missing_tensor_names_file_and_tensor(tmp_path):

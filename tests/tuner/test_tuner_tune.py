@@ -54,7 +54,6 @@ def test_the_default_is_recorded_when_nothing_beats_it(sqlite_url, cpu):
     assert stored.config == BEST and stored.time_s == stored.default_time_s
 
 
-
 def test_the_budget_is_a_deadline_targets_past_it_are_not_started(sqlite_url, cpu):
     """Once the budget is spent no further target starts (each would still time its default and check its
     configs, whatever its share): they are reported as not started, and a later tune with budget left

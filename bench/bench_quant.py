@@ -43,9 +43,13 @@ QMM_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages
                    (256, 128, 64, 8, 3, True, False), (256, 128, 32, 8, 4, True, False)]]
 H2_TILES = [(16, 128, 1, 2), (32, 128, 1, 4), (16, 64, 1, 1), (8, 256, 1, 4), (4, 512, 1, 4), (8, 128, 1, 2),
             (16, 256, 1, 4), (32, 64, 1, 2), (8, 64, 1, 1), (4, 256, 2, 2)]
-H2_CONFIGS = [dict(BLOCK_N=bn, BLOCK_KW=kw, SPLIT_K=sk, num_warps=nw, STAGES=st)
+if os.environ.get("H2_TILES"):   # e.g. "8x128x1x2,16x128x1x2": BLOCK_N x BLOCK_KW x SPLIT_K x num_warps
+    H2_TILES = [tuple(int(v) for v in t.split("x")) for t in os.environ["H2_TILES"].split(",")]
+# $H2_BLOCKS ("1,2,4"): row blocks one program streams (qmv_h2's BLOCKS; only without split-K)
+H2_CONFIGS = [dict(BLOCK_N=bn, BLOCK_KW=kw, SPLIT_K=sk, num_warps=nw, STAGES=st, **({"BLOCKS": bl} if bl > 1 else {}))
               for st in [int(v) for v in os.environ.get("H2_STAGES", "1,2,3").split(",")]
-              for bn, kw, sk, nw in H2_TILES]
+              for bl in [int(v) for v in os.environ.get("H2_BLOCKS", "1").split(",")]
+              for bn, kw, sk, nw in H2_TILES if bl == 1 or sk == 1]
 # qmv_tc: (BLOCK_N, SPLIT_K, num_warps, STAGES, SWAP)
 TC_CONFIGS = [dict(BLOCK_N=bn, SPLIT_K=sk, num_warps=nw, STAGES=st, SWAP=sw)
               for bn, sk, nw, st, sw in [

@@ -34,23 +34,28 @@ def check(got, want, x, qw):
 @settings(max_examples=8, deadline=None, derandomize=True)
 @given(bits=st.sampled_from([4, 8]), gs=st.sampled_from([32, 64, 128]), m=st.sampled_from([1, 2, 3, 8, 16]),
        n=st.sampled_from([1, 7, 40]), groups=st.sampled_from([1, 3]), x_scale=st.sampled_from([1e-3, 1.0, 3e4]),
-       stages=st.sampled_from([1, 3]))
-def test_qmv_h2_matches_mlx_on_the_interpreter(bits, gs, m, n, groups, x_scale, stages):
+       stages=st.sampled_from([1, 3]), blocks=st.sampled_from([1, 2, 4]))
+def test_qmv_h2_matches_mlx_on_the_interpreter(bits, gs, m, n, groups, x_scale, stages, blocks):
     """Any activation range: 3e4 * N(0,1) overflows fp16 unless each group is scaled first. A pipelined
-    loop (stages 3) unrolls the activation rows and masks those past M."""
+    loop (stages 3) unrolls the activation rows and masks those past M. A program streaming several row
+    blocks (BLOCKS) stores each block as its last chunk lands, including a last program with fewer blocks
+    and a partial last block."""
     k = gs * groups
     x, qw, want = mlx_case(m, n, k, bits, gs, seed=bits * 100 + m * 10 + n, x_scale=x_scale)
+    bw = 16 if blocks > 1 else 64       # several chunks per block, and blocks past N, on small shapes
     got = H.run_qmv_h2(x, qw.packed, qw.scales, qw.biases, backend="triton",
-                       config={"BLOCK_N": 8, "BLOCK_KW": 64, "SPLIT_K": 1, "STAGES": stages})
+                       config={"BLOCK_N": 4 if blocks > 1 else 8, "BLOCK_KW": bw, "SPLIT_K": 1, "STAGES": stages,
+                               "BLOCKS": blocks})
     check(got, want, x, qw)
 
 
 @pytest.mark.parametrize("backend", ["reference", "numba"])
-@pytest.mark.parametrize("bits,m,split_k,stages", [(4, 1, 1, 1), (8, 3, 2, 1), (4, 3, 1, 2)])
-def test_qmv_h2_other_backends(backend, bits, m, split_k, stages):
+@pytest.mark.parametrize("bits,m,split_k,stages,blocks", [(4, 1, 1, 1, 1), (8, 3, 2, 1, 1), (4, 3, 1, 2, 1),
+                                                         (4, 1, 1, 3, 2), (8, 2, 1, 1, 4)])
+def test_qmv_h2_other_backends(backend, bits, m, split_k, stages, blocks):
     x, qw, want = mlx_case(m, 24, 256, bits, 64, seed=5)
     got = H.run_qmv_h2(x, qw.packed, qw.scales, qw.biases, backend=backend,
-                       config={"BLOCK_N": 8, "BLOCK_KW": 32, "SPLIT_K": split_k, "STAGES": stages})
+                       config={"BLOCK_N": 8, "BLOCK_KW": 32, "SPLIT_K": split_k, "STAGES": stages, "BLOCKS": blocks})
     check(got, want, x, qw)
 
 

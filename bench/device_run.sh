@@ -30,7 +30,8 @@ for s in "$@"; do case $s in
   profsplit) for a in "128 2113" "2048 2113"; do for sp in 1 0; do
                echo "== profile prompt/cache $a split=$sp"; KILNX_ATTENTION_SPLIT=$sp timeout 100 python3 bench/profile_decode.py llama-3.1-8b $a 2>&1 \
                | grep -E "decode after|attention|qmv_h2 |rope|Self CUDA time total"; done; done > $OUT/profsplit.log 2>&1; cat $OUT/profsplit.log ;;
-  ncu) step ncu 240 ncu --clock-control none --set detailed -k regex:qmv --launch-skip 4 --launch-count 2 \
+  ncu) step ncu 240 ncu --clock-control none --set detailed --section WarpStateStats --section SchedulerStats \
+         -k regex:${NCU_KERNEL:-qmv} --launch-skip ${NCU_SKIP:-4} --launch-count ${NCU_COUNT:-2} \
          python3 bench/profile_qmv.py "${PROFILE_CONFIGS:-{\}}" ;;
   tc) KILNX_BENCH_ONLY=qmv H2_STAGES=3 QMV_PATHS=qmv_h2,qmv_tc QMV_H2_MAX=0 QMV_SWEEP_ROWS=1 step tc ${TC_SECS:-420} python3 bench/bench_kernels.py --suite quant --out $OUT/tc ;;
   qmm) KILNX_BENCH_ONLY=qmm step qmm ${QMM_SECS:-200} python3 bench/bench_kernels.py --suite quant --out $OUT/qmm ;;

@@ -1,7 +1,8 @@
 """One launch of each GEMV variant on llama-3.1-8b gate_up (M=1, 4-bit gs64), for `ncu` to profile.
 
     ncu --clock-control none --set detailed -k regex:qmv python3 bench/profile_qmv.py
-The configs are the best each variant reached in bench/results (passed as JSON to override).
+The configs are the best each variant reached in bench/results (passed as JSON to override; a list
+for "qmv_h2" profiles each of its configs in turn).
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ if __name__ == "__main__":
         CONFIGS.update(json.loads(sys.argv[1]))
     a = qmatmul.make_qmv_args(P, "cuda")
     b = qmv_h2.make_qmv_h2_args(P, "cuda")
+    h2 = CONFIGS["qmv_h2"] if isinstance(CONFIGS["qmv_h2"], list) else [CONFIGS["qmv_h2"]]
     for _ in range(3):   # compile and warm, then the profiled launches
         qmatmul.qmv(*a, config=CONFIGS["qmv"])
-        qmv_h2.qmv_h2(*b, config=CONFIGS["qmv_h2"])
+        for cfg in h2:
+            qmv_h2.qmv_h2(*b, config=cfg)
     torch.cuda.synchronize()
     print("done")

@@ -205,6 +205,8 @@ def accumulate(f, planes, sums, xs, wq, scales, biases, *, BITS: int, out=None):
     GEMVs that finish differently (qkv_rope.qkv_rope_cache_h2). A streaming frame (BLOCKS > 1) stores
     each finished row block into `out` inside the loop."""
     PER = 32 // BITS                 # codes per word
+    if f.BLOCK_M == 1 and f.BLOCKS == 1:
+        return _accumulate_groups(f, planes, sums, xs, wq, scales, biases, BITS=BITS)
     acc = kd.zeros((f.BLOCK_M, f.BLOCK_N), kd.f32)
     for w0 in f.chunks():
         wc, g, words = f.chunk(wq, w0)
@@ -218,6 +220,19 @@ def accumulate(f, planes, sums, xs, wq, scales, biases, *, BITS: int, out=None):
             acc += gemv.into_row(row, m, f.BLOCK_M)
         f.flush(acc, out)
     return acc
+
+
+def _accumulate_groups(f, planes, sums, xs, wq, scales, biases, *, BITS: int):
+    """accumulate() for one activation row: the per-group terms add into a (BLOCK_N, G) tile and are
+    summed over the groups once, after the loop. Why: summing them per chunk costs a reduction across
+    lanes and two layout conversions through shared memory (with their barriers) in every iteration."""
+    acc = kd.zeros((f.BLOCK_N, f.G), kd.f32)
+    for w0 in f.chunks():
+        wc, g, words = f.chunk(wq, w0)
+        s, b = f.per_weight_row(scales, g).f32(), f.per_weight_row(biases, g).f32()
+        qx_g = f.h2_group_dot(lambda p: _exact_pair(words, BITS, p), None, planes, 0, wc, 16 // BITS)
+        acc += qx_g * s * f.per_x_row(xs, 0, g)[None, :] + b * f.per_x_row(sums, 0, g)[None, :]
+    return kd.sum(acc, axis=1)[None, :]
 
 
 def serves(x, wq, scales, biases) -> bool:

@@ -168,17 +168,17 @@ def _default(planes, sums, xs, wq, scales, biases, **_):
         return {}
     rows = planes.shape[0]
     if rows == 1:
-        return {"BLOCK_N": 8, "BLOCK_KW": 128, "num_warps": 2, "STAGES": 3}
+        return {"BLOCK_N": 8, "BLOCK_KW": 128, "num_warps": 2, "STAGES": 3, "CHAIN": 2}
     if rows <= 4:
-        return {"BLOCK_N": 16, "BLOCK_KW": 128, "num_warps": 2, "STAGES": 3}
-    return {"BLOCK_N": 8, "BLOCK_KW": 64, "num_warps": 1, "STAGES": 3}
+        return {"BLOCK_N": 16, "BLOCK_KW": 128, "num_warps": 2, "STAGES": 3, "CHAIN": 2}
+    return {"BLOCK_N": 8, "BLOCK_KW": 64, "num_warps": 1, "STAGES": 3, "CHAIN": 2}
 
 
 @kd.kernel(
     tune={"BLOCK_N": kd.pow2(1, 64, default=16), "BLOCK_KW": kd.pow2(8, 512, default=128),
           "SPLIT_K": kd.choice(1, 2, 4, 8, default=1),
           "num_warps": kd.choice(1, 2, 4, 8, default=4), "STAGES": kd.choice(1, 2, 3, 4, default=1),
-          "BLOCKS": kd.choice(1, 2, 4, 8, 16, default=1)},
+          "BLOCKS": kd.choice(1, 2, 4, 8, 16, default=1), "CHAIN": kd.choice(1, 2, 4, default=1)},
     constraints=(lambda BLOCKS, SPLIT_K: BLOCKS == 1 or SPLIT_K == 1,),
     key=_key, spec=_spec, default=_default,
     specialize=lambda p, su, xs, wq, sc, b: {**_format(p, su, xs, wq, sc, b), "BLOCK_M": _pow2_at_least(p.shape[0]),
@@ -187,7 +187,7 @@ def _default(planes, sums, xs, wq, scales, biases, **_):
                                              "PREFETCH": wq.is_cuda and gemv.prefetching()})
 def qmv_h2(planes, sums, xs, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr,
            BLOCK_M: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr, KW_STATIC: kd.constexpr,
-           PREFETCH: kd.constexpr = False, BLOCK_N, BLOCK_KW, SPLIT_K, STAGES, BLOCKS):
+           PREFETCH: kd.constexpr = False, BLOCK_N, BLOCK_KW, SPLIT_K, STAGES, BLOCKS, CHAIN):
     N, KW = wq.shape
     f = gemv.Frame(N, KW, WPG=GROUP * BITS // 32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW,
                    SPLIT_K=SPLIT_K, N_DIV=N_DIV, KW_DIV=KW_DIV, STAGES=STAGES, BLOCKS=BLOCKS,
@@ -196,17 +196,17 @@ def qmv_h2(planes, sums, xs, wq, scales, biases, *, BITS: kd.constexpr, GROUP: k
         f.prefetch_weights(wq, scales, biases)
     M = planes.shape[0]
     out = f.output(M, N, scales.dtype, SPLIT_K)
-    return f.store(accumulate(f, planes, sums, xs, wq, scales, biases, BITS=BITS, out=out), M, N, scales.dtype,
-                   SPLIT_K)
+    acc = accumulate(f, planes, sums, xs, wq, scales, biases, BITS=BITS, out=out, chain=min(CHAIN, f.WPG))
+    return f.store(acc, M, N, scales.dtype, SPLIT_K)
 
 
-def accumulate(f, planes, sums, xs, wq, scales, biases, *, BITS: int, out=None):
+def accumulate(f, planes, sums, xs, wq, scales, biases, *, BITS: int, out=None, chain: int = 1):
     """The program's (BLOCK_M, BLOCK_N) fp32 results over its words: qmv_h2's main loop, shared with the
     GEMVs that finish differently (qkv_rope.qkv_rope_cache_h2). A streaming frame (BLOCKS > 1) stores
-    each finished row block into `out` inside the loop."""
+    each finished row block into `out` inside the loop. chain: see gemv.Frame.h2_group_dot."""
     PER = 32 // BITS                 # codes per word
     if f.BLOCK_M == 1 and f.BLOCKS == 1:
-        return _accumulate_groups(f, planes, sums, xs, wq, scales, biases, BITS=BITS)
+        return _accumulate_groups(f, planes, sums, xs, wq, scales, biases, BITS=BITS, chain=chain)
     acc = kd.zeros((f.BLOCK_M, f.BLOCK_N), kd.f32)
     for w0 in f.chunks():
         wc, g, words = f.chunk(wq, w0)
@@ -215,14 +215,14 @@ def accumulate(f, planes, sums, xs, wq, scales, biases, *, BITS: int, out=None):
         # only one pair tile is live at a time)
         pairs = _exact_pairs(words, BITS) if f.BLOCK_M > 1 else None
         for m in f.rows(planes.shape[0]):
-            qx_g = f.h2_group_dot(lambda p: _exact_pair(words, BITS, p), pairs, planes, m, wc, PER // 2)
+            qx_g = f.h2_group_dot(lambda p: _exact_pair(words, BITS, p), pairs, planes, m, wc, PER // 2, chain)
             row = kd.sum(qx_g * s * f.per_x_row(xs, m, g)[None, :] + b * f.per_x_row(sums, m, g)[None, :], axis=1)
             acc += gemv.into_row(row, m, f.BLOCK_M)
         f.flush(acc, out)
     return acc
 
 
-def _accumulate_groups(f, planes, sums, xs, wq, scales, biases, *, BITS: int):
+def _accumulate_groups(f, planes, sums, xs, wq, scales, biases, *, BITS: int, chain: int):
     """accumulate() for one activation row: the per-group terms add into a (BLOCK_N, G) tile and are
     summed over the groups once, after the loop. Why: summing them per chunk costs a reduction across
     lanes and two layout conversions through shared memory (with their barriers) in every iteration."""
@@ -230,7 +230,7 @@ def _accumulate_groups(f, planes, sums, xs, wq, scales, biases, *, BITS: int):
     for w0 in f.chunks():
         wc, g, words = f.chunk(wq, w0)
         s, b = f.per_weight_row(scales, g).f32(), f.per_weight_row(biases, g).f32()
-        qx_g = f.h2_group_dot(lambda p: _exact_pair(words, BITS, p), None, planes, 0, wc, 16 // BITS)
+        qx_g = f.h2_group_dot(lambda p: _exact_pair(words, BITS, p), None, planes, 0, wc, 16 // BITS, chain)
         acc += qx_g * s * f.per_x_row(xs, 0, g)[None, :] + b * f.per_x_row(sums, 0, g)[None, :]
     return kd.sum(acc, axis=1)[None, :]
 

@@ -45,14 +45,11 @@ H2_TILES = [(16, 128, 1, 2), (32, 128, 1, 4), (16, 64, 1, 1), (8, 256, 1, 4), (4
             (16, 256, 1, 4), (32, 64, 1, 2), (8, 64, 1, 1), (4, 256, 2, 2)]
 if os.environ.get("H2_TILES"):   # e.g. "8x128x1x2,16x128x1x2": BLOCK_N x BLOCK_KW x SPLIT_K x num_warps
     H2_TILES = [tuple(int(v) for v in t.split("x")) for t in os.environ["H2_TILES"].split(",")]
-# $H2_BLOCKS ("1,2,4"): row blocks one program streams (qmv_h2's BLOCKS; only without split-K)
 # $H2_CHAIN ("1,2,4"): words per fp16 accumulator (qmv_h2's CHAIN)
-H2_CONFIGS = [dict(BLOCK_N=bn, BLOCK_KW=kw, SPLIT_K=sk, num_warps=nw, STAGES=st, **({"BLOCKS": bl} if bl > 1 else {}),
-                   **({"CHAIN": ch} if ch else {}))
+H2_CONFIGS = [dict(BLOCK_N=bn, BLOCK_KW=kw, SPLIT_K=sk, num_warps=nw, STAGES=st, **({"CHAIN": ch} if ch else {}))
               for st in [int(v) for v in os.environ.get("H2_STAGES", "1,2,3").split(",")]
-              for bl in [int(v) for v in os.environ.get("H2_BLOCKS", "1").split(",")]
               for ch in [int(v) for v in os.environ.get("H2_CHAIN", "0").split(",")]
-              for bn, kw, sk, nw in H2_TILES if bl == 1 or sk == 1]
+              for bn, kw, sk, nw in H2_TILES]
 # qmv_tc: (BLOCK_N, SPLIT_K, num_warps, STAGES, SWAP)
 TC_CONFIGS = [dict(BLOCK_N=bn, SPLIT_K=sk, num_warps=nw, STAGES=st, SWAP=sw)
               for bn, sk, nw, st, sw in [

@@ -12,7 +12,6 @@ import functools
 import os
 
 import kilnx.dsl as kd
-from kilnx.dsl.ir import dsl_error
 
 
 class Frame:
@@ -25,54 +24,26 @@ class Frame:
     through shared memory instead of waiting on one chunk's loads before it issues the next (an un-
     pipelined GEMV is latency-bound: ncu showed DRAM half busy at 25% occupancy on the H200).
 
-    BLOCKS > 1 makes each program stream BLOCKS consecutive row blocks through one flattened loop over
-    (row block, chunk), storing a block's results when its last chunk is done. Why: with K = 4096 a
-    program owning one block runs only 4 chunks, so it spends much of its life filling and draining its
-    pipeline and in its prologue and epilogue; a program that moves on to the next block keeps its loads
-    in flight across the boundary, and the grid shrinks towards one wave."""
+    Measured and dropped: programs streaming several row blocks through one flattened loop (to keep their
+    pipelines full across blocks and the grid in one wave) were slower on every llama-3.1-8b shape on the
+    H200, 2 blocks per program by 0-40% (bench/results/2026-12-03_h200_quant_s10_blocks.csv)."""
 
     def __init__(self, N, KW, *, WPG: int, BLOCK_M: int, BLOCK_N: int, BLOCK_KW: int, SPLIT_K: int, N_DIV: int,
-                 KW_DIV: int, STAGES: int = 1, BLOCKS: int = 1, KW_STATIC: int | None = None, rows_of=None):
+                 KW_DIV: int, STAGES: int = 1, rows_of=None):
         """rows_of(pid_n) -> the program's BLOCK_N weight rows, when they are not the consecutive block
         pid_n * BLOCK_N + arange(BLOCK_N) (any set that the programs cover once; ROWS_IN still says
-        whether every row lies in bounds). KW_STATIC: KW as a compile-time int, which streaming needs
-        (the flattened loop divides by the chunks per row, a division by a constant)."""
+        whether every row lies in bounds)."""
         self.N, self.WPG, self.BLOCK_M, self.BLOCK_N, self.STAGES = N, WPG, BLOCK_M, BLOCK_N, STAGES
-        self.BLOCKS, self._out = BLOCKS, None
         self.check_m = BLOCK_M > 1 and STAGES > 1    # activation rows past M are visited (see rows())
         self.G = max(BLOCK_KW // WPG, 1)            # groups per chunk
         self.CHUNK = self.G * WPG                    # words per chunk: whole groups
         self.ROWS_IN, self.K_IN = N_DIV % BLOCK_N == 0, KW_DIV % self.CHUNK == 0
-        if BLOCKS > 1:
-            if SPLIT_K != 1 or rows_of is not None or KW_STATIC is None:
-                raise dsl_error("a GEMV streaming several row blocks per program (BLOCKS > 1) needs SPLIT_K = 1, "
-                                "consecutive rows and KW_STATIC")
-            self._streaming_grid(N, KW_STATIC)
-            return
         pid_n, pid_k = kd.grid(kd.cdiv(N, BLOCK_N), SPLIT_K)
         self.n = rows_of(pid_n) if rows_of is not None else pid_n * BLOCK_N + kd.arange(0, BLOCK_N)
         # splits are whole chunks, so a chunk never crosses into the next split's words
         words_per_split = kd.cdiv(kd.cdiv(KW, SPLIT_K), self.CHUNK) * self.CHUNK
         self.w_start = pid_k * words_per_split
         self.w_stop = kd.minimum(self.w_start + words_per_split, KW)
-
-    def _streaming_grid(self, N, KW_STATIC: int):
-        """The flattened iteration range [it_start, it_stop) of this program: iteration it is chunk
-        it % NCH of row block it // NCH."""
-        blocks = kd.cdiv(N, self.BLOCK_N)
-        pid, _ = kd.grid(kd.cdiv(blocks, self.BLOCKS), 1)
-        self.NCH = -(-KW_STATIC // self.CHUNK)
-        self.it_start = pid * (self.BLOCKS * self.NCH)
-        self.it_stop = kd.minimum(self.it_start + self.BLOCKS * self.NCH, blocks * self.NCH)
-        self.w_start, self.w_stop = 0, KW_STATIC
-
-    def _stream(self):
-        for it in kd.range(self.it_start, self.it_stop, 1, stages=self.STAGES if self.STAGES > 1 else None):
-            block = it // self.NCH
-            c = it - block * self.NCH
-            self.n = block * self.BLOCK_N + kd.arange(0, self.BLOCK_N)
-            self.block_done = c == self.NCH - 1
-            yield c * self.CHUNK
 
     def prefetch(self, t, start, stop, lines: int = 16):
         """Ask L2 for this program's rows of `t` over columns [start, stop): one address per 128-byte
@@ -92,10 +63,7 @@ class Frame:
         kd.grid_dependency_sync()
 
     def chunks(self):
-        """The loop over this program's chunks, yielding each chunk's first word (with BLOCKS > 1 it also
-        moves self.n to the chunk's row block)."""
-        if self.BLOCKS > 1:
-            return self._stream()
+        """The loop over this program's chunks, yielding each chunk's first word."""
         return kd.range(self.w_start, self.w_stop, self.CHUNK, stages=self.STAGES if self.STAGES > 1 else None)
 
     def chunk(self, wq, w0):
@@ -164,31 +132,14 @@ class Frame:
         per = self.WPG // words_per_value
         return kd.reshape(kd.sum(kd.reshape(qx, (self.BLOCK_N * self.G, per)), axis=1), (self.BLOCK_N, self.G))
 
-    def output(self, M, N, dtype, SPLIT_K: int):
-        """The (M, N) output, declared once: in `dtype`, or a zeroed fp32 one that splits add into."""
-        if self._out is None:
-            self._out = kd.output((M, N), dtype) if SPLIT_K == 1 else kd.output((M, N), kd.f32, zero=True)
-        return self._out
-
-    def flush(self, acc, out):
-        """Inside the chunk loop of a streaming program (BLOCKS > 1): once a row block's last chunk is in,
-        store its results and restart the accumulator for the next block. Nothing otherwise."""
-        if self.BLOCKS == 1:
-            return
-        rows = kd.arange(0, acc.shape[0])
-        kd.store(out, rows[:, None], self.n[None, :], acc, mask=self.block_done)
-        acc.set(kd.where(self.block_done, 0.0, acc))
-
     def store(self, acc, M, N, dtype, SPLIT_K: int):
-        """The (M, N) output after the chunk loop: stored in `dtype`, or added into a zeroed fp32 output
-        across splits (a streaming program has stored every block in its loop already)."""
-        out = self.output(M, N, dtype, SPLIT_K)
-        if self.BLOCKS > 1:
-            return out
+        """The (M, N) output: stored in `dtype`, or added into a zeroed fp32 output across splits."""
         rows = kd.arange(0, acc.shape[0])
         if SPLIT_K == 1:
+            out = kd.output((M, N), dtype)
             kd.store(out, rows[:, None], self.n[None, :], acc)
         else:
+            out = kd.output((M, N), kd.f32, zero=True)
             kd.atomic_add(out, rows[:, None], self.n[None, :], acc)
         return out
 

@@ -49,14 +49,15 @@ def _default(planes, xs, wq, *_, **__):
     if not planes.is_cuda:
         return {}
     if 8 * wq.shape[1] // xs.shape[1] == 16:      # nvfp4's groups of 16
-        return {"BLOCK_N": 16, "BLOCK_KW": 128, "num_warps": 2, "STAGES": 3}
-    return {"BLOCK_N": 32, "BLOCK_KW": 64, "num_warps": 2, "STAGES": 3}
+        return {"BLOCK_N": 16, "BLOCK_KW": 128, "num_warps": 2, "STAGES": 3, "CHAIN": 2}
+    return {"BLOCK_N": 32, "BLOCK_KW": 64, "num_warps": 2, "STAGES": 3, "CHAIN": 2}
 
 
 @kd.kernel(
     tune={"BLOCK_N": kd.pow2(1, 64, default=16), "BLOCK_KW": kd.pow2(8, 512, default=128),
           "SPLIT_K": kd.choice(1, 2, 4, 8, default=1),
-          "num_warps": kd.choice(1, 2, 4, 8, default=4), "STAGES": kd.choice(1, 2, 3, 4, default=1)},
+          "num_warps": kd.choice(1, 2, 4, 8, default=4), "STAGES": kd.choice(1, 2, 3, 4, default=1),
+          "CHAIN": kd.choice(1, 2, 4, default=1)},
     key=lambda planes, xs, wq, scales, gscale, **_: _key(planes.shape[0], wq, scales),
     spec=_spec, default=_default,
     specialize=lambda planes, xs, wq, scales, gscale: {
@@ -64,20 +65,28 @@ def _default(planes, xs, wq, *_, **__):
         "KW_DIV": _pow2_dividing(wq.shape[1])})
 def fp4_qmv_h2(planes, xs, wq, scales, global_scale, *, GROUP: kd.constexpr, E4M3: kd.constexpr,
                BLOCK_M: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr, OUT: kd.constexpr = "f32",
-               BLOCK_N, BLOCK_KW, SPLIT_K, STAGES):
+               BLOCK_N, BLOCK_KW, SPLIT_K, STAGES, CHAIN):
     """planes (M, 4, K/8) u32 and xs (M, K/GROUP) from qmv_h2_prep(BIAS=14), wq (N, K/8) words, scales
-    (N, K/GROUP) uint8 codes, global_scale (1,) fp32 or None -> (M, N) in OUT (fp32 with split-K)."""
+    (N, K/GROUP) uint8 codes, global_scale (1,) fp32 or None -> (M, N) in OUT (fp32 with split-K).
+    CHAIN words share an fp16 accumulator (gemv.Frame.h2_group_dot); one row adds its per-group terms
+    into a (BLOCK_N, G) tile summed once after the loop, as qmv_h2 does."""
     M = planes.shape[0]
     f = fp4_frame(wq, GROUP, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW, SPLIT_K=SPLIT_K,
                   N_DIV=N_DIV, KW_DIV=KW_DIV, STAGES=STAGES)
-    acc = kd.zeros((BLOCK_M, BLOCK_N), kd.f32)
+    chain = min(CHAIN, f.WPG)
+    acc = kd.zeros((BLOCK_N, f.G) if BLOCK_M == 1 else (BLOCK_M, BLOCK_N), kd.f32)
     for wc, g, words, s in fp4_chunks(f, wq, scales, E4M3):
         pairs = [fp16_pair(words, p) for p in kd.static_range(CODES_PER_WORD // 2)] if BLOCK_M > 1 else None
         for m in f.rows(M):
-            qx_g = f.h2_group_dot(lambda p: fp16_pair(words, p), pairs, planes, m, wc, CODES_PER_WORD // 2)
+            qx_g = f.h2_group_dot(lambda p: fp16_pair(words, p), pairs, planes, m, wc, CODES_PER_WORD // 2, chain)
             # x = planes * xs and the codes are value * 2^-14: the group's sum times s * xs * 2^14
-            row = kd.sum(qx_g * s * (f.per_x_row(xs, m, g) * CODE_UNSCALE)[None, :], axis=1)
-            acc += gemv.into_row(row, m, BLOCK_M)
+            terms = qx_g * s * (f.per_x_row(xs, m, g) * CODE_UNSCALE)[None, :]
+            if BLOCK_M == 1:
+                acc += terms
+            else:
+                acc += gemv.into_row(kd.sum(terms, axis=1), m, BLOCK_M)
+    if BLOCK_M == 1:
+        acc = kd.sum(acc, axis=1)[None, :]
     return fp4_store(f, acc, global_scale, M, OUT, SPLIT_K)
 
 

@@ -76,13 +76,16 @@ def _e8m0(codes):
 
 
 def _e4m3(codes):
-    """nvfp4 scale codes (e4m3fn) -> fp32: normals by moving the exponent/mantissa bits into fp32's and
-    rebiasing (7 -> 127), subnormals as mantissa * 2^-9, 0x7F/0xFF as NaN (e4m3fn has no inf)."""
+    """nvfp4 scale codes (e4m3fn) -> fp32, 0x7F/0xFF as NaN (e4m3fn has no inf). The code's 7 magnitude
+    bits placed at fp32 bits 20-26 (exponent field low 4 bits, mantissa top 3) with its sign at bit 31
+    read as fp32 are the code's value times 2^-120 for every code: normals differ only in the exponent
+    bias (7 against 127), and the subnormals land on fp32 subnormals, scaled alike. One multiply by 2^120
+    finishes (exact: the GPU's fp32 multiply keeps subnormal inputs unless told to flush them, and
+    Triton does not). The earlier decode, with separate normal and subnormal paths and a signed select,
+    cost ~20 instructions per scale: 30% of the nvfp4 GEMV's loop on the H200 (SASS count)."""
     c = codes.to(kd.i32)
-    magnitude = c & 0x7F
-    normal = kd.where(magnitude == 0x7F, 0x7FC00000, (magnitude << 20) + (120 << 23)).bitcast(kd.f32)
-    value = kd.where(magnitude < 8, magnitude.f32() * 2.0 ** -9, normal)
-    return kd.where(c > 0x7F, -value, value)
+    bits = ((c << 20) & 0x07F00000) | ((c << 24) & SIGN_BIT)
+    return kd.where((c & 0x7F) == 0x7F, 0x7FC00000, bits).bitcast(kd.f32) * 2.0 ** 120
 
 
 def _group_scales(codes, e4m3: bool):

@@ -178,34 +178,29 @@ def _default(planes, sums, xs, wq, scales, biases, **_):
     tune={"BLOCK_N": kd.pow2(1, 64, default=16), "BLOCK_KW": kd.pow2(8, 512, default=128),
           "SPLIT_K": kd.choice(1, 2, 4, 8, default=1),
           "num_warps": kd.choice(1, 2, 4, 8, default=4), "STAGES": kd.choice(1, 2, 3, 4, default=1),
-          "BLOCKS": kd.choice(1, 2, 4, 8, 16, default=1), "CHAIN": kd.choice(1, 2, 4, default=1)},
-    constraints=(lambda BLOCKS, SPLIT_K: BLOCKS == 1 or SPLIT_K == 1,),
+          "CHAIN": kd.choice(1, 2, 4, default=1)},
     key=_key, spec=_spec, default=_default,
     specialize=lambda p, su, xs, wq, sc, b: {**_format(p, su, xs, wq, sc, b), "BLOCK_M": _pow2_at_least(p.shape[0]),
                                              "N_DIV": _pow2_dividing(wq.shape[0]),
-                                             "KW_DIV": _pow2_dividing(wq.shape[1]), "KW_STATIC": wq.shape[1],
+                                             "KW_DIV": _pow2_dividing(wq.shape[1]),
                                              "PREFETCH": wq.is_cuda and gemv.prefetching()})
 def qmv_h2(planes, sums, xs, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr,
-           BLOCK_M: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr, KW_STATIC: kd.constexpr,
-           PREFETCH: kd.constexpr = False, BLOCK_N, BLOCK_KW, SPLIT_K, STAGES, BLOCKS, CHAIN):
+           BLOCK_M: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr, PREFETCH: kd.constexpr = False,
+           BLOCK_N, BLOCK_KW, SPLIT_K, STAGES, CHAIN):
     N, KW = wq.shape
     f = gemv.Frame(N, KW, WPG=GROUP * BITS // 32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW,
-                   SPLIT_K=SPLIT_K, N_DIV=N_DIV, KW_DIV=KW_DIV, STAGES=STAGES, BLOCKS=BLOCKS,
-                   KW_STATIC=KW_STATIC)
-    if PREFETCH and BLOCKS == 1:     # a streaming program's rows are not known before its loop
+                   SPLIT_K=SPLIT_K, N_DIV=N_DIV, KW_DIV=KW_DIV, STAGES=STAGES)
+    if PREFETCH:
         f.prefetch_weights(wq, scales, biases)
-    M = planes.shape[0]
-    out = f.output(M, N, scales.dtype, SPLIT_K)
-    acc = accumulate(f, planes, sums, xs, wq, scales, biases, BITS=BITS, out=out, chain=min(CHAIN, f.WPG))
-    return f.store(acc, M, N, scales.dtype, SPLIT_K)
+    acc = accumulate(f, planes, sums, xs, wq, scales, biases, BITS=BITS, chain=min(CHAIN, f.WPG))
+    return f.store(acc, planes.shape[0], N, scales.dtype, SPLIT_K)
 
 
-def accumulate(f, planes, sums, xs, wq, scales, biases, *, BITS: int, out=None, chain: int = 1):
+def accumulate(f, planes, sums, xs, wq, scales, biases, *, BITS: int, chain: int = 1):
     """The program's (BLOCK_M, BLOCK_N) fp32 results over its words: qmv_h2's main loop, shared with the
-    GEMVs that finish differently (qkv_rope.qkv_rope_cache_h2). A streaming frame (BLOCKS > 1) stores
-    each finished row block into `out` inside the loop. chain: see gemv.Frame.h2_group_dot."""
+    GEMVs that finish differently (qkv_rope.qkv_rope_cache_h2). chain: see gemv.Frame.h2_group_dot."""
     PER = 32 // BITS                 # codes per word
-    if f.BLOCK_M == 1 and f.BLOCKS == 1:
+    if f.BLOCK_M == 1:
         return _accumulate_groups(f, planes, sums, xs, wq, scales, biases, BITS=BITS, chain=chain)
     acc = kd.zeros((f.BLOCK_M, f.BLOCK_N), kd.f32)
     for w0 in f.chunks():
@@ -218,7 +213,6 @@ def accumulate(f, planes, sums, xs, wq, scales, biases, *, BITS: int, out=None, 
             qx_g = f.h2_group_dot(lambda p: _exact_pair(words, BITS, p), pairs, planes, m, wc, PER // 2, chain)
             row = kd.sum(qx_g * s * f.per_x_row(xs, m, g)[None, :] + b * f.per_x_row(sums, m, g)[None, :], axis=1)
             acc += gemv.into_row(row, m, f.BLOCK_M)
-        f.flush(acc, out)
     return acc
 
 

@@ -86,3 +86,24 @@ def test_fp4_qmatmul_on_gpu(mode, m):
     if m <= F.FP4_QMV_MAX_ROWS:   # the GPU's fp4 GEMV: two codes per fp16 instruction
         from kilnx.kernels.fp4_qmv_h2 import run_fp4_qmv_h2
         close(run_fp4_qmv_h2(x, wq, scales, gscale), want, 1024)
+
+
+def test_every_e4m3_scale_code_decodes_exactly_on_the_gpu():
+    """nvfp4's scale decode reads the code's bits as an fp32 subnormal for the e4m3 subnormals and
+    multiplies by 2^120: exact only if the GPU's multiply keeps subnormal inputs (no flush to zero)."""
+    import numpy as np
+
+    import kilnx.dsl as kd
+    from kilnx.kernels import qmatmul_fp4 as F
+    from kilnx.quant.float_codecs import E4M3_VALUES
+
+    @kd.kernel
+    def decode_scales(scale_codes):
+        kd.grid(1)
+        c = kd.arange(0, 256)
+        out = kd.output((256,), kd.f32)
+        kd.store(out, c, F._group_scales(kd.load(scale_codes, c), True))
+        return out
+
+    got = decode_scales(torch.arange(256, dtype=torch.int32).to(torch.uint8).cuda()).cpu().numpy()
+    np.testing.assert_array_equal(got, E4M3_VALUES)

@@ -204,6 +204,8 @@ def _bench_fp4(rec, label, n, k, mode, dev, copy_bw, smoke):
             t = _measure(f"qmv_{mode} {path} {cfg}", run, sets, ref)
             if t is not None:
                 results.append((t, {"path": path, **cfg}))
+                if os.environ.get("QMV_SWEEP_ROWS"):   # every config's time, for choosing defaults
+                    rec.add("quant_sweep", f"qmv_{mode}_M1_{label}", "us", t * 1e6, "config", f"{path} {cfg}")
     best = min(results, key=lambda r: r[0])
     case = f"qmv_{mode}_M1_{label}"
     for path in ("fp4_qmv", "fp4_qmv_h2"):

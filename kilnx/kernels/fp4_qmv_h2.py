@@ -43,14 +43,14 @@ def _spec(planes, xs, wq, scales, global_scale, *, OUT="f32", **_):
 
 
 def _default(planes, xs, wq, *_, **__):
-    """The best of 11 configs at one row on llama-3.1-8b's gate_up, H200 (bench/results/
-    2026-12-03_h200_quant_s5.csv): mxfp4 (group 32) 58.0% of copy, nvfp4 (group 16) 54.2%; qmv_h2's
-    one-row default (8 rows x 128 words) was among the configs and lost on both."""
+    """The best of 15 configs (5 tiles x CHAIN 1, 2, 4) at one row on llama-3.1-8b's gate_up, H200
+    (bench/results/2026-12-03_h200_quant_s10_fp4.csv): mxfp4 (group 32) 66.1% of copy, nvfp4 (group 16)
+    66.2%, as the 4-bit affine qmv_h2 (66.4%)."""
     if not planes.is_cuda:
         return {}
     if 8 * wq.shape[1] // xs.shape[1] == 16:      # nvfp4's groups of 16
         return {"BLOCK_N": 16, "BLOCK_KW": 128, "num_warps": 2, "STAGES": 3, "CHAIN": 2}
-    return {"BLOCK_N": 32, "BLOCK_KW": 64, "num_warps": 2, "STAGES": 3, "CHAIN": 2}
+    return {"BLOCK_N": 16, "BLOCK_KW": 128, "num_warps": 2, "STAGES": 3, "CHAIN": 4}
 
 
 @kd.kernel(

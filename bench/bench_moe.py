@@ -235,6 +235,9 @@ H2_CONFIGS = [{"BLOCK_N": bn, "BLOCK_KW": kw, "num_warps": nw, "STAGES": st}
               for bn, kw, nw, st in [(8, 128, 2, 3), (16, 128, 2, 3), (8, 64, 1, 3), (16, 64, 2, 3), (32, 64, 4, 3),
                                      (8, 256, 4, 3), (16, 128, 4, 4), (32, 32, 2, 3), (64, 32, 4, 3), (4, 256, 2, 3),
                                      (32, 128, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (16, 256, 4, 2)]]
+# $MOE_H2_CHAIN ("1,2"): the sweep again with each CHAIN (words per fp16 accumulator)
+H2_CONFIGS = [{**c, "CHAIN": ch} if ch > 1 else c for ch in [int(v) for v in os.environ.get("MOE_H2_CHAIN", "1").split(",")]
+              for c in H2_CONFIGS]
 
 
 def _bench_decode_h2(rec, case, sets, gu, dn, h_ref, y_ref, smoke):

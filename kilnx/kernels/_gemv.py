@@ -122,7 +122,7 @@ class Frame:
                 code = pairs[p] if pairs is not None else pair(p)
                 xp = self.x_tile(planes, m, p, wc)
                 if chain > 1:
-                    code, xp = _word_slice(code, chain, j), _word_slice(xp, chain, j)
+                    code, xp = word_slice(code, chain, j), word_slice(xp, chain, j)
                 d = kd.h2_fma(code, xp, 0) if d is None else kd.h2_fma(code, xp, d)
         return self.per_group(kd.h2_sum(d), words_per_value=chain)          # fp32 from here
 
@@ -144,12 +144,12 @@ class Frame:
         return out
 
 
-def _word_slice(t, chain: int, j: int):
-    """Words j, j + chain, j + 2 chain, ... of a (BLOCK_N, CHUNK) tile: (BLOCK_N, CHUNK / chain)."""
-    bn, chunk = t.shape
-    lane = kd.arange(0, chain)[None, None, :]
+def word_slice(t, chain: int, j: int):
+    """Words j, j + chain, j + 2 chain, ... along the last axis of a (..., CHUNK) tile: (..., CHUNK / chain)."""
+    *lead, chunk = t.shape
+    lane = kd.arange(0, chain)[(None,) * (len(lead) + 1) + (slice(None),)]
     # a sum over an axis of one non-zero: with the words in one thread, the selection folds away
-    return kd.sum(kd.where(lane == j, kd.reshape(t, (bn, chunk // chain, chain)), 0), axis=2)
+    return kd.sum(kd.where(lane == j, kd.reshape(t, (*lead, chunk // chain, chain)), 0), axis=-1)
 
 
 _ITEM_BYTES = {"u32": 4, "i32": 4, "f32": 4, "bf16": 2, "f16": 2, "u8": 1, "i8": 1}

@@ -59,7 +59,8 @@ def _default(planes, sums, xs, wq, scales, biases, expert_ids, *rest, SLOTS, N_D
 
 
 TUNE = {"BLOCK_N": kd.pow2(2, 128, default=8), "BLOCK_KW": kd.pow2(8, 512, default=128),
-        "num_warps": kd.choice(1, 2, 4, 8, default=2), "STAGES": kd.choice(1, 2, 3, 4, default=3)}
+        "num_warps": kd.choice(1, 2, 4, 8, default=2), "STAGES": kd.choice(1, 2, 3, 4, default=3),
+        "CHAIN": kd.choice(1, 2, 4, default=1)}
 
 
 def _spec(planes, sums, xs, wq, scales, biases, expert_ids, *rest, BITS, GROUP, ACT="silu", **_):
@@ -72,11 +73,12 @@ def _spec(planes, sums, xs, wq, scales, biases, expert_ids, *rest, BITS, GROUP, 
                        X_BY_TOKEN=True)
 
 
-def _gather_accumulate(f, planes, sums, xs, wq, scales, biases, expert, rows, x_row, *, BITS: int):
+def _gather_accumulate(f, planes, sums, xs, wq, scales, biases, expert, rows, x_row, *, BITS: int, CHAIN: int):
     """(A, B) fp32: row rows[a, b] of expert[a]'s weight . prepared activation row x_row[a] (expert and
     x_row: (A, 1) tiles, or scalars shared by all), qmv_h2's loop over rows gathered from the stack.
     Activations are loaded once per tile row a and broadcast over its B weight rows (a load per weight
-    row would stage B copies of them through shared memory in a pipelined loop)."""
+    row would stage B copies of them through shared memory in a pipelined loop). CHAIN: words per fp16
+    accumulator (gemv.Frame.h2_group_dot)."""
     PER = 32 // BITS
     A, B = rows.shape
     e3 = expert[:, :, None] if len(expert.shape) else expert
@@ -88,12 +90,15 @@ def _gather_accumulate(f, planes, sums, xs, wq, scales, biases, expert, rows, x_
         gi = (w0 // f.WPG + kd.arange(0, f.G))[None, None, :]
         words = kd.load(wq, e3, r3, wc, hint="stream", check=check)
         s, b = kd.load(scales, e3, r3, gi, check=check).f32(), kd.load(biases, e3, r3, gi, check=check).f32()
-        d = None
-        for p in kd.static_range(PER // 2):
-            xp = kd.load(planes, x3, p, wc, check=check)
-            code = H._exact_pair(words, BITS, p)
-            d = kd.h2_fma(code, xp, 0) if d is None else kd.h2_fma(code, xp, d)
-        qx_g = kd.reshape(kd.sum(kd.reshape(kd.h2_sum(d), (A * B * f.G, f.WPG)), axis=1), (A, B, f.G))
+        d, chain = None, min(CHAIN, f.WPG)
+        for j in kd.static_range(chain):
+            for p in kd.static_range(PER // 2):
+                xp = kd.load(planes, x3, p, wc, check=check)
+                code = H._exact_pair(words, BITS, p)
+                if chain > 1:
+                    code, xp = gemv.word_slice(code, chain, j), gemv.word_slice(xp, chain, j)
+                d = kd.h2_fma(code, xp, 0) if d is None else kd.h2_fma(code, xp, d)
+        qx_g = kd.reshape(kd.sum(kd.reshape(kd.h2_sum(d), (A * B * f.G, f.WPG // chain)), axis=1), (A, B, f.G))
         xs_g, sums_g = kd.load(xs, x3, gi, check=check[1:]), kd.load(sums, x3, gi, check=check[1:])
         acc += kd.sum(qx_g * s * xs_g + b * sums_g, axis=2)
     return acc
@@ -108,7 +113,7 @@ def _frame(wq, rows, BLOCK_N, BLOCK_KW, STAGES, BITS, GROUP, KW_DIV):
 @kd.kernel(tune=TUNE, key=_key, spec=_spec, default=_default, specialize=_specialize)
 def gather_qmv_h2_glu(planes, sums, xs, wq, scales, biases, expert_ids, *, BITS: kd.constexpr, GROUP: kd.constexpr,
                       SLOTS: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr, ACT: kd.constexpr = "silu",
-                      BLOCK_N, BLOCK_KW, STAGES):
+                      BLOCK_N, BLOCK_KW, STAGES, CHAIN):
     """Prepared x (T rows) and a [gate | up] stack wq (E, 2F, K) -> (T * top_k, F) in scales' dtype:
     act(x W_gate^T) * (x W_up^T) per (token, slot)."""
     T, TOP_K = expert_ids.shape
@@ -122,7 +127,8 @@ def gather_qmv_h2_glu(planes, sums, xs, wq, scales, biases, expert_ids, *, BITS:
     slot, blk = kd.program_id(0) // blocks, kd.program_id(0) % blocks
     rows = blk * HB + kd.arange(0, HB)[None, :] + kd.arange(0, 2)[:, None] * F     # [gate rows; up rows]
     expert = kd.load(expert_ids, slot // TOP_K, slot % TOP_K)
-    acc = _gather_accumulate(f, planes, sums, xs, wq, scales, biases, expert, rows, slot // TOP_K, BITS=BITS)
+    acc = _gather_accumulate(f, planes, sums, xs, wq, scales, biases, expert, rows, slot // TOP_K,
+                             BITS=BITS, CHAIN=CHAIN)
     gate, up = kd.halves(acc, axis=0)
     out = kd.output((T * TOP_K, F), scales.dtype)
     kd.store(out, slot, blk * HB + kd.arange(0, HB), ACTIVATIONS[ACT](gate) * up)
@@ -132,7 +138,7 @@ def gather_qmv_h2_glu(planes, sums, xs, wq, scales, biases, expert_ids, *, BITS:
 @kd.kernel(tune=TUNE, key=_key, spec=_spec, default=_default, specialize=_specialize)
 def gather_qmv_h2_combine(planes, sums, xs, wq, scales, biases, expert_ids, routing_weights, *, BITS: kd.constexpr,
                           GROUP: kd.constexpr, SLOTS: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr,
-                          BLOCK_N, BLOCK_KW, STAGES):
+                          BLOCK_N, BLOCK_KW, STAGES, CHAIN):
     """Prepared h (T * top_k rows, one per slot) and a stack wq (E, N, F) -> (T, N) in scales' dtype:
     sum_k routing_weights[t, k] * h[t * top_k + k] @ W[expert_ids[t, k]]^T."""
     T, TOP_K = expert_ids.shape
@@ -148,7 +154,7 @@ def gather_qmv_h2_combine(planes, sums, xs, wq, scales, biases, expert_ids, rout
     k = kd.minimum(slot, TOP_K - 1)                  # slots past top_k repeat the last one, weighted 0
     rows = blk * OB + kd.arange(0, OB)[None, :] + slot * 0
     acc = _gather_accumulate(f, planes, sums, xs, wq, scales, biases, kd.load(expert_ids, token, k), rows,
-                             token * TOP_K + k, BITS=BITS)
+                             token * TOP_K + k, BITS=BITS, CHAIN=CHAIN)
     w = kd.where(slot < TOP_K, kd.load(routing_weights, token, k).f32(), 0.0)
     out = kd.output((T, N), scales.dtype)
     kd.store(out, token, blk * OB + kd.arange(0, OB), kd.sum(acc * w, axis=0))

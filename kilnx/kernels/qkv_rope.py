@@ -27,7 +27,8 @@ from kilnx.kernels.qmatmul import _pow2_at_least, _pow2_dividing
 from kilnx.kernels.rope import _rope_cache_spec
 
 TUNE = {"BLOCK_N": kd.pow2(2, 64, default=8), "BLOCK_KW": kd.pow2(8, 512, default=128),
-        "num_warps": kd.choice(1, 2, 4, 8, default=2), "STAGES": kd.choice(1, 2, 3, 4, default=3)}
+        "num_warps": kd.choice(1, 2, 4, 8, default=2), "STAGES": kd.choice(1, 2, 3, 4, default=3),
+        "CHAIN": kd.choice(1, 2, 4, default=1)}
 
 
 def first_members(pid_n, slot, *, BLOCK_N: int, D: int, INTERLEAVED: bool):
@@ -81,7 +82,7 @@ def _specialize(planes, sums, xs, wq, scales, biases, positions, rows, inv_freq,
 def qkv_rope_cache_h2(planes, sums, xs, wq, scales, biases, positions, rows, inv_freq, k_cache, v_cache, *,
                       BITS: kd.constexpr, GROUP: kd.constexpr, BLOCK_M: kd.constexpr, N_DIV: kd.constexpr,
                       KW_DIV: kd.constexpr, D: kd.constexpr, R: kd.constexpr, HQ: kd.constexpr,
-                      INTERLEAVED: kd.constexpr = False, BLOCK_N, BLOCK_KW, STAGES):
+                      INTERLEAVED: kd.constexpr = False, BLOCK_N, BLOCK_KW, STAGES, CHAIN):
     """x @ w_qkv.T for prepared x (M rows, token m at positions[m] of cache row rows[m]) -> q (M, HQ*D)
     rotated; rotated k and v written into k_cache, v_cache (B, Hk, S, D)."""
     if D % BLOCK_N or R != D:
@@ -93,7 +94,7 @@ def qkv_rope_cache_h2(planes, sums, xs, wq, scales, biases, positions, rows, inv
     f = gemv.Frame(N, KW, WPG=GROUP * BITS // 32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW, SPLIT_K=1,
                    N_DIV=N_DIV, KW_DIV=KW_DIV, STAGES=STAGES,
                    rows_of=lambda pid: pair_rows(pid, BLOCK_N=BLOCK_N, D=D, INTERLEAVED=INTERLEAVED))
-    acc = H.accumulate(f, planes, sums, xs, wq, scales, biases, BITS=BITS)
+    acc = H.accumulate(f, planes, sums, xs, wq, scales, biases, BITS=BITS, chain=min(CHAIN, f.WPG))
     # rounded as the stored qkv output was, then rotated in fp32 as rope_cache_kernel does
     a, b = kd.halves(kd.reshape(acc.astype(scales.dtype).f32(), (BLOCK_M, 2, BLOCK_N // 2)), axis=1)
     first, offset = first_members(kd.program_id(0), kd.arange(0, BLOCK_N // 2), BLOCK_N=BLOCK_N, D=D,

@@ -58,7 +58,8 @@ def glu_case(T, k, E, F, K, bits, seed, act="silu"):
 @given(T=st.sampled_from([1, 2, 4]), k=st.sampled_from([1, 3, 4]), bits=st.sampled_from([4, 8]),
        F=st.sampled_from([32, 64]), groups=st.sampled_from([1, 3]), act=st.sampled_from(["silu", "gelu_tanh"]),
        cfg=st.sampled_from([{"BLOCK_N": 8, "BLOCK_KW": 8, "STAGES": 1}, {"BLOCK_N": 16, "BLOCK_KW": 16, "STAGES": 2},
-                            {"BLOCK_N": 4, "BLOCK_KW": 64, "STAGES": 1}]))
+                            {"BLOCK_N": 4, "BLOCK_KW": 64, "STAGES": 1, "CHAIN": 2},
+                            {"BLOCK_N": 8, "BLOCK_KW": 16, "STAGES": 1, "CHAIN": 4}]))
 def test_gate_up_glu_matches_mlx(T, k, bits, F, groups, act, cfg):
     x, ids, _, qw, want, tol = glu_case(T, k, 6, F, 64 * groups, bits, seed=T * 10 + k, act=act)
     planes, sums, xs = H.qmv_h2_prep(x, PER=32 // bits, GROUP=64, backend="reference")
@@ -71,7 +72,7 @@ def test_gate_up_glu_matches_mlx(T, k, bits, F, groups, act, cfg):
 @given(T=st.sampled_from([1, 3]), k=st.sampled_from([1, 3, 4]), bits=st.sampled_from([4, 8]),
        N=st.sampled_from([24, 64]), groups=st.sampled_from([1, 2]),
        cfg=st.sampled_from([{"BLOCK_N": 8, "BLOCK_KW": 8, "STAGES": 1}, {"BLOCK_N": 16, "BLOCK_KW": 16, "STAGES": 3},
-                            {"BLOCK_N": 4, "BLOCK_KW": 32, "STAGES": 1}]))
+                            {"BLOCK_N": 4, "BLOCK_KW": 32, "STAGES": 1, "CHAIN": 2}]))
 def test_down_combine_matches_mlx(T, k, bits, N, groups, cfg):
     """Slots past top_k (the program's tile rounds top_k up to a power of two) weigh nothing."""
     K = 64 * groups

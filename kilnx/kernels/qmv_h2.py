@@ -163,14 +163,15 @@ def _default(planes, sums, xs, wq, scales, biases, **_):
     """Untuned starting points by activation rows, each the config with the best geomean over the four
     llama-3.1-8b shapes in a sweep of 40 on the H200 (bench/results/2026-12-02_h200_qmv_h2_stages_s4.csv):
     within 4% (1 row), 11% (2-4) and 8% (5-8) of each shape's best. All pipeline the chunk loop 3 deep.
-    Two words per fp16 accumulator (CHAIN 2) and, at one row, 4 x 256-word tiles for rows of 1024 words or
-    more: down 15.2 us against 16.5 with the 8 x 128 tile (bench/results/2026-12-03_h200_quant_s10_chain.csv,
-    where gate_up, qkv and o were within 1-3% across CHAIN 1, 2, 4 and down 4-6% faster with 2 or 4).
+    Two words per fp16 accumulator (CHAIN 2) and, at one row, 4 x 256-word tiles for K >= 8192: down
+    15.2 us against 16.5 with the 8 x 128 tile (bench/results/2026-12-03_h200_quant_s10_chain.csv,
+    where gate_up, qkv and o were within 1-3% across CHAIN 1, 2, 4 and down 4-6% faster with 2 or 4; the
+    rule first went by words per row, which took 8-bit gate_up to the long tile: 80.3% of copy, not 85.7).
     Off the GPU: the space's defaults (the CPU routes its rows to qmatmul.qmv)."""
     if not planes.is_cuda:
         return {}
     rows = planes.shape[0]
-    if rows == 1 and planes.shape[2] >= 1024:     # long rows (K >= 8192 at 4 bits: llama's down)
+    if rows == 1 and 2 * planes.shape[1] * planes.shape[2] >= 8192:     # long rows (llama's down)
         return {"BLOCK_N": 4, "BLOCK_KW": 256, "num_warps": 2, "STAGES": 3, "CHAIN": 2}
     if rows == 1:
         return {"BLOCK_N": 8, "BLOCK_KW": 128, "num_warps": 2, "STAGES": 3, "CHAIN": 2}

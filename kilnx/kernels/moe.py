@@ -374,6 +374,27 @@ def gather_qmatmul(x: torch.Tensor, w, expert_ids: torch.Tensor) -> torch.Tensor
     return y.reshape(*lead, top_k, n)
 
 
+def _moe_prepared(x, w_gate_up, w_down, expert_ids, routing_weights, activation):
+    """moe() of activations already in qmv_h2's input form (kernels/prepared.py): the packed-fp16 decode
+    kernels take them as they are. x (T, H) prepared, expert_ids / routing_weights (T, top_k)."""
+    from kilnx.kernels import moe_h2
+    rows, width = x.shape
+    _check_weight(w_gate_up, width, "moe (gate_up)")
+    _check_weight(w_down, w_gate_up.shape[1] // 2, "moe (down)")
+    want = (32 // w_gate_up.bits, w_gate_up.group_size)
+    if w_gate_up.bits not in moe_h2.BITS_SERVED or w_down.bits not in moe_h2.BITS_SERVED or x.format != want:
+        raise ValueError(f"moe: prepared activations of format {x.format} serve 4/8-bit experts whose gate_up has "
+                         f"(codes per word, group) {want}: here {w_gate_up.bits}/{w_down.bits}-bit; pass plain "
+                         "activations instead")
+    if rows > MOE_DECODE_MAX_TOKENS:
+        raise ValueError(f"moe: prepared activations serve up to {MOE_DECODE_MAX_TOKENS} tokens, got {rows}; "
+                         "pass plain activations")
+    if expert_ids.shape[:-1] != (rows,) or routing_weights.shape != expert_ids.shape:
+        raise ValueError(f"moe: expert_ids and routing_weights must be ({rows}, top_k) for {rows} prepared rows, "
+                         f"got {tuple(expert_ids.shape)} and {tuple(routing_weights.shape)}")
+    return moe_h2.moe_decode(x, w_gate_up, w_down, expert_ids, routing_weights, activation)
+
+
 def moe(x, w_gate_up, w_down, expert_ids, routing_weights, activation: str = "silu") -> torch.Tensor:
     """kilnx.ops.moe: sum_k routing_weights[.., k] * down_e(act(gate_e x) * up_e x), e = expert_ids[.., k].
 
@@ -383,6 +404,9 @@ def moe(x, w_gate_up, w_down, expert_ids, routing_weights, activation: str = "si
     more: align, then two grouped GEMMs."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"moe: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    from kilnx.kernels.prepared import PreparedX
+    if isinstance(x, PreparedX):
+        return _moe_prepared(x, w_gate_up, w_down, expert_ids, routing_weights, activation)
     _check_weight(w_gate_up, x.shape[-1], "moe (gate_up)")
     _check_weight(w_down, w_gate_up.shape[1] // 2, "moe (down)")
     _check_routing(x, expert_ids, "moe")

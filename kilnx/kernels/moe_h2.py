@@ -165,10 +165,27 @@ def serves(w_gate_up, w_down) -> bool:
     return all(w.mode == "affine" and w.bits in BITS_SERVED and w.packed.is_cuda for w in (w_gate_up, w_down))
 
 
+def takes_prepared(x, w_gate_up) -> bool:
+    """Whether an MoE layer's norm should hand x (rows, H) to kilnx.ops.moe prepared for these experts'
+    gate_up (with the router, kernels/prepared.py): the packed-fp16 decode path would run (GPU, 4/8-bit
+    affine, few tokens), and KILNX_MOE_PREPARED=1. Off by default until it is measured on a GPU: it
+    saves the x prep here and the router GEMV's own prep, two launches per MoE layer."""
+    import os
+    from kilnx.kernels.moe import MOE_DECODE_MAX_TOKENS
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (os.environ.get("KILNX_MOE_PREPARED", "0") == "1" and w_gate_up.packed.is_cuda
+            and w_gate_up.mode == "affine" and w_gate_up.bits in BITS_SERVED and 0 < rows <= MOE_DECODE_MAX_TOKENS)
+
+
 def moe_decode(x, w_gate_up, w_down, expert_ids, routing_weights, activation: str = "silu"):
-    """x (T, H) -> (T, H): prep x, gate_up + activation, prep h, down + weighted sum (four launches)."""
+    """x (T, H) -> (T, H): prep x, gate_up + activation, prep h, down + weighted sum (four launches; three
+    when x comes prepared, a kernels.prepared.PreparedX in gate_up's format)."""
+    from kilnx.kernels.prepared import PreparedX
     gu, dn = w_gate_up, w_down
-    planes, sums, xs = H.qmv_h2_prep(x, PER=32 // gu.bits, GROUP=gu.group_size)
+    if isinstance(x, PreparedX):
+        planes, sums, xs = x.planes, x.sums, x.xs
+    else:
+        planes, sums, xs = H.qmv_h2_prep(x, PER=32 // gu.bits, GROUP=gu.group_size)
     h = gather_qmv_h2_glu(planes, sums, xs, gu.packed, gu.scales, gu.biases, expert_ids, ACT=activation)
     planes, sums, xs = H.qmv_h2_prep(h, PER=32 // dn.bits, GROUP=dn.group_size)
     y = gather_qmv_h2_combine(planes, sums, xs, dn.packed, dn.scales, dn.biases, expert_ids, routing_weights)

@@ -55,7 +55,8 @@ changes only with the route's stored choice."""
 def prepared_format(parts, x: torch.Tensor) -> tuple[int, int] | None:
     """(PER, GROUP) when every weight in `parts` would multiply activations shaped like x (rows, K)
     through qmv_h2 (the route's choice for this device and row count) in one shared format; else None,
-    and the caller produces plain activations."""
+    and the caller produces plain activations. A stacked (E, N, K) weight stands for an MoE layer's
+    experts, which take prepared x where moe_h2.takes_prepared says."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     known = _FORMATS.get(tuple(parts), (rows, k, x.device))
@@ -70,11 +71,16 @@ def _prepared_format(parts, x):
     rows, k = x.shape
     fmt = None
     for w in parts:
-        if not isinstance(w, QWeight) or w.mode != "affine" or len(w.shape) != 2 or w.bits not in H.BITS_SERVED:
+        if isinstance(w, QWeight) and len(w.shape) == 3:      # an MoE layer's stacked experts (gate_up)
+            from kilnx.kernels.moe_h2 import takes_prepared
+            if not takes_prepared(x, w):
+                return None
+        elif not isinstance(w, QWeight) or w.mode != "affine" or len(w.shape) != 2 or w.bits not in H.BITS_SERVED:
             return None
-        chosen = qmatmul_rows.choice_for(x, w.packed, w.scales, w.biases)
-        if rows > chosen["QMV_MAX_ROWS"] or chosen["GEMV"] != "qmv_h2":
-            return None
+        else:
+            chosen = qmatmul_rows.choice_for(x, w.packed, w.scales, w.biases)
+            if rows > chosen["QMV_MAX_ROWS"] or chosen["GEMV"] != "qmv_h2":
+                return None
         f = (32 // w.bits, w.group_size)
         if fmt not in (None, f) or k % w.group_size:
             return None

@@ -60,7 +60,8 @@ class LlamaModel:
             a = self._attention(i, layer, x, positions, rows_flat, kv_cache, B, T)
             if self._gemma:
                 a = ops.rms_norm(a, layer.post_attn_norm, eps, weight_offset=off)
-            residual, x = self._add_norm(a, residual, layer.mlp_norm, layer.gate_up)
+            mlp_in = layer.gate_up if layer.router is None else [layer.router, layer.experts_gate_up]
+            residual, x = self._add_norm(a, residual, layer.mlp_norm, mlp_in)
             h = self._mlp(layer, x)
             if self._gemma:
                 h = ops.rms_norm(h, layer.post_mlp_norm, eps, weight_offset=off)
@@ -89,8 +90,8 @@ class LlamaModel:
     # ------------------------------------------------------------------ blocks
     def _prepared_format(self, parts, x):
         """The format in which the GEMV of `parts` takes x prepared, or None (plain x): producers then
-        emit prepared activations in the same launch (kernels/prepared.py). An MoE layer's MLP (no
-        dense parts) takes plain x: the router and the expert kernels both read it."""
+        emit prepared activations in the same launch (kernels/prepared.py). An MoE layer's MLP asks for
+        its router and its experts' gate_up together: both read the same x."""
         ask = getattr(self.ops, "prepared_format", None)
         return ask(parts, x) if ask is not None and parts else None
 

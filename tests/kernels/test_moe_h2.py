@@ -128,3 +128,31 @@ def test_tuning_inputs_pass_the_kernels_own_gate():
         want = kernel.reference(*args)
         rtol, atol = kernel.tolerance(args)
         assert np.isfinite(atol) and torch.allclose(got.float(), want.float(), rtol=rtol, atol=atol)
+
+
+def test_prepared_activations_skip_the_prep_and_give_the_same_result():
+    """kilnx.ops.moe takes x already in qmv_h2's form (what an MoE layer's add+RMSNorm emits with
+    KILNX_MOE_PREPARED=1): the decode kernels read it as it is, bit for bit what preparing x gives."""
+    import kilnx.ops as ops
+    from kilnx.kernels.prepared import PreparedX
+    x, ids, weights, gu, _, _ = glu_case(2, 3, 4, 64, 128, 4, seed=7)
+    _, dn = experts(4, 128, 64, 4, 64, seed=8)
+    planes, sums, xs = H.qmv_h2_prep(x, PER=8, GROUP=64)
+    prepared = PreparedX(planes, sums, xs, x.dtype)
+    plain = MH.moe_decode(x, gu, dn, ids, weights.bfloat16())
+    assert torch.equal(ops.moe(prepared, gu, dn, ids, weights.bfloat16()), plain)
+    with pytest.raises(ValueError, match="pass plain activations"):     # prepared for 8-bit weights
+        ops.moe(PreparedX(*H.qmv_h2_prep(x, PER=4, GROUP=64), x.dtype), gu, dn, ids, weights.bfloat16())
+
+
+def test_moe_layers_ask_for_prepared_x_only_when_switched_on_for_the_gpu_path(monkeypatch):
+    from types import SimpleNamespace
+    gpu_stack = SimpleNamespace(packed=SimpleNamespace(is_cuda=True), mode="affine", bits=4)
+    x1, x8 = torch.zeros(1, 64), torch.zeros(8, 64)
+    monkeypatch.delenv("KILNX_MOE_PREPARED", raising=False)
+    assert not MH.takes_prepared(x1, gpu_stack)                 # off by default until measured
+    monkeypatch.setenv("KILNX_MOE_PREPARED", "1")
+    assert MH.takes_prepared(x1, gpu_stack)
+    assert not MH.takes_prepared(x8, gpu_stack)                 # prefill: the grouped GEMMs take plain x
+    assert not MH.takes_prepared(x1, SimpleNamespace(**{**vars(gpu_stack), "bits": 2}))
+    assert not MH.takes_prepared(x1, SimpleNamespace(**{**vars(gpu_stack), "packed": SimpleNamespace(is_cuda=False)}))

@@ -258,8 +258,7 @@ def _bench_decode_h2(rec, case, sets, gu, dn, h_ref, y_ref, smoke):
                          configs, hps, lambda y: _rel_err(y, y_ref))
 
     def step(x, ids, rw):
-        h = MH.gather_qmv_h2_glu(*QH.qmv_h2_prep(x, PER=8, GROUP=GS), *g, ids, config=cfg_gu)
-        return MH.gather_qmv_h2_combine(*QH.qmv_h2_prep(h, PER=8, GROUP=GS), *d, ids, rw, config=cfg_dn)
+        return MH.moe_decode(x, gu, dn, ids, rw, configs=(cfg_gu, cfg_dn))
     assert _rel_err(step(*sets[0]), y_ref) < 3e-2, "the h2 decode step is wrong"
     t_step = time_calls(step, sets)
     t_prep_x = time_calls(lambda x, ids, rw: QH.qmv_h2_prep(x, PER=8, GROUP=GS), sets)

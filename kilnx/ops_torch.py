@@ -157,6 +157,7 @@ def moe(x: torch.Tensor, w_gate_up, w_down, expert_ids: torch.Tensor, routing_we
     y = y.float().reshape(*expert_ids.shape, -1) * routing_weights.float()[..., None]
     return y.sum(-2).to(x.dtype)
 
+
 def moe_route(logits: torch.Tensor, top_k: int, normalize: bool):
     """(expert ids (T, top_k) int32, weights (T, top_k) fp32): the top_k of softmax(logits) in fp32
     (ties to the lower expert), divided by their sum when `normalize`."""
@@ -164,7 +165,6 @@ def moe_route(logits: torch.Tensor, top_k: int, normalize: bool):
     order = torch.sort(p, dim=-1, descending=True, stable=True)
     w, ids = order.values[:, :top_k], order.indices[:, :top_k]
     return ids.to(torch.int32), (w / w.sum(-1, keepdim=True) if normalize else w)
-
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,

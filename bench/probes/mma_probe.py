@@ -67,26 +67,30 @@ def _store(out_ptr, acc, offs_n, offs_m, M, N, SWAP: tl.constexpr, SPLIT_K: tl.c
         tl.store(ptrs, acc.to(tl.bfloat16), mask=mask)
 
 
+@triton.jit
+def _program(M, K, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, SWAP: tl.constexpr):
+    """This program's split, words and groups per row, groups per split, row and column offsets, valid
+    activation rows and a zero accumulator in the variant's orientation."""
+    pid_k = tl.program_id(1)
+    KG = K // 64
+    offs_m = tl.arange(0, BLOCK_M)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return (pid_k, K // 8, KG, KG // SPLIT_K, tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), offs_m,
+            offs_m < M, acc)
+
+
 # ----------------------------------------------------------------------------- kernels
 @triton.jit(do_not_specialize=["M"])
 def pairs_kernel(x_ptr, wq_ptr, s_ptr, b_ptr, out_ptr, M, N, K,
                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
                  SPLIT_K: tl.constexpr, STAGES: tl.constexpr, SWAP: tl.constexpr, EXACT: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    KW = K // 8
-    KG = K // 64
-    gps = KG // SPLIT_K  # groups per split
+    pid_k, KW, KG, gps, offs_n, offs_m, m_ok, acc = _program(M, K, BLOCK_N, BLOCK_M, SPLIT_K, SWAP)
     n_chunks = gps // BLOCK_G
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_ok = offs_m < M
     offs_w = tl.arange(0, 8)
     kp = _perm_k(64)
-    if SWAP:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for c in tl.range(0, n_chunks, num_stages=STAGES):
         g0 = pid_k * gps + c * BLOCK_G
         for gi in tl.static_range(BLOCK_G):
@@ -121,15 +125,8 @@ def dequant_kernel(x_ptr, wq_ptr, s_ptr, b_ptr, out_ptr, M, N, K,
     """FP16=True: dequant_fp16 (pair decode, permuted K, fp16 math). FP16=False: dequant_bf16_fp32math."""
     CW: tl.constexpr = BLOCK_G * 8
     CK: tl.constexpr = BLOCK_G * 64
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    KW = K // 8
-    KG = K // 64
-    gps = KG // SPLIT_K
+    pid_k, KW, KG, gps, offs_n, offs_m, m_ok, acc = _program(M, K, BLOCK_N, BLOCK_M, SPLIT_K, SWAP)
     n_chunks = gps // BLOCK_G
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_ok = offs_m < M
     offs_w = tl.arange(0, CW)
     offs_g = tl.arange(0, BLOCK_G)
     if FP16:
@@ -137,10 +134,6 @@ def dequant_kernel(x_ptr, wq_ptr, s_ptr, b_ptr, out_ptr, M, N, K,
     else:
         kk = tl.arange(0, CK)
     sh = 4 * tl.arange(0, 8).to(tl.uint32)
-    if SWAP:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for c in tl.range(0, n_chunks, num_stages=STAGES):
         g0 = pid_k * gps + c * BLOCK_G
         words = tl.load(wq_ptr + offs_n[:, None] * KW + g0 * 8 + offs_w[None, :]).to(tl.uint32, bitcast=True)

@@ -13,7 +13,7 @@ from kilnx.dsl.lang import (abs, arange, argmax, assign, atomic_add, bf16, bitca
 from kilnx.dsl.lang import h2_fma, h2_pack, h2_sum
 from kilnx.dsl.lang import cos, sin
 from kilnx.dsl.lang import barrier, grid_dependency_sync, prefetch
-from kilnx.dsl.tiles import halves
+from kilnx.dsl.tiles import halves, pick
 from kilnx.dsl.fusion import fusion, split
 from kilnx.dsl.kernel import kernel
 from kilnx.dsl.tunables import Space, SpaceError, boolean, choice, int_range, pow2

@@ -114,17 +114,16 @@ class Frame:
         chain: consecutive words whose products one fp16 accumulator chains before it is widened to
         fp32. Widening and adding costs three instructions per accumulator (of ~27 that a 4-bit word costs
         in all in sm_90 SASS); chaining 2 words halves that, at fp16 rounding over 2 * n_pairs products
-        instead of n_pairs (relative RMS error of a llama-shaped output 0.086% against 0.064%, bf16's own
-        rounding of it being 0.15%). On the H200 it shortened down and the 8-bit GEMV by ~5% and left
-        gate_up as it was."""
+        instead of n_pairs (tests/kernels/test_qmv_h2.py holds the error of CHAIN 2 and 4 on a llama-sized
+        row below bf16's own rounding of the output). On the H200 it shortened down and the 8-bit GEMV by
+        ~5% and left gate_up as it was."""
         d = None
-        for j in kd.static_range(chain):
-            for p in kd.static_range(n_pairs):
-                code = pairs[p] if pairs is not None else pair(p)
-                xp = self.x_tile(planes, m, p, wc)
-                if chain > 1:
-                    code, xp = word_slice(code, chain, j), word_slice(xp, chain, j)
-                d = kd.h2_fma(code, xp, 0) if d is None else kd.h2_fma(code, xp, d)
+        for p in kd.static_range(n_pairs):
+            code = pairs[p] if pairs is not None else pair(p)
+            xp = self.x_tile(planes, m, p, wc)
+            for j in kd.static_range(chain):
+                c, x = (word_slice(code, chain, j), word_slice(xp, chain, j)) if chain > 1 else (code, xp)
+                d = kd.h2_fma(c, x, 0) if d is None else kd.h2_fma(c, x, d)
         return self.per_group(kd.h2_sum(d), words_per_value=chain)          # fp32 from here
 
     def per_group(self, qx, words_per_value: int = 1):
@@ -132,6 +131,21 @@ class Frame:
         (BLOCK_N, G) per-group sums."""
         per = self.WPG // words_per_value
         return kd.reshape(kd.sum(kd.reshape(qx, (self.BLOCK_N * self.G, per)), axis=1), (self.BLOCK_N, self.G))
+
+    def group_accumulator(self):
+        """The accumulator of the h2 GEMVs' per-group terms: for one activation row a (BLOCK_N, G) tile,
+        summed over the groups once, after the loop (summing each chunk's costs a lane reduction and two
+        layout conversions through shared memory, with their barriers, per chunk); for more rows the
+        (BLOCK_M, BLOCK_N) results, each chunk's row sums placed at their row."""
+        return kd.zeros((self.BLOCK_N, self.G) if self.BLOCK_M == 1 else (self.BLOCK_M, self.BLOCK_N), kd.f32)
+
+    def add_group_terms(self, acc, terms, m):
+        """acc += activation row m's (BLOCK_N, G) per-group terms of one chunk."""
+        acc += terms if self.BLOCK_M == 1 else into_row(kd.sum(terms, axis=1), m, self.BLOCK_M)
+
+    def group_results(self, acc):
+        """The (BLOCK_M, BLOCK_N) fp32 results of a group_accumulator after the loop."""
+        return kd.sum(acc, axis=1)[None, :] if self.BLOCK_M == 1 else acc
 
     def store(self, acc, M, N, dtype, SPLIT_K: int):
         """The (M, N) output: stored in `dtype`, or added into a zeroed fp32 output across splits."""
@@ -148,9 +162,7 @@ class Frame:
 def word_slice(t, chain: int, j: int):
     """Words j, j + chain, j + 2 chain, ... along the last axis of a (..., CHUNK) tile: (..., CHUNK / chain)."""
     *lead, chunk = t.shape
-    lane = kd.arange(0, chain)[(None,) * (len(lead) + 1) + (slice(None),)]
-    # a sum over an axis of one non-zero: with the words in one thread, the selection folds away
-    return kd.sum(kd.where(lane == j, kd.reshape(t, (*lead, chunk // chain, chain)), 0), axis=-1)
+    return kd.pick(kd.reshape(t, (*lead, chunk // chain, chain)), j, axis=-1)
 
 
 _ITEM_BYTES = {"u32": 4, "i32": 4, "f32": 4, "bf16": 2, "f16": 2, "u8": 1, "i8": 1}

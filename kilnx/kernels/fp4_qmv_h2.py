@@ -18,7 +18,6 @@ The error is that of fp16 products and short fp16 sums (relative 2^-11 of a word
 from __future__ import annotations
 
 import kilnx.dsl as kd
-from kilnx.kernels import _gemv as gemv
 from kilnx.kernels import qmv_h2 as H
 from kilnx.kernels.qmatmul_fp4 import (CODES_PER_WORD, OUT_DTYPES, TORCH_DTYPE_OF, _dense_product, _group_of, _key,
                                        _pow2_at_least, _pow2_dividing, _shift_left, _specialize, fp4_chunks,
@@ -68,26 +67,19 @@ def fp4_qmv_h2(planes, xs, wq, scales, global_scale, *, GROUP: kd.constexpr, E4M
                BLOCK_N, BLOCK_KW, SPLIT_K, STAGES, CHAIN):
     """planes (M, 4, K/8) u32 and xs (M, K/GROUP) from qmv_h2_prep(BIAS=14), wq (N, K/8) words, scales
     (N, K/GROUP) uint8 codes, global_scale (1,) fp32 or None -> (M, N) in OUT (fp32 with split-K).
-    CHAIN words share an fp16 accumulator (gemv.Frame.h2_group_dot); one row adds its per-group terms
-    into a (BLOCK_N, G) tile summed once after the loop, as qmv_h2 does."""
+    CHAIN words share an fp16 accumulator (gemv.Frame.h2_group_dot)."""
     M = planes.shape[0]
     f = fp4_frame(wq, GROUP, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW, SPLIT_K=SPLIT_K,
                   N_DIV=N_DIV, KW_DIV=KW_DIV, STAGES=STAGES)
     chain = min(CHAIN, f.WPG)
-    acc = kd.zeros((BLOCK_N, f.G) if BLOCK_M == 1 else (BLOCK_M, BLOCK_N), kd.f32)
+    acc = f.group_accumulator()
     for wc, g, words, s in fp4_chunks(f, wq, scales, E4M3):
         pairs = [fp16_pair(words, p) for p in kd.static_range(CODES_PER_WORD // 2)] if BLOCK_M > 1 else None
         for m in f.rows(M):
             qx_g = f.h2_group_dot(lambda p: fp16_pair(words, p), pairs, planes, m, wc, CODES_PER_WORD // 2, chain)
             # x = planes * xs and the codes are value * 2^-14: the group's sum times s * xs * 2^14
-            terms = qx_g * s * (f.per_x_row(xs, m, g) * CODE_UNSCALE)[None, :]
-            if BLOCK_M == 1:
-                acc += terms
-            else:
-                acc += gemv.into_row(kd.sum(terms, axis=1), m, BLOCK_M)
-    if BLOCK_M == 1:
-        acc = kd.sum(acc, axis=1)[None, :]
-    return fp4_store(f, acc, global_scale, M, OUT, SPLIT_K)
+            f.add_group_terms(acc, qx_g * s * (f.per_x_row(xs, m, g) * CODE_UNSCALE)[None, :], m)
+    return fp4_store(f, f.group_results(acc), global_scale, M, OUT, SPLIT_K)
 
 
 def run_fp4_qmv_h2(x, wq, scales, global_scale=None, *, backend=None, config=None, prep_config=None):

@@ -16,7 +16,7 @@ gathered from the expert stacks:
 
 from __future__ import annotations
 
-import torch
+import os
 
 import kilnx.dsl as kd
 from kilnx.kernels import _gemv as gemv
@@ -91,13 +91,12 @@ def _gather_accumulate(f, planes, sums, xs, wq, scales, biases, expert, rows, x_
         words = kd.load(wq, e3, r3, wc, hint="stream", check=check)
         s, b = kd.load(scales, e3, r3, gi, check=check).f32(), kd.load(biases, e3, r3, gi, check=check).f32()
         d, chain = None, min(CHAIN, f.WPG)
-        for j in kd.static_range(chain):
-            for p in kd.static_range(PER // 2):
-                xp = kd.load(planes, x3, p, wc, check=check)
-                code = H._exact_pair(words, BITS, p)
-                if chain > 1:
-                    code, xp = gemv.word_slice(code, chain, j), gemv.word_slice(xp, chain, j)
-                d = kd.h2_fma(code, xp, 0) if d is None else kd.h2_fma(code, xp, d)
+        for p in kd.static_range(PER // 2):
+            xp = kd.load(planes, x3, p, wc, check=check)
+            code = H._exact_pair(words, BITS, p)
+            for j in kd.static_range(chain):
+                c, x = (gemv.word_slice(code, chain, j), gemv.word_slice(xp, chain, j)) if chain > 1 else (code, xp)
+                d = kd.h2_fma(c, x, 0) if d is None else kd.h2_fma(c, x, d)
         qx_g = kd.reshape(kd.sum(kd.reshape(kd.h2_sum(d), (A * B * f.G, f.WPG // chain)), axis=1), (A, B, f.G))
         xs_g, sums_g = kd.load(xs, x3, gi, check=check[1:]), kd.load(sums, x3, gi, check=check[1:])
         acc += kd.sum(qx_g * s * xs_g + b * sums_g, axis=2)
@@ -161,8 +160,12 @@ def gather_qmv_h2_combine(planes, sums, xs, wq, scales, biases, expert_ids, rout
     return out
 
 
+def _served(w) -> bool:
+    return w.mode == "affine" and w.bits in BITS_SERVED and w.packed.is_cuda
+
+
 def serves(w_gate_up, w_down) -> bool:
-    return all(w.mode == "affine" and w.bits in BITS_SERVED and w.packed.is_cuda for w in (w_gate_up, w_down))
+    return _served(w_gate_up) and _served(w_down)
 
 
 def takes_prepared(x, w_gate_up) -> bool:
@@ -170,25 +173,26 @@ def takes_prepared(x, w_gate_up) -> bool:
     gate_up (with the router, kernels/prepared.py): the packed-fp16 decode path would run (GPU, 4/8-bit
     affine, few tokens), and KILNX_MOE_PREPARED=1. Off by default until it is measured on a GPU: it
     saves the x prep here and the router GEMV's own prep, two launches per MoE layer."""
-    import os
     from kilnx.kernels.moe import MOE_DECODE_MAX_TOKENS
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return (os.environ.get("KILNX_MOE_PREPARED", "0") == "1" and w_gate_up.packed.is_cuda
-            and w_gate_up.mode == "affine" and w_gate_up.bits in BITS_SERVED and 0 < rows <= MOE_DECODE_MAX_TOKENS)
+    return os.environ.get("KILNX_MOE_PREPARED", "0") == "1" and _served(w_gate_up) and 0 < rows <= MOE_DECODE_MAX_TOKENS
 
 
-def moe_decode(x, w_gate_up, w_down, expert_ids, routing_weights, activation: str = "silu"):
+def moe_decode(x, w_gate_up, w_down, expert_ids, routing_weights, activation: str = "silu", configs=(None, None)):
     """x (T, H) -> (T, H): prep x, gate_up + activation, prep h, down + weighted sum (four launches; three
-    when x comes prepared, a kernels.prepared.PreparedX in gate_up's format)."""
+    when x comes prepared, a kernels.prepared.PreparedX in gate_up's format). configs: the two GEMVs'
+    (None: their tuned or default ones)."""
     from kilnx.kernels.prepared import PreparedX
     gu, dn = w_gate_up, w_down
     if isinstance(x, PreparedX):
         planes, sums, xs = x.planes, x.sums, x.xs
     else:
         planes, sums, xs = H.qmv_h2_prep(x, PER=32 // gu.bits, GROUP=gu.group_size)
-    h = gather_qmv_h2_glu(planes, sums, xs, gu.packed, gu.scales, gu.biases, expert_ids, ACT=activation)
+    h = gather_qmv_h2_glu(planes, sums, xs, gu.packed, gu.scales, gu.biases, expert_ids, ACT=activation,
+                          config=configs[0])
     planes, sums, xs = H.qmv_h2_prep(h, PER=32 // dn.bits, GROUP=dn.group_size)
-    y = gather_qmv_h2_combine(planes, sums, xs, dn.packed, dn.scales, dn.biases, expert_ids, routing_weights)
+    y = gather_qmv_h2_combine(planes, sums, xs, dn.packed, dn.scales, dn.biases, expert_ids, routing_weights,
+                              config=configs[1])
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 

@@ -206,9 +206,7 @@ def accumulate(f, planes, sums, xs, wq, scales, biases, *, BITS: int, chain: int
     """The program's (BLOCK_M, BLOCK_N) fp32 results over its words: qmv_h2's main loop, shared with the
     GEMVs that finish differently (qkv_rope.qkv_rope_cache_h2). chain: see gemv.Frame.h2_group_dot."""
     PER = 32 // BITS                 # codes per word
-    if f.BLOCK_M == 1:
-        return _accumulate_groups(f, planes, sums, xs, wq, scales, biases, BITS=BITS, chain=chain)
-    acc = kd.zeros((f.BLOCK_M, f.BLOCK_N), kd.f32)
+    acc = f.group_accumulator()
     for w0 in f.chunks():
         wc, g, words = f.chunk(wq, w0)
         s, b = f.per_weight_row(scales, g).f32(), f.per_weight_row(biases, g).f32()
@@ -217,22 +215,8 @@ def accumulate(f, planes, sums, xs, wq, scales, biases, *, BITS: int, chain: int
         pairs = _exact_pairs(words, BITS) if f.BLOCK_M > 1 else None
         for m in f.rows(planes.shape[0]):
             qx_g = f.h2_group_dot(lambda p: _exact_pair(words, BITS, p), pairs, planes, m, wc, PER // 2, chain)
-            row = kd.sum(qx_g * s * f.per_x_row(xs, m, g)[None, :] + b * f.per_x_row(sums, m, g)[None, :], axis=1)
-            acc += gemv.into_row(row, m, f.BLOCK_M)
-    return acc
-
-
-def _accumulate_groups(f, planes, sums, xs, wq, scales, biases, *, BITS: int, chain: int):
-    """accumulate() for one activation row: the per-group terms add into a (BLOCK_N, G) tile and are
-    summed over the groups once, after the loop. Why: summing them per chunk costs a reduction across
-    lanes and two layout conversions through shared memory (with their barriers) in every iteration."""
-    acc = kd.zeros((f.BLOCK_N, f.G), kd.f32)
-    for w0 in f.chunks():
-        wc, g, words = f.chunk(wq, w0)
-        s, b = f.per_weight_row(scales, g).f32(), f.per_weight_row(biases, g).f32()
-        qx_g = f.h2_group_dot(lambda p: _exact_pair(words, BITS, p), None, planes, 0, wc, 16 // BITS, chain)
-        acc += qx_g * s * f.per_x_row(xs, 0, g)[None, :] + b * f.per_x_row(sums, 0, g)[None, :]
-    return kd.sum(acc, axis=1)[None, :]
+            f.add_group_terms(acc, qx_g * s * f.per_x_row(xs, m, g)[None, :] + b * f.per_x_row(sums, m, g)[None, :], m)
+    return f.group_results(acc)
 
 
 def serves(x, wq, scales, biases) -> bool:

@@ -7,7 +7,7 @@ gemma3, and the MoE members qwen3-moe and mixtral (routed expert MLPs; which lay
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 

@@ -147,7 +147,7 @@ def attend_all(q_tile, token, head, d, pos, q, k_cache, v_cache, b, kv_head, *, 
     return out
 
 
-TUNE = {"BLOCK_M": kd.pow2(4, 128, default=16), "BLOCK_N": kd.pow2(16, 128, default=64),
+TUNE = {"BLOCK_M": kd.pow2(4, 128, default=16), "BLOCK_N": kd.pow2(16, 256, default=64),
         "num_warps": kd.choice(2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=2)}
 
 

@@ -1,0 +1,80 @@
+"""Decode attention configs at llama-3.1-8b heads (B 1, Hq 32, Hk 8, D 128, bf16), one new token:
+the one-program kernel (attention_kernel) and the key-range split (attention_split_kernel + the merge
+that writes the o projection's prepared input) over a sweep of their configs, at a short context in a
+256-slot cache (what `kilnx bench` decodes after a 128-token prompt) and a 2k context in a 2113-slot one.
+
+  GPU:  python bench/probes/attention_decode.py OUT_CSV
+Timing: kilnx.tuner.timing.benchmark (CUDA-graph replays, L2 flushed between, median).
+"""
+from __future__ import annotations
+
+import csv
+import itertools
+import sys
+
+import torch
+
+from kilnx.kernels import attention as A
+from kilnx.kernels import attention_split as AS
+from kilnx.tuner.timing import benchmark
+
+CASES = [(130, 256), (190, 256), (2050, 2113)]      # (context incl. the new token, cache slots)
+PREP = (8, 64)                                      # the o projection's prepared format (4-bit, group 64)
+
+
+def inputs(ctx: int, S: int):
+    torch.manual_seed(0)
+    q = torch.randn(1, 1, 32, 128, device="cuda").bfloat16()
+    k = torch.randn(1, 8, S, 128, device="cuda").bfloat16()
+    v = torch.randn(1, 8, S, 128, device="cuda").bfloat16()
+    pos = torch.full((1, 1), ctx - 1, dtype=torch.int32, device="cuda")
+    return q, k, v, pos
+
+
+def one_program(q, k, v, pos, kw, cfg):
+    from kilnx.kernels.prepared import prepare
+    out = A.attention_kernel(q, k, v, pos, config=cfg, **kw)
+    return prepare(out.reshape(1, 32 * 128), PREP)
+
+
+def split(q, k, v, pos, kw, cfg):
+    return AS.attention_split(q, k, v, pos, kw, config=cfg, prepared=PREP)
+
+
+def main(path: str):
+    kw = A._kernel_kwargs(q=torch.empty(1, 1, 32, 128), k_cache=torch.empty(1, 8, 1, 128), scale=128 ** -0.5,
+                          softcap=None, window=None)
+    rows = []
+    for ctx, S in CASES:
+        q, k, v, pos = inputs(ctx, S)
+        trials = [("one_program", c) for c in
+                  ({"BLOCK_M": 16, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
+                   for bn, w, st in itertools.product((32, 64, 128, 256), (4, 8), (1, 2, 3)))]
+        trials += [("split", c) for c in
+                   ({"BLOCK_M": 16, "BLOCK_N": bn, "KEYS_PER_SPLIT": ks, "num_warps": w, "num_stages": st}
+                    for ks, bn, w, st in itertools.product((64, 128, 256, 512), (64, 128), (4, 8), (1, 2))
+                    if bn <= ks and S // ks <= 128)]
+        for path_name, cfg in trials:
+            fn = one_program if path_name == "one_program" else split
+            try:
+                fn(q, k, v, pos, kw, cfg)
+                us = benchmark(lambda: fn(q, k, v, pos, kw, cfg), "cuda") * 1e6
+            except Exception as e:   # a config the compiler refuses (shared memory, registers): recorded
+                rows.append([ctx, S, path_name, cfg, "", f"{type(e).__name__}: {str(e)[:80]}"])
+                continue
+            rows.append([ctx, S, path_name, cfg, f"{us:.2f}", ""])
+            print(ctx, S, path_name, cfg, f"{us:.2f} us", flush=True)
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["ctx", "cache", "path", "config", "us", "error"])
+        w.writerows(rows)
+    for ctx, S in CASES:
+        for p in ("one_program", "split"):
+            ok = [r for r in rows if r[0] == ctx and r[2] == p and r[4]]
+            if ok:
+                best = min(ok, key=lambda r: float(r[4]))
+                print(f"best {p} ctx {ctx} cache {S}: {best[4]} us {best[3]}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "attention_decode.csv")

@@ -205,6 +205,8 @@ class Launch:
     def _run_triton(self, allt, scalars, grid):
         if _warm_thread is not None:
             _join_warm_up()
+        if self.ir.tile_tensors:
+            _ready_for_tma(self.ir, allt)
         args = self._flat_args(allt, scalars, lambda t: t)
         if _pdl() and next(iter(allt.values())).is_cuda:
             self.fn[grid](*args, num_warps=self.ir.num_warps, num_stages=self.ir.num_stages, launch_pdl=True)
@@ -223,6 +225,21 @@ class Launch:
                 t.copy_(torch.from_numpy(src).view(torch.uint32).to(t.device))
             else:
                 t.copy_(torch.from_numpy(np.ascontiguousarray(src)).to(t.dtype).to(t.device))
+
+
+def _ready_for_tma(ir: KernelIR, allt: dict) -> None:
+    """TMA's rules for the tensors kd.load_tile reads, one clear error each; and the scratch allocator
+    that Triton's in-kernel descriptors are written to (Triton keeps it per thread: set on every call)."""
+    for name in ir.tile_tensors:
+        t = allt[name]
+        size = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * size % 16 for s in t.stride()[:-1]):
+            raise ValueError(f"{ir.name}: `{name}` (shape {tuple(t.shape)}, strides {t.stride()}) cannot be read "
+                             "by kd.load_tile: TMA needs the last dim contiguous and the address and other strides "
+                             "multiples of 16 bytes; pass a contiguous copy, or route such inputs to a kd.load path")
+    import triton
+    device = next(iter(allt.values())).device
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device))
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:

@@ -70,10 +70,11 @@ def const_literal(n: Node) -> str:
     return repr(int(v))
 
 
-def live_nodes(ir: KernelIR, hints: bool = False) -> set[int]:
+def live_nodes(ir: KernelIR, hints: bool = False, boxes: bool = False) -> set[int]:
     """Ids of nodes the kernel body needs: those reaching a store, an atomic or an accumulator update,
     and with `hints` (the GPU) also prefetches, the grid-dependency sync and barriers. Host-only arithmetic
-    (grid sizes, output shapes) is left out of the generated kernel."""
+    (grid sizes, output shapes) is left out of the generated kernel. With `boxes` (a backend reading
+    kd.load_tile's box from its offsets) a box load needs only its offsets, not its index tiles."""
     live: set[int] = set()
     roots = ("store", "atomic_add", "assign") + (("prefetch", "grid_sync", "barrier") if hints else ())
     stack = [n for n in ir.walk() if n.op in roots]
@@ -83,7 +84,8 @@ def live_nodes(ir: KernelIR, hints: bool = False) -> set[int]:
         if id(n) in live:
             continue
         live.add(id(n))
-        stack += [s for s in n.srcs if isinstance(s, Node)]
+        srcs = n.srcs[len(n.arg[5]):] if boxes and n.op == "load" and n.arg[5] is not None else n.srcs
+        stack += [s for s in srcs if isinstance(s, Node)]
         if n.op != "range":
             # a live node inside a loop keeps the loop (and its bounds) alive
             stack += [lp for lp in loops if lp.arg is n.block]

@@ -29,7 +29,7 @@ def generate(ir: KernelIR, *, fn_name: str | None = None, interpret: bool = Fals
     # first, before any memory access: the kernel may be scheduled before the previous one finished
     # (unless the author placed it, after prefetches: kd.grid_dependency_sync checks the order)
     explicit = any(n.op == "grid_sync" for n in ir.walk())
-    lines += ([] if explicit else ["    _rt.grid_dependency_sync()"]) + g.block(ir.body, 1)
+    lines += ([] if explicit else ["    _rt.grid_dependency_sync()"]) + g.descriptors() + g.block(ir.body, 1)
     lines.insert(2, "from kilnx.codegen import triton_rt as _rt")
     return "\n".join(lines) + "\n"
 
@@ -37,7 +37,7 @@ def generate(ir: KernelIR, *, fn_name: str | None = None, interpret: bool = Fals
 class _Gen(StatementEmitter):
     def __init__(self, ir: KernelIR, interpret: bool):
         self.ir, self.interpret = ir, interpret
-        self.live = live_nodes(ir, hints=True)
+        self.live = live_nodes(ir, hints=True, boxes=True)
         self.namer = Namer(ir, set(param_names(ir)) | {"tl", "triton", "range", "_rt"})
 
     def ref(self, n: Node) -> str:
@@ -110,9 +110,12 @@ class _Gen(StatementEmitter):
                 return f"{name} = tl.dot({r[0]}, {r[1]})"
             return (f"{name} = tl.sum({r[0]}.to(tl.float32)[:, :, None] * "
                     f"{r[1]}.to(tl.float32)[None, :, :], axis=1)")
+        if op == "load" and n.arg[5] is not None:   # kd.load_tile: a box read through a TMA descriptor
+            ndim = len(n.arg[5])
+            return f"{name} = {self.descriptor_name(n)}.load([{', '.join(r[ndim:2 * ndim])}])"
         if op == "load":
             ptr, mask = self.address(n, r, 0)
-            tname, _, _, other, hint = n.arg
+            tname, _, _, other, hint, _ = n.arg
             args = [ptr]
             if mask:
                 args += [f"mask={mask}", f"other={py_literal(other)}"]
@@ -134,6 +137,26 @@ class _Gen(StatementEmitter):
             m = f", mask={mask}" if mask else ""
             return f"{fn}({ptr}, {val}{m})"
         raise NotImplementedError(f"no Triton lowering for op {op!r}")
+
+    @staticmethod
+    def descriptor_name(n: Node) -> str:
+        return f"{n.arg[0]}_box{'x'.join(map(str, n.arg[5]))}"
+
+    def descriptors(self) -> list[str]:
+        """One TMA descriptor per (tensor, box shape) that kd.load_tile reads, made once at the kernel's top
+        (making one is a write of 128 bytes to global scratch and a fence: not a thing to do per loop trip).
+        The launcher checks the TMA rules (last stride 1, 16-byte address and strides) before launch."""
+        out, seen = [], set()
+        for n in self.ir.walk():
+            if n.op != "load" or n.arg[5] is None or self.descriptor_name(n) in seen:
+                continue
+            seen.add(self.descriptor_name(n))
+            t, box = n.arg[0], n.arg[5]
+            shape = ", ".join(f"{t}_shape{d}" for d in range(len(box)))
+            strides = ", ".join([f"{t}_stride{d}" for d in range(len(box) - 1)] + ["1"])
+            out.append(f"    {self.descriptor_name(n)} = tl.make_tensor_descriptor({t}_ptr, shape=[{shape}], "
+                       f"strides=[{strides}], block_shape={list(box)})")
+        return out
 
     def address(self, n: Node, r: list[str], first: int):
         tname, checks, has_mask = n.arg[:3]

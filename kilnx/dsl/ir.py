@@ -21,6 +21,8 @@ import numpy as np
 FLOATS = ("f16", "bf16", "f32", "f64")
 INTS = ("i8", "u8", "i16", "i32", "u32", "i64")
 DTYPES = FLOATS + INTS + ("bool",)
+ITEMSIZE = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8, "i8": 1, "u8": 1, "i16": 2, "i32": 4, "u32": 4, "i64": 8,
+            "bool": 1}
 
 _TORCH_NAMES = {
     "float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64", "int8": "i8",
@@ -182,6 +184,7 @@ class KernelIR:
     num_warps: int = 4
     num_stages: int = 2
     uses_atomics: bool = False
+    tile_tensors: set = field(default_factory=set)   # tensors read by kd.load_tile (TMA rules at launch)
 
     def walk(self, block: Block | None = None):
         """Every node in program order, descending into loops."""

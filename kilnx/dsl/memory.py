@@ -3,8 +3,8 @@ the grid-dependency sync that orders a kernel after the previous one (PDL)."""
 
 from __future__ import annotations
 
-from .ir import broadcast_shapes, dsl_error, dtype_of, is_float, with_source
-from .lang import TensorArg, Value, builder, lift, tensor_param
+from .ir import ITEMSIZE, broadcast_shapes, dsl_error, dtype_of, is_float, with_source
+from .lang import TensorArg, Value, arange, builder, lift, tensor_param
 
 
 def _mem_index(t: TensorArg, idx, mask, what):
@@ -33,7 +33,40 @@ def load(t: TensorArg, *idx, mask=None, other=0, check=True, hint: str | None = 
     srcs, shape, has_mask = _mem_index(t, idx, mask, "load")
     checks = tuple(check) if isinstance(check, (tuple, list)) else (bool(check),) * t.ndim
     return Value(builder().emit("load", t.dtype, shape, srcs,
-                                arg=(t.param.name, checks, has_mask, other, hint)))
+                                arg=(t.param.name, checks, has_mask, other, hint, None)))
+
+
+def load_tile(t: TensorArg, *offsets, shape, hint: str | None = None) -> Value:
+    """The box t[o0:o0 + shape[0], o1:o1 + shape[1], ...] as a tile of `shape`; lanes past t's bounds
+    read 0. The same values as `kd.load` with arange indices, but it says the read is one dense box,
+    which on the GPU becomes a tensor-memory-accelerator (TMA) copy: one instruction moves the box into
+    shared memory, with no per-thread addresses or masks, and the loop pipeliner overlaps it with the
+    math on the box before it. TMA's rules hold at launch (checked there, with the way out named): t's
+    last dim contiguous, its address and other strides multiples of 16 bytes; and here: the box's last
+    dim spans a multiple of 16 bytes."""
+    if not isinstance(t, TensorArg):
+        raise dsl_error("kd.load_tile needs a tensor argument as its first operand")
+    shape = tuple(int(s) for s in shape)
+    if len(offsets) != t.ndim or len(shape) != t.ndim:
+        raise dsl_error(f"kd.load_tile of a {t.ndim}-d tensor `{t.param.name}` needs {t.ndim} offsets and a "
+                        f"{t.ndim}-d shape, got {len(offsets)} offsets and shape {shape}")
+    if any(s < 1 or s & (s - 1) for s in shape):
+        raise dsl_error(f"kd.load_tile: box sizes must be powers of two, got {shape}")
+    if shape[-1] * ITEMSIZE[t.dtype] % 16:
+        raise dsl_error(f"kd.load_tile: the box's last dim spans {shape[-1] * ITEMSIZE[t.dtype]} bytes of "
+                        f"{t.dtype}; TMA needs a multiple of 16")
+    offs = [lift(o) for o in offsets]
+    for o in offs:
+        if o.shape or is_float(o.dtype):
+            raise dsl_error("kd.load_tile: offsets are integer scalars (the box's first index per dim)")
+    idx = []
+    for d, (o, s) in enumerate(zip(offs, shape)):
+        i = o + arange(0, s)
+        idx.append(i[tuple(slice(None) if e == d else None for e in range(len(shape)))] if len(shape) > 1 else i)
+    builder().ir.tile_tensors.add(t.param.name)
+    srcs = [i.node for i in idx] + [o.node for o in offs]
+    return Value(builder().emit("load", t.dtype, shape, srcs,
+                                arg=(t.param.name, (True,) * t.ndim, False, 0, hint, shape)))
 
 
 def store(t: TensorArg, *idx_and_value, mask=None, check=True):

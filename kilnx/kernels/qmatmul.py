@@ -263,15 +263,25 @@ def _mm_default(x, w, **_):
     return {}
 
 
+def tma_ready(*tensors) -> bool:
+    """Whether kd.load_tile may read these, as the launcher checks (last dim contiguous, address and other
+    strides 16-byte multiples), on a GPU or Triton's interpreter: such inputs take the TMA path, others kd.load."""
+    from kilnx.codegen.launch import interpreting
+    return all((t.is_cuda or interpreting()) and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+               and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
+
+
 @kd.kernel(
     tune={"BLOCK_M": kd.pow2(16, 128, default=64), "BLOCK_N": kd.pow2(16, 256, default=64),
           "BLOCK_K": kd.pow2(16, 256, default=64), "num_warps": kd.choice(2, 4, 8, default=4),
-          "num_stages": kd.choice(1, 2, 3, 4, default=3)},
+          "num_stages": kd.choice(1, 2, 3, 4, default=3), "TMA": kd.boolean(default=True)},
     key=lambda x, w, **_: {"M": x.shape[0], "N": w.shape[0], "K": x.shape[1]}, default=_mm_default,
     spec=lambda x, w, **_: (x.double() @ w.double().T).to(x.dtype),
     specialize=lambda x, w: {"M_DIV": _pow2_dividing(x.shape[0]), "N_DIV": _pow2_dividing(w.shape[0]),
-                             "K_DIV": _pow2_dividing(x.shape[1])})
-def mm(x, w, *, M_DIV: kd.constexpr, N_DIV: kd.constexpr, K_DIV: kd.constexpr, BLOCK_M, BLOCK_N, BLOCK_K):
+                             "K_DIV": _pow2_dividing(x.shape[1]),
+                             "TMA_READY": tma_ready(x, w)})
+def mm(x, w, *, M_DIV: kd.constexpr, N_DIV: kd.constexpr, K_DIV: kd.constexpr, TMA_READY: kd.constexpr,
+       BLOCK_M, BLOCK_N, BLOCK_K, TMA):
     M, K = x.shape
     N = w.shape[0]
     # dims the blocks divide need no bounds masks (unmasked tiles load and pipeline better)
@@ -281,10 +291,15 @@ def mm(x, w, *, M_DIV: kd.constexpr, N_DIV: kd.constexpr, K_DIV: kd.constexpr, B
     rn = pn * BLOCK_N + kd.arange(0, BLOCK_N)
     acc = kd.zeros((BLOCK_M, BLOCK_N), kd.f32)
     for k0 in kd.range(0, K, BLOCK_K):
-        rk = k0 + kd.arange(0, BLOCK_K)
-        a = kd.load(x, rm[:, None], rk[None, :], check=(not M_IN, not K_IN))
-        b = kd.load(w, rn[None, :], rk[:, None], check=(not N_IN, not K_IN))
-        acc += kd.dot(a, b.to(x.dtype))
+        if TMA and TMA_READY and w.dtype == x.dtype:
+            # boxes by TMA: no per-thread addresses, and the pipeliner waits on barriers, not on lanes
+            a = kd.load_tile(x, pm * BLOCK_M, k0, shape=(BLOCK_M, BLOCK_K))
+            b = kd.trans(kd.load_tile(w, pn * BLOCK_N, k0, shape=(BLOCK_N, BLOCK_K)))
+        else:
+            rk = k0 + kd.arange(0, BLOCK_K)
+            a = kd.load(x, rm[:, None], rk[None, :], check=(not M_IN, not K_IN))
+            b = kd.load(w, rn[None, :], rk[:, None], check=(not N_IN, not K_IN)).to(x.dtype)
+        acc += kd.dot(a, b)
     out = kd.output((M, N), x.dtype)
     kd.store(out, rm[:, None], rn[None, :], acc)
     return out

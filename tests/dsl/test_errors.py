@@ -285,3 +285,27 @@ def test_errors_carry_the_source_line_text():
     with pytest.raises(DSLError) as e:
         trace(mismatched_shapes, X)
     assert "kd.store(out, kd.arange(0, B), a + b)" in str(e.value)
+
+
+def test_load_tile_box_narrower_than_16_bytes():
+    @kd.kernel(tune={"B": kd.choice(4)})
+    def narrow(x, *, B):
+        t = kd.load_tile(x, 0, 0, shape=(16, B))   # 4 fp32 = 16 bytes would do; 4 bf16 is 8
+        out = kd.output((16, B), x.dtype)
+        kd.store(out, kd.arange(0, 16)[:, None], kd.arange(0, B)[None, :], t)
+        return out
+
+    with pytest.raises(kd.DSLError, match="spans 8 bytes of bf16; TMA needs a multiple of 16"):
+        narrow(torch.zeros(16, 8, dtype=torch.bfloat16), backend="reference")
+
+
+def test_load_tile_offsets_are_scalars():
+    @kd.kernel(tune={"B": kd.choice(16)})
+    def tiled(x, *, B):
+        t = kd.load_tile(x, kd.arange(0, B), 0, shape=(B, B))
+        out = kd.output((B, B), x.dtype)
+        kd.store(out, kd.arange(0, B)[:, None], kd.arange(0, B)[None, :], t)
+        return out
+
+    with pytest.raises(kd.DSLError, match="offsets are integer scalars"):
+        tiled(torch.zeros(16, 16), backend="reference")

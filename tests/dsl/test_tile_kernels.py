@@ -163,6 +163,52 @@ def test_matmul_both_dot_lowerings(dtype, m, n, k, seed):
     check_all(res, want, lambda g, w, what: assert_close(g, w, atol=1e-5, what=what))
 
 
+# ---- kd.load_tile: a dense box (a TMA copy on the GPU), zeros past the bounds ----------------------------
+@kd.kernel(tune={"BLOCK_M": kd.choice(16, 32), "BLOCK_N": kd.choice(16, 64), "BLOCK_K": kd.choice(16, 32)})
+def matmul_boxes(a, b_t, *, BLOCK_M, BLOCK_N, BLOCK_K):
+    """a (M, K) @ b_t (N, K).T with both operands read as boxes; the box of b_t transposed for the dot."""
+    M, K = a.shape
+    N = b_t.shape[0]
+    pm, pn = kd.grid(kd.cdiv(M, BLOCK_M), kd.cdiv(N, BLOCK_N))
+    acc = kd.zeros((BLOCK_M, BLOCK_N), kd.f32)
+    for k0 in kd.range(0, K, BLOCK_K):
+        acc += kd.dot(kd.load_tile(a, pm * BLOCK_M, k0, shape=(BLOCK_M, BLOCK_K)),
+                      kd.trans(kd.load_tile(b_t, pn * BLOCK_N, k0, shape=(BLOCK_N, BLOCK_K))))
+    c = kd.output((M, N), a.dtype)
+    kd.store(c, pm * BLOCK_M + kd.arange(0, BLOCK_M)[:, None], pn * BLOCK_N + kd.arange(0, BLOCK_N)[None, :], acc)
+    return c
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@FEW
+@given(m=st.sampled_from([1, 16, 37]), n=st.sampled_from([5, 64, 70]), k=st.sampled_from([8, 32, 72]),
+       seed=st.integers(0, 99))
+def test_load_tile_boxes_read_zeros_past_the_bounds(dtype, m, n, k, seed):
+    # K = 8 bf16 is 16 bytes, the narrowest row TMA takes; boxes hang past M, N and K in most draws
+    a, b_t = randn(m, k, dtype=dtype, seed=seed), randn(n, k, dtype=dtype, seed=seed + 1)
+    want = (a.float() @ b_t.float().T).to(dtype)
+    res = run_all(matmul_boxes, (a, b_t), [{"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16},
+                                          {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32}], numba=dtype == torch.float32)
+    check_all(res, want, lambda g, w, what: assert_close(g, w, atol=1e-5, what=what))
+
+
+def test_load_tile_lowers_to_one_descriptor_per_box_made_before_the_loop():
+    a, b_t = randn(32, 64), randn(64, 64)
+    src = matmul_boxes.triton_source(a, b_t, config={"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32})
+    head, rest = src.split("for k0 in", 1)
+    loop = "\n".join(line for line in rest.splitlines()[1:] if line.startswith(" " * 8))
+    assert head.count("tl.make_tensor_descriptor(") == 2 and "tl.make_tensor_descriptor(" not in loop
+    assert "a_box32x32.load([" in loop and "b_t_box64x32.load([" in loop
+    assert "tl.arange" not in loop        # the box's index tiles are not computed where TMA reads it
+
+
+def test_load_tile_refuses_a_tensor_tma_cannot_read():
+    a = randn(32, 64)[:, :40]             # rows 256 bytes apart but a view: fine; its stride is the problem below
+    b_t = randn(64, 80)[:, ::2]           # last dim not contiguous
+    with pytest.raises(ValueError, match="cannot be read by kd.load_tile.*contiguous"):
+        matmul_boxes(a, b_t, backend="triton", config={"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32})
+
+
 # ---- split-K GEMV: kd.atomic_add into kd.output(zero=True); a runtime loop start ----------------------
 @kd.kernel(tune={"BLOCK_N": kd.pow2(16, 64, default=16), "BLOCK_K": kd.pow2(16, 64, default=16),
                  "SPLIT_K": kd.choice(1, 2, 4, default=2)})

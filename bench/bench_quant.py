@@ -56,9 +56,11 @@ TC_CONFIGS = [dict(BLOCK_N=bn, SPLIT_K=sk, num_warps=nw, STAGES=st, SWAP=sw)
                   (64, 1, 4, 3, True), (128, 1, 4, 4, True), (64, 1, 4, 6, True), (128, 1, 8, 4, True),
                   (256, 1, 8, 3, True), (64, 2, 4, 4, True), (128, 2, 4, 4, True), (32, 1, 2, 4, False),
                   (64, 1, 4, 4, False), (16, 2, 1, 4, False), (64, 4, 4, 4, True), (32, 2, 2, 6, False)]]
-MM_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+MM_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns, TMA=tma)
+              for tma in (True, False)
               for bm, bn, bk, nw, ns in [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
-                                         (128, 256, 32, 8, 4), (64, 256, 64, 4, 4)]]
+                                         (128, 256, 32, 8, 4), (64, 256, 64, 4, 4), (128, 256, 64, 8, 4),
+                                         (128, 128, 128, 8, 3)]]
 
 
 def bench_quant(rec, copy_bw: float, smoke: bool):
@@ -242,6 +244,12 @@ def _bench_qmm(rec, label, n, k, m, dev, smoke):
     if mm_only:
         t_mm, cfg_mm = min(mm_only, key=lambda r: r[0])
         rec.add("quant", case, "ratio_dense_mm_vs_cublas_time", t_mm / t_cublas, "best_config", str(cfg_mm))
+        for tma in (True, False):   # kd.load_tile (TMA) boxes against kd.load pointer tiles, same run
+            side = [r for r in mm_only if r[1]["TMA"] is tma]
+            if side:
+                t_side, cfg_side = min(side, key=lambda r: r[0])
+                rec.add("quant", case, f"ratio_dense_mm_tma_{'on' if tma else 'off'}_vs_cublas_time",
+                        t_side / t_cublas, "best_config", str(cfg_side))
     rec.add("quant", case, "ratio_vs_cublas_time", best[0] / t_cublas, "best_config", str(best[1]))
     rec.add("quant", case, "ratio_vs_cublas_time_default", results[0][0] / t_cublas)
     rec.add("quant", case, "TFLOPs", flops / best[0] / 1e12, "cublas_bf16_TFLOPs", flops / t_cublas / 1e12)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU-machine driver: bash bench/device_run.sh STEP...   (needs .whl carried; everything lands in $OUT)
-# Steps: gputests gpuquick (TESTS=files) e2eab (AB_MODELS="8b 1b moe" AB_VAR=KILNX_PDL|KILNX_GEMV_PREFETCH|KILNX_FUSED_QKV_ROPE|KILNX_FUSED_ROPE|KILNX_DECODE_LOOKAHEAD|KILNX_MOE_PREPARED AB_VALUES="1 0") quant qmv tc qmm ncu fusions moe e2e1b e2e8b (E2E_CSV=name) tune (TUNE_MODEL) tune8b cold8b attnprobe   -- each has its own time limit and log.
+# Steps: gputests gpuquick (TESTS=files) e2eab (AB_MODELS="8b 1b moe" AB_VAR=KILNX_PDL|KILNX_GEMV_PREFETCH|KILNX_FUSED_QKV_ROPE|KILNX_FUSED_ROPE|KILNX_DECODE_LOOKAHEAD|KILNX_MOE_PREPARED AB_VALUES="1 0" AB_PROMPTS=128,2048) quant qmv tc qmm ncu fusions moe e2e1b e2e8b (E2E_CSV=name) tune (TUNE_MODEL) tune8b cold8b attnprobe   -- each has its own time limit and log.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -47,7 +47,7 @@ for s in "$@"; do case $s in
   moe) KILNX_MOE_CASES=${MOE_CASES:-all} step moe ${MOE_SECS:-200} python3 bench/bench_kernels.py --suite moe --out $OUT ;;
   e2e1b) step e2e1b 120 python3 -m kilnx.cli bench --model llama-3.2-1b --random --prompt-lens 128 --gen 64 --device cuda --csv $OUT/${E2E_CSV:-e2e}.csv ;;
   e2eab) for v in $(for i in $(seq ${AB_ROUNDS:-2}); do echo ${AB_VALUES:-1 0}; done); do export ${AB_VAR:-KILNX_PDL}=$v   # A/B of a switch, twice, in one process image
-          case "${AB_MODELS:-8b 1b}" in *8b*) step e2e8b_${AB_VAR:-KILNX_PDL}$v 200 python3 -m kilnx.cli bench --model llama-3.1-8b --random --prompt-lens 128,2048 --gen 64 --device cuda --csv $OUT/e2e_ab$v.csv ;; esac
+          case "${AB_MODELS:-8b 1b}" in *8b*) step e2e8b_${AB_VAR:-KILNX_PDL}$v 200 python3 -m kilnx.cli bench --model llama-3.1-8b --random --prompt-lens ${AB_PROMPTS:-128,2048} --gen 64 --device cuda --csv $OUT/e2e_ab$v.csv ;; esac
           case "${AB_MODELS:-8b 1b}" in *1b*) step e2e1b_${AB_VAR:-KILNX_PDL}$v 120 python3 -m kilnx.cli bench --model llama-3.2-1b --random --prompt-lens 128 --gen 64 --device cuda --csv $OUT/e2e_ab$v.csv ;; esac
           case "${AB_MODELS:-8b 1b}" in *moe*) step e2emoe_${AB_VAR:-KILNX_PDL}$v 200 python3 -m kilnx.cli bench --model ${MOE_MODEL:-qwen3-30b-a3b} --random --prompt-lens 128 --gen 64 --device cuda --csv $OUT/e2e_ab$v.csv ;; esac
           done; unset ${AB_VAR:-KILNX_PDL} ;;

@@ -64,10 +64,16 @@ def main(path: str):
                 continue
             rows.append([ctx, S, path_name, cfg, f"{us:.2f}", ""])
             print(ctx, S, path_name, cfg, f"{us:.2f} us", flush=True)
+    import datetime
+    import os
+
+    import triton
+    stamp = [torch.cuda.get_device_name(), torch.__version__, triton.__version__,
+             os.environ.get("KILNX_COMMIT", "unknown"), datetime.date.today().isoformat()]
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["ctx", "cache", "path", "config", "us", "error"])
-        w.writerows(rows)
+        w.writerow(["ctx", "cache", "path", "config", "us", "error", "device", "torch", "triton", "commit", "date"])
+        w.writerows(r + stamp for r in rows)
     for ctx, S in CASES:
         for p in ("one_program", "split"):
             ok = [r for r in rows if r[0] == ctx and r[2] == p and r[4]]

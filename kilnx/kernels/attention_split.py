@@ -53,13 +53,16 @@ def _split_default(q, k_cache, v_cache, positions, **_):
 
 
 def keys_per_split(q, k_cache, *, programs: int | None = None) -> int:
-    """A power of two (>= 128) of keys per range so that the (batch row, KV head, range) programs
-    number about twice the SMs, or `programs`."""
+    """A power of two (>= 64) of keys per range so that the (batch row, KV head, range) programs number
+    about the SMs, or `programs`. Measured on the H200 (llama-3.1-8b heads, one token, split + the
+    prepared merge; bench/results/2026-12-03_h200_attention_decode_s11.csv): a 2113-slot cache took 14.7 us
+    with 128 keys per range (136 programs), 15.1 with 256, 16.3 with 64; a 256-slot cache 8.7 us with
+    64 (32 programs), 9.5 with 128, against 10.4 for the one-program kernel and its prep."""
     B, Hk, S = q.shape[0], k_cache.shape[1], k_cache.shape[2]
     if programs is None:
-        programs = 2 * (_sm_count(q.device) if q.is_cuda else 8)
+        programs = _sm_count(q.device) if q.is_cuda else 8
     want = max(S * B * Hk // programs, 1)
-    return min(max(128, 1 << (want.bit_length() - 1)), 8192)
+    return min(max(64, 1 << (want.bit_length() - 1)), 8192)
 
 
 _SMS: dict = {}
@@ -228,7 +231,7 @@ def use_split(q, k_cache) -> bool:
     it off (for comparisons)."""
     B, T, Hq, _ = q.shape
     Hk, S = k_cache.shape[1], k_cache.shape[2]
-    if not q.is_cuda or T * (Hq // Hk) > 16 or S < 512 or os.environ.get("KILNX_ATTENTION_SPLIT") == "0":
+    if not q.is_cuda or T * (Hq // Hk) > 16 or S < 128 or os.environ.get("KILNX_ATTENTION_SPLIT") == "0":
         return False
     return B * Hk < _sm_count(q.device)
 

@@ -173,8 +173,10 @@ def test_split_attention_on_numba_and_the_split_rule():
     check(AS.attention_split(q, k_cache, v_cache, positions, kw, config=cfg, backend="numba"), want, "f32")
     assert not AS.use_split(q, k_cache)                   # the CPU keeps the one-pass kernel
     big = torch.zeros(1, 8, 4096, 128)
-    assert AS.keys_per_split(torch.zeros(1, 1, 32, 128), big, programs=264) == 128    # 8 x 32 programs
+    assert AS.keys_per_split(torch.zeros(1, 1, 32, 128), big, programs=132) == 128    # 8 x 32 programs
     assert AS.keys_per_split(torch.zeros(1, 1, 32, 128), big, programs=16) == 2048
+    short = torch.zeros(1, 8, 256, 128)                   # a short cache: 64 keys a range at the least
+    assert AS.keys_per_split(torch.zeros(1, 1, 32, 128), short, programs=132) == 64
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference", "numba"])

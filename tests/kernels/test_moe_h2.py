@@ -132,7 +132,7 @@ def test_tuning_inputs_pass_the_kernels_own_gate():
 
 def test_prepared_activations_skip_the_prep_and_give_the_same_result():
     """kilnx.ops.moe takes x already in qmv_h2's form (what an MoE layer's add+RMSNorm emits with
-    KILNX_MOE_PREPARED=1): the decode kernels read it as it is, bit for bit what preparing x gives."""
+    the GPU's decode path): the decode kernels read it as it is, bit for bit what preparing x gives."""
     import kilnx.ops as ops
     from kilnx.kernels.prepared import PreparedX
     x, ids, weights, gu, _, _ = glu_case(2, 3, 4, 64, 128, 4, seed=7)
@@ -145,14 +145,14 @@ def test_prepared_activations_skip_the_prep_and_give_the_same_result():
         ops.moe(PreparedX(*H.qmv_h2_prep(x, PER=4, GROUP=64), x.dtype), gu, dn, ids, weights.bfloat16())
 
 
-def test_moe_layers_ask_for_prepared_x_only_when_switched_on_for_the_gpu_path(monkeypatch):
+def test_moe_layers_ask_for_prepared_x_only_for_the_gpu_decode_path(monkeypatch):
     from types import SimpleNamespace
     gpu_stack = SimpleNamespace(packed=SimpleNamespace(is_cuda=True), mode="affine", bits=4)
     x1, x8 = torch.zeros(1, 64), torch.zeros(8, 64)
+    monkeypatch.setenv("KILNX_MOE_PREPARED", "0")
+    assert not MH.takes_prepared(x1, gpu_stack)                 # switched off (for comparisons)
     monkeypatch.delenv("KILNX_MOE_PREPARED", raising=False)
-    assert not MH.takes_prepared(x1, gpu_stack)                 # off by default until measured
-    monkeypatch.setenv("KILNX_MOE_PREPARED", "1")
-    assert MH.takes_prepared(x1, gpu_stack)
+    assert MH.takes_prepared(x1, gpu_stack)                     # on by default
     assert not MH.takes_prepared(x8, gpu_stack)                 # prefill: the grouped GEMMs take plain x
     assert not MH.takes_prepared(x1, SimpleNamespace(**{**vars(gpu_stack), "bits": 2}))
     assert not MH.takes_prepared(x1, SimpleNamespace(**{**vars(gpu_stack), "packed": SimpleNamespace(is_cuda=False)}))

@@ -107,3 +107,19 @@ def test_every_e4m3_scale_code_decodes_exactly_on_the_gpu():
 
     got = decode_scales(torch.arange(256, dtype=torch.int32).to(torch.uint8).cuda()).cpu().numpy()
     np.testing.assert_array_equal(got, E4M3_VALUES)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 256, 128), (200, 384, 256), (513, 1024, 4096)])
+@pytest.mark.parametrize("tma", [True, False])
+def test_dense_mm_with_and_without_tma_boxes_on_gpu(m, n, k, tma):
+    """The dense GEMM reading its operands as kd.load_tile boxes (TMA) or pointer tiles; an x whose rows
+    are not 16-byte aligned takes the pointer path whatever the config says."""
+    g = torch.Generator().manual_seed(m + n + k)
+    x, w = torch.randn(m, k, generator=g).bfloat16().cuda(), torch.randn(n, k, generator=g).bfloat16().cuda()
+    cfg = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3, "TMA": tma}
+    want = x.double() @ w.double().T
+    close(Q.mm(x, w, config=cfg), want.cpu(), k)
+    ragged = torch.randn(m, k + 1, generator=g).bfloat16().cuda()[:, :k]     # rows 2k + 2 bytes apart
+    ragged.copy_(x)
+    assert not Q.tma_ready(ragged, w)
+    close(Q.mm(ragged, w, config=cfg), want.cpu(), k)

@@ -326,7 +326,12 @@ class _Gen:
             write = f"{mem} = {_to_storage(v, p.dtype)}"
         else:
             write = f"{mem} = {_to_storage(f'{_from_storage(mem, p.dtype)} + {v}', p.dtype)}"
-        nest.pre[-1] += [f"if {mask}:", f"    {write}"] if mask != "True" else [write]
+        writes = [write]
+        if n.op == "atomic_add" and not n.shape:   # a scalar atomic's old value, for the code after it
+            old = self.name(n)
+            nest.pre[-1].append(f"{old} = {self.constant('0', n.dtype)}")
+            writes = [f"{old} = {_from_storage(mem, p.dtype)}", write]
+        nest.pre[-1] += [f"if {mask}:", *[f"    {w}" for w in writes]] if mask != "True" else writes
         return lines + nest.lines()
 
     def reduce(self, n: Node) -> list[str]:

@@ -126,8 +126,7 @@ class Interpreter:
         if op in ("grid_sync", "barrier"):   # launch and block ordering: a program here runs in order
             return None
         if op in ("store", "atomic_add"):
-            self.store(n, v)
-            return None
+            return self.store(n, v)
         raise DSLError(f"the reference interpreter has no rule for op {op!r}")
 
     def _lanes(self, n: Node, v, first_idx: int):
@@ -161,7 +160,10 @@ class Interpreter:
         sel = tuple(i[mask] for i in idx)
         if n.op == "store":
             arr[sel] = value[mask]
-        else:
-            np.add.at(arr, sel, value[mask])
-            if n.dtype in ("f16", "bf16"):
-                arr[sel] = round_to(arr[sel], n.dtype)
+            return None
+        clipped = tuple(np.clip(i, 0, max(s - 1, 0)) for i, s in zip(idx, arr.shape))
+        old = np.where(mask, arr[clipped] if arr.size else 0, 0).astype(NUMPY_OF[n.dtype])
+        np.add.at(arr, sel, value[mask])
+        if n.dtype in ("f16", "bf16"):
+            arr[sel] = round_to(arr[sel], n.dtype)
+        return old

@@ -65,6 +65,10 @@ class _Gen(StatementEmitter):
         name = self.ref(n)
         op = n.op
         if op in opdefs.OPS:
+            if self.interpret and n.shape and any(s.dtype == "bool" and not s.shape for s in n.srcs):
+                # the interpreter's tile & scalar-bool gives a dtype its loads reject as a mask: broadcast first
+                r = [f"((tl.zeros({list(n.shape)}, tl.int32) + {x}) != 0)" if s.dtype == "bool" and not s.shape
+                     else x for s, x in zip(n.srcs, r)]
             return f"{name} = {opdefs.OPS[op].triton(*r)}"
         if op == "arange":
             return f"{name} = tl.arange({n.arg[0]}, {n.arg[1]})"
@@ -133,9 +137,10 @@ class _Gen(StatementEmitter):
             val = f"{r[0]}.to({TL[n.dtype]})" if n.srcs[0].dtype != n.dtype else r[0]
             if n.srcs[0].op == "const":
                 val = r[0]
-            fn = "tl.store" if op == "store" else "tl.atomic_add"
             m = f", mask={mask}" if mask else ""
-            return f"{fn}({ptr}, {val}{m})"
+            if op == "atomic_add":   # acquire-release at GPU scope (kd.atomic_add's contract), the old value kept
+                return f"{name} = tl.atomic_add({ptr}, {val}{m}, sem='acq_rel', scope='gpu')"
+            return f"tl.store({ptr}, {val}{m})"
         raise NotImplementedError(f"no Triton lowering for op {op!r}")
 
     @staticmethod
@@ -175,4 +180,7 @@ class _Gen(StatementEmitter):
                 if not cmp:   # a scalar mask: back to bool after the broadcast
                     cmp = " != 0"
             masks.append(f"({expr}{cmp})")
+        if self.interpret and not n.shape and masks:
+            # nor does it take a Python bool (a scalar access's bounds check on sizes alone) as a mask
+            masks.insert(0, "tl.full([], True, tl.int1)")
         return f"{tname}_ptr + {offs}", " & ".join(masks)

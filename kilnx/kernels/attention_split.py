@@ -239,3 +239,121 @@ def use_split(q, k_cache) -> bool:
 # Not registered for tuning: its partial results depend on KEYS_PER_SPLIT (a tunable, chosen by
 # keys_per_split), so no one reference can check every config; `kilnx tune` reported every trial as
 # failing its correctness gate. Tuning it needs the merged result as the tuned object.
+
+
+# ---- the split with its merge in the last range's program ------------------------------------------------
+def _merged_spec(q, k_cache, v_cache, positions, counter, *, PREPARED=False, PER=8, GROUP=64, **kw):
+    parts = _split_spec(q, k_cache, v_cache, positions, **kw)
+    if PREPARED:
+        return _merge_prep_spec(*parts, q, PER=PER, GROUP=GROUP)
+    return _merge_spec(*parts, q)
+
+
+def _merged_specialize(q, k_cache, v_cache, positions, counter):
+    return {"BLOCK_D": max(_next_pow2(q.shape[3]), 16), "scale": q.shape[3] ** -0.5}
+
+
+@kd.kernel(
+    tune=TUNE, constraints=CONSTRAINTS,
+    key=lambda q, k_cache, v_cache, positions, counter, **kw: _attn_key(q, k_cache, v_cache, positions),
+    default=lambda q, k_cache, v_cache, positions, counter, **_: _split_default(q, k_cache, v_cache, positions),
+    spec=_merged_spec, specialize=_merged_specialize)
+def attention_split_merged_kernel(q, k_cache, v_cache, positions, counter, *, scale: float, cap: float = 0.0,
+                                  window: int = NO_WINDOW, BLOCK_D: kd.constexpr = 64, SOFTCAP: kd.constexpr = False,
+                                  PREPARED: kd.constexpr = False, PER: kd.constexpr = 8, GROUP: kd.constexpr = 64,
+                                  BLOCK_M, BLOCK_N, KEYS_PER_SPLIT):
+    """attention_split_kernel whose last range program, for each (query tile, KV head), merges the ranges:
+    one launch instead of two per layer. Each program stores its range's partial result, passes a
+    barrier and takes a ticket from `counter` (int32, one slot per tile and KV head, zero between launches);
+    the program holding the last ticket has every range published (kd.atomic_add's acquire-release),
+    rescales them to a common max in one pass and writes (B, T, Hq, D) in q.dtype, or with PREPARED the
+    o projection's qmv_h2 input of (B*T, Hq*D) (planes, group sums, group scales) as attention_merge_prep
+    does; then it puts the slot back to zero."""
+    B, T, Hq, D = q.shape
+    Hk, S = k_cache.shape[1], k_cache.shape[2]
+    group = Hq // Hk
+    NS = kd.cdiv(S, KEYS_PER_SPLIT)
+    pid_m, pid_bh, split = kd.grid(kd.cdiv(T * group, BLOCK_M), B * Hk, NS)
+    b = pid_bh // Hk
+    kv_head = pid_bh % Hk
+    q_tile, token, head, row_valid, d = query_tile(q, pid_m, kv_head, b, group, T, BLOCK_M, BLOCK_D)
+    pos = kd.load(positions, b, token, other=-1)
+    part_acc, part_max, part_sum = _attend_range(
+        q_tile, token, head, row_valid, d, pos, k_cache, v_cache, b, kv_head, split, B, T, Hq, D, scale=scale,
+        cap=cap, window=window, SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N, KEYS_PER_SPLIT=KEYS_PER_SPLIT)
+    kd.barrier()                                     # every thread's partial stores before the ticket
+    slot = pid_bh * kd.cdiv(T * group, BLOCK_M) + pid_m
+    last = kd.atomic_add(counter, slot, 1) == NS - 1
+    # one pass over the ranges, rescaling to the running max (only the last program iterates)
+    top = kd.var(kd.full((BLOCK_M,), MASKED_MAX, kd.f32))
+    total = kd.zeros((BLOCK_M,), kd.f32)
+    acc = kd.zeros((BLOCK_M, BLOCK_D), kd.f32)
+    for s in kd.range(0, kd.where(last, NS, 0)):
+        m_s = kd.load(part_max, s, b, token, head, mask=row_valid, other=MASKED_MAX)
+        new_top = kd.maximum(top, m_s)
+        keep, w = kd.exp(top - new_top), kd.exp(m_s - new_top)
+        total.set(total * keep + kd.load(part_sum, s, b, token, head, mask=row_valid) * w)
+        a_s = kd.load(part_acc, s, b, token[:, None], head[:, None], d[None, :], mask=row_valid[:, None])
+        acc.set(acc * keep[:, None] + a_s * w[:, None])
+        top.set(new_top)
+    y = (acc / kd.where(total > 0, total, 1.0)[:, None]).astype(q.dtype).f32()
+    keep_rows = row_valid & last
+    kd.store(counter, slot, 0, mask=last)            # ready for the next launch
+    if not PREPARED:
+        out = kd.output((B, T, Hq, D), q.dtype)
+        kd.store(out, b, token[:, None], head[:, None], d[None, :], y, mask=keep_rows[:, None])
+        return out
+    from kilnx.kernels import qmv_h2 as H
+    DW = BLOCK_D // PER                              # packed words of one head (BLOCK_D == D: checked by the caller)
+    lo, hi = kd.halves(kd.reshape(y, (BLOCK_M, DW, 2, PER // 2)), axis=2)
+    packed, group_sums, xs = H._prepared_tiles(lo, hi, PER=PER, GROUP=GROUP)   # (BLOCK_M, DW, PER/2), (BLOCK_M, NG)
+    M, K = B * T, Hq * D
+    row = b * T + token
+    planes = kd.output((M, PER // 2, K // PER), kd.u32, name="planes")
+    p = kd.arange(0, PER // 2)
+    word = head[:, None, None] * DW + kd.arange(0, DW)[None, :, None]
+    kd.store(planes, row[:, None, None], p[None, None, :], word, packed, mask=keep_rows[:, None, None])
+    NG = BLOCK_D // GROUP
+    g = head[:, None] * NG + kd.arange(0, NG)[None, :]
+    sums = kd.output((M, K // GROUP), kd.f32, name="group_sums")
+    kd.store(sums, row[:, None], g, group_sums, mask=keep_rows[:, None])
+    scales = kd.output((M, K // GROUP), kd.f32, name="group_scales")
+    kd.store(scales, row[:, None], g, xs, mask=keep_rows[:, None])
+    return planes, sums, scales
+
+
+def merge_in_kernel() -> bool:
+    """Whether the GPU's split attention merges in its last range programs (one launch) rather than in
+    attention_merge(_prep) (two); KILNX_ATTENTION_MERGED=0 for the two-launch path."""
+    return os.environ.get("KILNX_ATTENTION_MERGED", "1") != "0"
+
+
+_COUNTERS: dict = {}
+
+
+def ticket_counter(device, slots: int) -> torch.Tensor:
+    """The zeroed int32 ticket slots the merged split kernel counts its ranges in: one buffer per device, kept
+    for the process (CUDA graphs capture its address); each launch leaves its slots at zero again."""
+    key = (str(device), slots)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(slots, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
+def attention_split_merged(q, k_cache, v_cache, positions, kwargs: dict, *, config: dict | None = None,
+                           backend=None, prepared: tuple[int, int] | None = None):
+    """attention_split in one launch (the merge done by each tile's last range program)."""
+    from kilnx.kernels.prepared import PreparedX, prepare
+    B, T, Hq, D = q.shape
+    Hk = k_cache.shape[1]
+    slots = B * Hk * -(-(T * (Hq // Hk)) // 16)      # tiles of at least 16 rows: enough slots for any BLOCK_M
+    counter = ticket_counter(q.device, slots)
+    fmt = prepared is not None and D % prepared[1] == 0 and D == max(_next_pow2(D), 16)
+    if fmt:
+        planes, sums, xs = attention_split_merged_kernel(q, k_cache, v_cache, positions, counter, config=config,
+                                                         backend=backend, PREPARED=True, PER=prepared[0],
+                                                         GROUP=prepared[1], **kwargs)
+        return PreparedX(planes, sums, xs, q.dtype)
+    out = attention_split_merged_kernel(q, k_cache, v_cache, positions, counter, config=config, backend=backend,
+                                        **kwargs)
+    return out if prepared is None else prepare(out.reshape(-1, Hq * D), prepared)

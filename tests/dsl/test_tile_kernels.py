@@ -209,6 +209,33 @@ def test_load_tile_refuses_a_tensor_tma_cannot_read():
         matmul_boxes(a, b_t, backend="triton", config={"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32})
 
 
+# ---- kd.atomic_add's old value: the last program to finish combines every program's result -----------
+@kd.kernel(tune={"B": kd.choice(16, 32)})
+def sum_by_last_program(x, counter, *, B):
+    n = x.shape[0]
+    p = kd.grid(kd.cdiv(n, B))
+    part = kd.output((kd.cdiv(n, B),), kd.f32, name="part")
+    kd.store(part, p, kd.sum(kd.load(x, p * B + kd.arange(0, B))))
+    kd.barrier()                                         # every thread's store before the ticket
+    last = kd.atomic_add(counter, 0, 1) == kd.cdiv(n, B) - 1
+    j = kd.arange(0, 64)
+    total = kd.output((1,), kd.f32, name="total")
+    kd.store(total, 0, kd.sum(kd.load(part, j, mask=(j < kd.cdiv(n, B)) & last)), mask=last)
+    kd.store(counter, 0, 0, mask=last)                   # ready for the next launch
+    return total
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@FEW
+@given(n=st.sampled_from([1, 40, 1000]), seed=st.integers(0, 99))
+def test_atomic_add_old_value_picks_the_last_program(backend, n, seed):
+    x, counter = randn(n, seed=seed), torch.zeros(1, dtype=torch.int32)
+    for _ in range(2):                                   # the counter is back at 0 after each launch
+        got = sum_by_last_program(x, counter, backend=backend, config={"B": 16})
+        assert_close(got, x.sum().reshape(1), atol=1e-4, what=backend)
+        assert counter.item() == 0
+
+
 # ---- split-K GEMV: kd.atomic_add into kd.output(zero=True); a runtime loop start ----------------------
 @kd.kernel(tune={"BLOCK_N": kd.pow2(16, 64, default=16), "BLOCK_K": kd.pow2(16, 64, default=16),
                  "SPLIT_K": kd.choice(1, 2, 4, default=2)})

@@ -263,7 +263,7 @@ def attention_split_merged_kernel(q, k_cache, v_cache, positions, counter, *, sc
                                   PREPARED: kd.constexpr = False, PER: kd.constexpr = 8, GROUP: kd.constexpr = 64,
                                   BLOCK_M, BLOCK_N, KEYS_PER_SPLIT):
     """attention_split_kernel whose last range program, for each (query tile, KV head), merges the ranges:
-    one launch instead of two per layer. Each program stores its range's partial result, passes a
+    one launch instead of two per layer (off by default: slower on the H200, see merge_in_kernel). Each program stores its range's partial result, passes a
     barrier and takes a ticket from `counter` (int32, one slot per tile and KV head, zero between launches);
     the program holding the last ticket has every range published (kd.atomic_add's acquire-release),
     rescales them to a common max in one pass and writes (B, T, Hq, D) in q.dtype, or with PREPARED the
@@ -324,8 +324,13 @@ def attention_split_merged_kernel(q, k_cache, v_cache, positions, counter, *, sc
 
 def merge_in_kernel() -> bool:
     """Whether the GPU's split attention merges in its last range programs (one launch) rather than in
-    attention_merge(_prep) (two); KILNX_ATTENTION_MERGED=0 for the two-launch path."""
-    return os.environ.get("KILNX_ATTENTION_MERGED", "1") != "0"
+    attention_merge(_prep) (two): only with KILNX_ATTENTION_MERGED=1. Measured slower on the H200
+    (bench/results/2026-12-03_h200_e2e_s11_merged{128,2048}_*.csv): llama-3.1-8b decode 521.9 / 522.6
+    tok/s against 538.2 / 536.9 (256-slot cache), 466.7 / 464.6 against 488.1 / 489.7 (2113 slots);
+    in a step 6.8 us per layer against 3.7 + 1.8. The merging program walks the ranges one dependent
+    load at a time after its ticket, where attention_merge_prep spreads the heads over 32 programs and
+    reads every range in one load; a merge loading all ranges at once is the next thing to try."""
+    return os.environ.get("KILNX_ATTENTION_MERGED", "0") == "1"
 
 
 _COUNTERS: dict = {}

@@ -36,7 +36,7 @@ def load(t: TensorArg, *idx, mask=None, other=0, check=True, hint: str | None = 
                                 arg=(t.param.name, checks, has_mask, other, hint, None)))
 
 
-def load_tile(t: TensorArg, *offsets, shape, hint: str | None = None) -> Value:
+def load_tile(t: TensorArg, *offsets, shape) -> Value:
     """The box t[o0:o0 + shape[0], o1:o1 + shape[1], ...] as a tile of `shape`; lanes past t's bounds
     read 0. The same values as `kd.load` with arange indices, but it says the read is one dense box,
     which on the GPU becomes a tensor-memory-accelerator (TMA) copy: one instruction moves the box into
@@ -66,7 +66,7 @@ def load_tile(t: TensorArg, *offsets, shape, hint: str | None = None) -> Value:
     builder().ir.tile_tensors.add(t.param.name)
     srcs = [i.node for i in idx] + [o.node for o in offs]
     return Value(builder().emit("load", t.dtype, shape, srcs,
-                                arg=(t.param.name, (True,) * t.ndim, False, 0, hint, shape)))
+                                arg=(t.param.name, (True,) * t.ndim, False, 0, None, shape)))
 
 
 def store(t: TensorArg, *idx_and_value, mask=None, check=True):

@@ -73,15 +73,25 @@ def run_bench(lm, *, prompt_lens: list[int], gen: int, model_name: str, weights:
               bandwidth_gbps: float | None = None, seed: int = 0, repeats: int = 1) -> list[BenchRow]:
     """kilnx's rows: one per prompt length, timed by `timed_rows`."""
     cfg = lm.config
-    need = max(prompt_lens) + gen + 1
     if max(prompt_lens) >= cfg.max_position_embeddings:
         raise ContextLengthError(f"prompt length {max(prompt_lens)} does not fit the model's context "
                                  f"({cfg.max_position_embeddings} tokens); use shorter --prompt-lens.")
-    engine = Engine(lm.model, max_seq=min(need, cfg.max_position_embeddings))
+    # one engine per prompt length, its cache sized as `kilnx generate` sizes it (prompt + tokens + 1): a
+    # short prompt's row measures a short cache, not one sized for the longest prompt of the run (decode
+    # attention's work, and its split into key ranges, follow the cache's length)
+    engines: dict[int, Engine] = {}
+
+    def engine_for(n: int) -> Engine:
+        L = min((p for p in prompt_lens if p >= n), default=max(prompt_lens))
+        if L not in engines:
+            engines[L] = Engine(lm.model, max_seq=min(L + gen + 1, cfg.max_position_embeddings))
+        return engines[L]
 
     def greedy(ids: list[int], tokens: int) -> tuple[float, float]:
-        st = _run(engine, ids, SamplingParams(max_tokens=tokens, ignore_eos=True))
+        st = _run(engine_for(len(ids)), ids, SamplingParams(max_tokens=tokens, ignore_eos=True))
         return st.ttft_s, st.decode_tok_s
+
+    engine = engine_for(max(prompt_lens))
 
     return timed_rows(greedy, vocab_size=cfg.vocab_size, prompt_lens=prompt_lens, gen=gen, seed=seed,
                       repeats=repeats, model=model_name, device=str(engine.device), ops=ops_name, weights=weights,

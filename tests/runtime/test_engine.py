@@ -189,6 +189,26 @@ def test_a_bench_row_holds_the_median_of_its_measured_runs(monkeypatch):
         assert got == pytest.approx(values[1] * scale)
 
 
+def test_each_bench_row_decodes_on_a_cache_sized_for_its_own_prompt(monkeypatch):
+    """As `kilnx generate` sizes its cache (prompt + tokens + 1), so does each of a bench run's prompt
+    lengths: a short prompt's row is not timed on a cache sized for the run's longest prompt."""
+    from types import SimpleNamespace
+
+    from kilnx.runtime import bench
+    model = tiny_model("llama")
+    seen, real = {}, bench._run
+
+    def run(engine, ids, params):
+        if params.max_tokens == 5:
+            seen[len(ids)] = engine.max_seq
+        return real(engine, ids, params)
+
+    monkeypatch.setattr(bench, "_run", run)
+    bench.run_bench(SimpleNamespace(config=model.config, model=model), prompt_lens=[4, 12], gen=5,
+                    model_name="tiny", weights="random", ops_name="kilnx", bandwidth_gbps=100.0)
+    assert seen == {4: 4 + 5 + 1, 12: 12 + 5 + 1}
+
+
 def test_a_malformed_lookahead_setting_is_named_in_the_error(monkeypatch):
     from kilnx.runtime.generate import generate_ids
     monkeypatch.setenv("KILNX_DECODE_LOOKAHEAD", "soon")

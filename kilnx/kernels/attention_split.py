@@ -326,7 +326,7 @@ def merge_in_kernel() -> bool:
     """Whether the GPU's split attention merges in its last range programs (one launch) rather than in
     attention_merge(_prep) (two): only with KILNX_ATTENTION_MERGED=1. Measured slower on the H200
     (bench/results/2026-12-03_h200_e2e_s11_merged{128,2048}_*.csv): llama-3.1-8b decode 521.9 / 522.6
-    tok/s against 538.2 / 536.9 (256-slot cache), 466.7 / 464.6 against 488.1 / 489.7 (2113 slots);
+    tok/s against 538.2 / 536.9 (193-slot cache), 466.7 / 464.6 against 488.1 / 489.7 (2113 slots);
     in a step 6.8 us per layer against 3.7 + 1.8. The merging program walks the ranges one dependent
     load at a time after its ticket, where attention_merge_prep spreads the heads over 32 programs and
     reads every range in one load; a merge loading all ranges at once is the next thing to try."""

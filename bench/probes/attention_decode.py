@@ -1,7 +1,6 @@
 """Decode attention configs at llama-3.1-8b heads (B 1, Hq 32, Hk 8, D 128, bf16), one new token:
-the one-program kernel (attention_kernel), the key-range split (attention_split_kernel + the merge
-that writes the o projection's prepared input) and the split merging in its last range programs, over a
-sweep of their configs, at a short context in a
+the one-program kernel (attention_kernel) and the key-range split (attention_split_kernel + the merge
+that writes the o projection's prepared input) over a sweep of their configs, at a short context in a
 256-slot cache (what `kilnx bench` decodes after a 128-token prompt) and a 2k context in a 2113-slot one.
 
   GPU:  python bench/probes/attention_decode.py OUT_CSV
@@ -42,10 +41,6 @@ def split(q, k, v, pos, kw, cfg):
     return AS.attention_split(q, k, v, pos, kw, config=cfg, prepared=PREP)
 
 
-def merged(q, k, v, pos, kw, cfg):
-    return AS.attention_split_merged(q, k, v, pos, kw, config=cfg, prepared=PREP)
-
-
 def main(path: str):
     kw = A._kernel_kwargs(q=torch.empty(1, 1, 32, 128), k_cache=torch.empty(1, 8, 1, 128), scale=128 ** -0.5,
                           softcap=None, window=None)
@@ -55,12 +50,12 @@ def main(path: str):
         trials = [("one_program", c) for c in
                   ({"BLOCK_M": 16, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
                    for bn, w, st in itertools.product((32, 64, 128, 256), (4, 8), (1, 2, 3)))]
-        trials += [(name, c) for name in ("split", "merged") for c in
+        trials += [("split", c) for c in
                    ({"BLOCK_M": 16, "BLOCK_N": bn, "KEYS_PER_SPLIT": ks, "num_warps": w, "num_stages": st}
                     for ks, bn, w, st in itertools.product((64, 128, 256, 512), (64, 128), (4, 8), (1, 2))
                     if bn <= ks and S // ks <= 128)]
         for path_name, cfg in trials:
-            fn = {"one_program": one_program, "split": split, "merged": merged}[path_name]
+            fn = one_program if path_name == "one_program" else split
             try:
                 fn(q, k, v, pos, kw, cfg)
                 us = benchmark(lambda: fn(q, k, v, pos, kw, cfg), "cuda") * 1e6
@@ -80,7 +75,7 @@ def main(path: str):
         w.writerow(["ctx", "cache", "path", "config", "us", "error", "device", "torch", "triton", "commit", "date"])
         w.writerows(r + stamp for r in rows)
     for ctx, S in CASES:
-        for p in ("one_program", "split", "merged"):
+        for p in ("one_program", "split"):
             ok = [r for r in rows if r[0] == ctx and r[2] == p and r[4]]
             if ok:
                 best = min(ok, key=lambda r: float(r[4]))

@@ -1,7 +1,7 @@
 """Offline probe: compile a library kernel for sm_90 on this (GPU-less) machine and count the SASS
 instructions of its main loop, by opcode. Why: the GPU is lent for minutes per session, and a GEMV's
-instruction count per chunk is the first thing a decode change moves (session 10: 442 -> 406 -> 388
-instructions per gate_up chunk for CHAIN 1 / 2 / 4; the e4m3 scale decode 20 -> 4 per scale).
+instruction count per chunk is the first thing a decode change moves (qmv_h2 on gate_up: 434 / 405 / 386
+instructions per chunk at CHAIN 1 / 2 / 4; fp4_qmv_h2 on nvfp4: 1081 -> 1040 with the shorter e4m3 decode).
 
   python bench/probes/sass_count.py qmv_h2 '{"M": 1, "N": 28672, "K": 4096, "bits": 4, "gs": 64}' \
       '{"BLOCK_N": 8, "BLOCK_KW": 128, "num_warps": 2, "STAGES": 3, "CHAIN": 2}' [--sass FILE]

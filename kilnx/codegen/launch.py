@@ -227,19 +227,36 @@ class Launch:
                 t.copy_(torch.from_numpy(np.ascontiguousarray(src)).to(t.dtype).to(t.device))
 
 
+def tma_readable(t: torch.Tensor) -> bool:
+    """Whether TMA can read t as kd.load_tile does: last dim contiguous, address and other strides in
+    16-byte multiples. Kernels that may see other layouts ask it to pick a kd.load path instead."""
+    size = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:-1])
+
+
+_tma_scratch = threading.local()
+
+
 def _ready_for_tma(ir: KernelIR, allt: dict) -> None:
     """TMA's rules for the tensors kd.load_tile reads, one clear error each; and the scratch allocator
-    that Triton's in-kernel descriptors are written to (Triton keeps it per thread: set on every call)."""
+    that Triton writes in-kernel descriptors to (Triton keeps it per thread: set once in each)."""
     for name in ir.tile_tensors:
         t = allt[name]
-        size = t.element_size()
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * size % 16 for s in t.stride()[:-1]):
+        if not tma_readable(t):
             raise ValueError(f"{ir.name}: `{name}` (shape {tuple(t.shape)}, strides {t.stride()}) cannot be read "
                              "by kd.load_tile: TMA needs the last dim contiguous and the address and other strides "
                              "multiples of 16 bytes; pass a contiguous copy, or route such inputs to a kd.load path")
-    import triton
-    device = next(iter(allt.values())).device
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device))
+    if not getattr(_tma_scratch, "set", False):
+        import triton
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=_scratch_device()))
+        _tma_scratch.set = True
+
+
+def _scratch_device():
+    """Where Triton launches: the current CUDA device, or the CPU under the interpreter."""
+    if interpreting() or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:

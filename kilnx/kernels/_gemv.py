@@ -12,6 +12,7 @@ import functools
 import os
 
 import kilnx.dsl as kd
+from kilnx.dsl.ir import ITEMSIZE
 
 
 class Frame:
@@ -49,7 +50,7 @@ class Frame:
         """Ask L2 for this program's rows of `t` over columns [start, stop): one address per 128-byte
         line, `lines` lines of a row per step. Placed before kd.grid_dependency_sync, the weights stream
         in while the kernel that produces x still runs (the GEMV launched early under PDL)."""
-        per_line = 128 // _ITEM_BYTES[t.dtype]
+        per_line = 128 // ITEMSIZE[t.dtype]
         rows = kd.minimum(self.n, self.N - 1) if not self.ROWS_IN else self.n   # kd.prefetch: indices in bounds
         for c0 in kd.range(start, stop, per_line * lines):
             c = kd.minimum(c0 + kd.arange(0, lines) * per_line, stop - 1)
@@ -120,10 +121,7 @@ class Frame:
         d = None
         for p in kd.static_range(n_pairs):
             code = pairs[p] if pairs is not None else pair(p)
-            xp = self.x_tile(planes, m, p, wc)
-            for j in kd.static_range(chain):
-                c, x = (word_slice(code, chain, j), word_slice(xp, chain, j)) if chain > 1 else (code, xp)
-                d = kd.h2_fma(c, x, 0) if d is None else kd.h2_fma(c, x, d)
+            d = h2_chain_fma(code, self.x_tile(planes, m, p, wc), d, chain)
         return self.per_group(kd.h2_sum(d), words_per_value=chain)          # fp32 from here
 
     def per_group(self, qx, words_per_value: int = 1):
@@ -159,13 +157,19 @@ class Frame:
         return out
 
 
+def h2_chain_fma(code, xp, d, chain: int):
+    """d + code * xp in packed fp16 (d None: no accumulator yet), the (..., CHUNK) tiles' products of
+    `chain` consecutive words summed into each accumulator lane: a (..., CHUNK / chain) result."""
+    for j in kd.static_range(chain):
+        c, x = (word_slice(code, chain, j), word_slice(xp, chain, j)) if chain > 1 else (code, xp)
+        d = kd.h2_fma(c, x, 0) if d is None else kd.h2_fma(c, x, d)
+    return d
+
+
 def word_slice(t, chain: int, j: int):
     """Words j, j + chain, j + 2 chain, ... along the last axis of a (..., CHUNK) tile: (..., CHUNK / chain)."""
     *lead, chunk = t.shape
     return kd.pick(kd.reshape(t, (*lead, chunk // chain, chain)), j, axis=-1)
-
-
-_ITEM_BYTES = {"u32": 4, "i32": 4, "f32": 4, "bf16": 2, "f16": 2, "u8": 1, "i8": 1}
 
 
 @functools.lru_cache(maxsize=None)

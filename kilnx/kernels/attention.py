@@ -181,8 +181,6 @@ def attention(q, k_cache, v_cache, positions, scale, *, softcap=None, window=Non
     from kilnx.kernels import attention_split
     kw = _kernel_kwargs(q, k_cache, scale, softcap, window)
     if attention_split.use_split(q, k_cache):
-        if attention_split.merge_in_kernel():
-            return attention_split.attention_split_merged(q, k_cache, v_cache, positions, kw, prepared=prepared)
         return attention_split.attention_split(q, k_cache, v_cache, positions, kw, prepared=prepared)
     out = attention_kernel(q, k_cache, v_cache, positions, **kw)
     if prepared is None:

@@ -93,10 +93,7 @@ def _gather_accumulate(f, planes, sums, xs, wq, scales, biases, expert, rows, x_
         d, chain = None, min(CHAIN, f.WPG)
         for p in kd.static_range(PER // 2):
             xp = kd.load(planes, x3, p, wc, check=check)
-            code = H._exact_pair(words, BITS, p)
-            for j in kd.static_range(chain):
-                c, x = (gemv.word_slice(code, chain, j), gemv.word_slice(xp, chain, j)) if chain > 1 else (code, xp)
-                d = kd.h2_fma(c, x, 0) if d is None else kd.h2_fma(c, x, d)
+            d = gemv.h2_chain_fma(H._exact_pair(words, BITS, p), xp, d, chain)
         qx_g = kd.reshape(kd.sum(kd.reshape(kd.h2_sum(d), (A * B * f.G, f.WPG // chain)), axis=1), (A, B, f.G))
         xs_g, sums_g = kd.load(xs, x3, gi, check=check[1:]), kd.load(sums, x3, gi, check=check[1:])
         acc += kd.sum(qx_g * s * xs_g + b * sums_g, axis=2)

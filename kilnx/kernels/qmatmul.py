@@ -264,11 +264,10 @@ def _mm_default(x, w, **_):
 
 
 def tma_ready(*tensors) -> bool:
-    """Whether kd.load_tile may read these, as the launcher checks (last dim contiguous, address and other
-    strides 16-byte multiples), on a GPU or Triton's interpreter: such inputs take the TMA path, others kd.load."""
-    from kilnx.codegen.launch import interpreting
-    return all((t.is_cuda or interpreting()) and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-               and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
+    """Whether kd.load_tile may read these tensors (the launcher's rule), on a GPU or Triton's interpreter:
+    such inputs take the TMA path, others kd.load."""
+    from kilnx.codegen.launch import interpreting, tma_readable
+    return all((t.is_cuda or interpreting()) and tma_readable(t) for t in tensors)
 
 
 @kd.kernel(

@@ -203,8 +203,8 @@ def test_load_tile_lowers_to_one_descriptor_per_box_made_before_the_loop():
 
 
 def test_load_tile_refuses_a_tensor_tma_cannot_read():
-    a = randn(32, 64)[:, :40]             # rows 256 bytes apart but a view: fine; its stride is the problem below
-    b_t = randn(64, 80)[:, ::2]           # last dim not contiguous
+    a = randn(32, 64)[:, :40]             # a view whose rows are 256 bytes apart: TMA reads it
+    b_t = randn(64, 80)[:, ::2]           # last dim not contiguous: TMA cannot
     with pytest.raises(ValueError, match="cannot be read by kd.load_tile.*contiguous"):
         matmul_boxes(a, b_t, backend="triton", config={"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32})
 

@@ -162,26 +162,6 @@ def test_split_attention_matches_formula(B, T, heads, softcap, window, keys_per_
     cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "KEYS_PER_SPLIT": keys_per_split}
     for backend in ("triton", "reference"):
         check(AS.attention_split(q, k_cache, v_cache, positions, kw, config=cfg, backend=backend), want, dtype)
-        # the same with the merge done by each tile's last range program (one launch)
-        check(AS.attention_split_merged(q, k_cache, v_cache, positions, kw, config=cfg, backend=backend), want, dtype)
-        assert not AS.ticket_counter(q.device, B * Hk * -(-(T * (Hq // Hk)) // 16)).any()   # slots back to 0
-
-
-@pytest.mark.parametrize("backend", ["triton", "reference", "numba"])
-def test_merged_split_writes_the_o_projections_input_as_the_two_launch_merge_does(backend):
-    """The last-program merge's prepared output equals attention_merge_prep's on the same backend, bit for
-    bit; a bf16 model's shapes (4 query heads per KV head, 64-wide heads = one quantization group each)."""
-    from kilnx.kernels import attention_split as AS
-    q, k_cache, v_cache, positions = inputs(2, 1, 8, 2, 64, "bf16", seed=11, spare=40)
-    kw = A._kernel_kwargs(q, k_cache, 64 ** -0.5, None, None)
-    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "KEYS_PER_SPLIT": 16}
-    two = AS.attention_split(q, k_cache, v_cache, positions, kw, config=cfg, backend=backend, prepared=(8, 64))
-    for _ in range(2):                                    # twice: the ticket slots are reusable
-        one = AS.attention_split_merged(q, k_cache, v_cache, positions, kw, config=cfg, backend=backend,
-                                        prepared=(8, 64))
-        assert torch.equal(one.planes.view(torch.int32), two.planes.view(torch.int32))
-        torch.testing.assert_close(one.sums, two.sums, rtol=1e-6, atol=1e-5)
-        assert torch.equal(one.xs, two.xs)
 
 
 def test_split_attention_on_numba_and_the_split_rule():

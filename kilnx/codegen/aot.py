@@ -53,5 +53,7 @@ def compile_for_target(kernel, args: tuple, config: dict, *, arch: int = 90, uni
             if aligned and isinstance(value, int) and value % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     options = {"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 3)}
+    if cfg.get("maxnreg"):
+        options["maxnreg"] = cfg["maxnreg"]
     src = triton.compiler.ASTSource(fn, signature=sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)

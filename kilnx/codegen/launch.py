@@ -208,10 +208,12 @@ class Launch:
         if self.ir.tile_tensors:
             _ready_for_tma(self.ir, allt)
         args = self._flat_args(allt, scalars, lambda t: t)
+        knobs = {"num_warps": self.ir.num_warps, "num_stages": self.ir.num_stages}
+        if self.ir.maxnreg:
+            knobs["maxnreg"] = self.ir.maxnreg
         if _pdl() and next(iter(allt.values())).is_cuda:
-            self.fn[grid](*args, num_warps=self.ir.num_warps, num_stages=self.ir.num_stages, launch_pdl=True)
-        else:
-            self.fn[grid](*args, num_warps=self.ir.num_warps, num_stages=self.ir.num_stages)
+            knobs["launch_pdl"] = True
+        self.fn[grid](*args, **knobs)
 
     def _run_reference(self, allt, scalars, grid):
         arrays = {name: _to_numpy(t) for name, t in allt.items()}

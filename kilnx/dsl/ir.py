@@ -183,6 +183,7 @@ class KernelIR:
     constexprs: dict = field(default_factory=dict)
     num_warps: int = 4
     num_stages: int = 2
+    maxnreg: int | None = None
     uses_atomics: bool = False
     tile_tensors: set = field(default_factory=set)   # tensors read by kd.load_tile (TMA rules at launch)
 

@@ -24,7 +24,7 @@ from kilnx.dsl.ir import DSLError, KernelIR, dsl_error, dtype_of, fmt_ir
 from kilnx.dsl.tunables import Space, Tunable
 
 CODEGEN_VERSION = "1"  # bump when a lowering changes what a kernel computes or how fast it runs
-LAUNCH_KNOBS = ("num_warps", "num_stages")
+LAUNCH_KNOBS = ("num_warps", "num_stages", "maxnreg")   # maxnreg: registers per thread, capped (0: the compiler's)
 
 
 MAX_REMEMBERED_CALLS = 1024
@@ -308,6 +308,7 @@ class TileKernel(KernelBase):
             raise DSLError(f"{self.name} must return None, a kd.output or a tuple of them")
         ir.num_warps = config.get("num_warps", 4)
         ir.num_stages = config.get("num_stages", 2)
+        ir.maxnreg = config.get("maxnreg") or None
         ir.constexprs = dict(config)
         return ir
 

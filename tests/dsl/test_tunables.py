@@ -208,3 +208,22 @@ def test_the_source_hash_covers_helper_modules_and_classes():
         text = traced_source(kernel.fn)
         assert "class Frame" in text and "def per_group" in text and "def into_row" in text
     assert "class Frame" not in traced_source(qmatmul.mm.fn)   # a kernel that does not use it
+
+
+def test_a_register_cap_in_a_config_reaches_the_compiled_kernel():
+    """`maxnreg` is a launch knob like num_warps: a kernel's space may declare it, and its value caps the
+    registers per thread in the PTX (compiled for sm_90 here, no GPU needed); 0 leaves the compiler's choice."""
+    import subprocess
+    import sys
+    code = """
+import torch
+from kilnx.codegen.aot import compile_for_target
+from kilnx.kernels import qmv_h2 as H
+args = H.make_qmv_h2_args({"M": 1, "N": 64, "K": 512, "bits": 4, "gs": 64}, "cpu")
+cfg = dict(BLOCK_N=8, BLOCK_KW=32, SPLIT_K=1, num_warps=2, STAGES=2, CHAIN=2)
+for reg in (48, 0):
+    ptx = compile_for_target(H.qmv_h2, args, {**cfg, "maxnreg": reg}).asm["ptx"]
+    print(".maxnreg 48" in ptx)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.stdout.split() == ["True", "False"], (r.stdout, r.stderr[-3000:])

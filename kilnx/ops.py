@@ -107,12 +107,13 @@ def silu_mul_prepared(gate_up: torch.Tensor, fmt):
     return prepared.silu_mul_prepared(gate_up, fmt)
 
 
-def prefetch_weights(parts, x: torch.Tensor) -> None:
+def prefetch_weights(parts, x: torch.Tensor, site: str) -> None:
     """Called where a decode step leaves a GEMV for the short kernels before the next one (that of `parts`,
     whose input will be shaped like x): the first rows of its weights are pulled into L2 meanwhile
-    (kernels/l2_prefetch.py). Nothing on the CPU, past 16 rows, or with KILNX_L2_PREFETCH_MB=0."""
+    (kernels/l2_prefetch.py). `site`: which GEMV (qkv, o, gate_up, down, lm_head). Nothing on the CPU, past
+    16 rows, or with KILNX_L2_PREFETCH_MB=0."""
     from kilnx.kernels.l2_prefetch import prefetch_weights as pf
-    pf(parts, x)
+    pf(parts, x, site)
 
 
 def fuses_qkv_rope(x, w, inv_freq: torch.Tensor, k_cache: torch.Tensor, num_heads: int) -> bool:

@@ -57,6 +57,20 @@ def budget_bytes() -> int:
     return int(float(os.environ.get("KILNX_L2_PREFETCH_MB", "0")) * 2**20)
 
 
+SITES = ("qkv", "o", "gate_up", "down", "lm_head")
+
+
+@functools.lru_cache(maxsize=None)
+def sites() -> frozenset:
+    """The GEMVs whose weights are prefetched (KILNX_L2_PREFETCH_SITES, comma-separated from SITES; all by
+    default, "none" for none)."""
+    got = os.environ.get("KILNX_L2_PREFETCH_SITES", ",".join(SITES)).replace("none", "")
+    chosen = frozenset(s for s in got.split(",") if s)
+    if chosen - set(SITES):
+        raise ValueError(f"KILNX_L2_PREFETCH_SITES: unknown {sorted(chosen - set(SITES))}; choose from {SITES}")
+    return chosen
+
+
 def _programs(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
@@ -72,12 +86,13 @@ def prefetch_rows(w, rows: int, *, backend=None, config=None) -> None:
                        config=config)
 
 
-def prefetch_weights(parts, x, budget: int | None = None) -> None:
+def prefetch_weights(parts, x, site: str, budget: int | None = None) -> None:
     """kilnx.ops.prefetch_weights: before the short kernels that precede the GEMV of `parts` (decode rows
-    only, on a GPU), the first `budget` bytes' worth of rows of each 2-d affine weight in `parts`.
+    only, on a GPU), the first `budget` bytes' worth of rows of each 2-d affine weight in `parts`; `site`
+    names the GEMV (one of SITES).
     x: activations (..., K) or a PreparedX, for its device and row count."""
     budget = budget_bytes() if budget is None else budget
-    if budget <= 0 or x.device.type != "cuda" or math.prod(x.shape[:-1]) > MAX_ROWS:
+    if budget <= 0 or site not in sites() or x.device.type != "cuda" or math.prod(x.shape[:-1]) > MAX_ROWS:
         return
     from kilnx.quant import QWeight
     for w in parts:

@@ -76,16 +76,41 @@ def test_prefetch_weights_does_nothing_on_the_cpu_past_decode_rows_or_when_off(m
     calls = []
     monkeypatch.setattr(P, "prefetch_rows", lambda w, rows, **_: calls.append(rows))
     w = _weight(24, 256)
-    P.prefetch_weights([w], torch.zeros(1, 256), budget=1 << 20)          # CPU
+    P.prefetch_weights([w], torch.zeros(1, 256), "o", budget=1 << 20)          # CPU
     assert calls == []
 
     class OnGpu:   # stands for activations on a GPU: only their device and shape are read
         def __init__(self, rows):
             self.device, self.shape = torch.device("cuda"), (rows, 256)
 
-    P.prefetch_weights([w], OnGpu(17), budget=1 << 20)
-    P.prefetch_weights([w], OnGpu(1), budget=0)
+    P.prefetch_weights([w], OnGpu(17), "o", budget=1 << 20)
+    P.prefetch_weights([w], OnGpu(1), "o", budget=0)
     assert calls == []
     per_row = 256 // 8 * 4 + 2 * (256 // 64) * 2
-    P.prefetch_weights([w, torch.zeros(3, 3), w], OnGpu(4), budget=30 * per_row)   # dense parts are skipped
+    P.prefetch_weights([w, torch.zeros(3, 3), w], OnGpu(4), "o", budget=30 * per_row)   # dense parts are skipped
     assert calls == [30, 6]        # the first weight whole (24 rows), the rest of the budget from the next
+
+
+def test_only_the_chosen_sites_prefetch(monkeypatch):
+    calls = []
+    monkeypatch.setattr(P, "prefetch_rows", lambda w, rows, **_: calls.append(rows))
+    monkeypatch.setattr(P, "sites", lambda: frozenset({"o"}))
+
+    class OnGpu:
+        device, shape = torch.device("cuda"), (1, 256)
+
+    w = _weight(24, 256)
+    P.prefetch_weights([w], OnGpu(), "down", budget=1 << 20)
+    P.prefetch_weights([w], OnGpu(), "o", budget=1 << 20)
+    assert calls == [(1 << 20) // (256 // 8 * 4 + 2 * (256 // 64) * 2)]   # rows of the budget (clamped by prefetch_rows)
+
+
+def test_an_unknown_site_in_the_environment_is_one_clear_error(monkeypatch):
+    monkeypatch.setenv("KILNX_L2_PREFETCH_SITES", "o,attention")
+    P.sites.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="unknown \\['attention'\\]"):
+            P.sites()
+    finally:
+        monkeypatch.delenv("KILNX_L2_PREFETCH_SITES")
+        P.sites.cache_clear()

@@ -18,7 +18,7 @@ def test_a_model_asks_for_the_next_weights_where_a_gemv_hands_over_to_short_kern
             return getattr(kops, name)
 
         @staticmethod
-        def prefetch_weights(parts, x):
+        def prefetch_weights(parts, x, site):
             asked.append([id(p) for p in parts])
 
     model = tiny_model("llama", ops=Recording(), fmt="q4")

@@ -107,15 +107,6 @@ def silu_mul_prepared(gate_up: torch.Tensor, fmt):
     return prepared.silu_mul_prepared(gate_up, fmt)
 
 
-def prefetch_weights(parts, x: torch.Tensor, site: str) -> None:
-    """Called where a decode step leaves a GEMV for the short kernels before the next one (that of `parts`,
-    whose input will be shaped like x): the first rows of its weights are pulled into L2 meanwhile
-    (kernels/l2_prefetch.py). `site`: which GEMV (qkv, o, gate_up, down, lm_head). Nothing on the CPU, past
-    16 rows, or with KILNX_L2_PREFETCH_MB=0."""
-    from kilnx.kernels.l2_prefetch import prefetch_weights as pf
-    pf(parts, x, site)
-
-
 def fuses_qkv_rope(x, w, inv_freq: torch.Tensor, k_cache: torch.Tensor, num_heads: int) -> bool:
     """Whether qkv_rope_cache computes x @ w.T, the rotation and the cache write in one launch: x prepared
     for w's GEMV, one (Hq + 2 Hk) * D row weight, full rotary width (KILNX_FUSED_QKV_ROPE=0 turns it off)."""

@@ -28,9 +28,8 @@ def generate(ir: KernelIR, *, fn_name: str | None = None, interpret: bool = Fals
     lines += ["@triton.jit", f"def {fn}({', '.join(param_names(ir))}):"]
     # first, before any memory access: the kernel may be scheduled before the previous one finished
     # (unless the author placed it, after prefetches: kd.grid_dependency_sync checks the order)
-    syncs = [n for n in ir.walk() if n.op == "grid_sync"]
-    opening = ["    _rt.launch_dependents()"] if syncs and syncs[0].arg else []
-    lines += (opening if syncs else ["    _rt.grid_dependency_sync()"]) + g.descriptors() + g.block(ir.body, 1)
+    explicit = any(n.op == "grid_sync" for n in ir.walk())
+    lines += ([] if explicit else ["    _rt.grid_dependency_sync()"]) + g.descriptors() + g.block(ir.body, 1)
     lines.insert(2, "from kilnx.codegen import triton_rt as _rt")
     return "\n".join(lines) + "\n"
 
@@ -127,8 +126,8 @@ class _Gen(StatementEmitter):
             if hint in HINTS:
                 args.append(f"eviction_policy='{HINTS[hint]}'")
             return f"{name} = tl.load({', '.join(args)})"
-        if op == "grid_sync":   # with the trigger at the kernel's top (next_starts_early), the wait alone
-            return "_rt.grid_dependency_wait()" if n.arg else "_rt.grid_dependency_sync()"
+        if op == "grid_sync":
+            return "_rt.grid_dependency_sync()"
         if op == "barrier":
             return "tl.debug_barrier()"
         if op == "prefetch":   # indices in bounds by contract (kd.prefetch): no mask

@@ -72,20 +72,6 @@ def grid_dependency_sync():
 
 
 @triton.jit
-def launch_dependents():
-    """Let the next kernel in the stream be scheduled now (kd.grid_dependency_sync(next_starts_early=True))."""
-    if PDL:
-        gdc_launch_dependents()
-
-
-@triton.jit
-def grid_dependency_wait():
-    """Wait for the previous kernel in the stream, after an early launch_dependents."""
-    if PDL:
-        gdc_wait()
-
-
-@triton.jit
 def _half(a, shift: tl.constexpr):
     return ((a >> shift) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float64)
 

@@ -106,17 +106,11 @@ def prefetch(t: TensorArg, *idx):
     builder().emit("prefetch", t.dtype, shape, srcs, arg=(t.param.name, (False,) * t.ndim, False))
 
 
-def grid_dependency_sync(*, next_starts_early: bool = False):
+def grid_dependency_sync():
     """Where the kernel waits for the previous kernel in the stream to finish (and its writes to be
     visible) when launched with PDL. Every Triton kernel has one; by default it is the first statement.
     Placing it explicitly lets only `prefetch` and index arithmetic come before it: the call must be at
-    the kernel's top level, once, before any load, store or atomic.
-
-    The next kernel in the stream may be scheduled once every program of this one has passed this point
-    (the trigger follows the wait), or, with `next_starts_early`, from this kernel's first statement: for
-    a kernel that only prefetches, so that inserting it in a chain does not delay the launch of the one
-    after it. The next kernel's own wait still returns only once this one has finished, which it does
-    after its own wait: a kernel's completion still implies that of every kernel before it."""
+    the kernel's top level, once, before any load, store or atomic."""
     b = builder()
     if b.block is not b.ir.body:
         raise dsl_error("kd.grid_dependency_sync() must be at the kernel's top level, not inside a loop")
@@ -127,7 +121,7 @@ def grid_dependency_sync(*, next_starts_early: bool = False):
             raise dsl_error(f"kd.grid_dependency_sync() comes after a {n.op} of `{n.arg[0]}` ({with_source(n.loc)}): "
                             "memory written by the previous kernel may not be ready there; only kd.prefetch "
                             "may precede it")
-    b.emit("grid_sync", "i32", (), arg=bool(next_starts_early))
+    b.emit("grid_sync", "i32", ())
 
 
 def output(shape, dtype, *, name: str = "out", zero: bool = False) -> TensorArg:

@@ -184,10 +184,7 @@ def _default(planes, sums, xs, wq, scales, biases, **_):
     tune={"BLOCK_N": kd.pow2(1, 64, default=16), "BLOCK_KW": kd.pow2(8, 512, default=128),
           "SPLIT_K": kd.choice(1, 2, 4, 8, default=1),
           "num_warps": kd.choice(1, 2, 4, 8, default=4), "STAGES": kd.choice(1, 2, 3, 4, default=1),
-          "CHAIN": kd.choice(1, 2, 4, default=1),
-          # a register cap per thread (0: the compiler's choice) trades spills for resident warps: at 72
-          # registers the one-row GEMV holds 28 warps an SM on the H200, and ncu found it latency-bound
-          "maxnreg": kd.choice(0, 40, 48, 56, 64, default=0)},
+          "CHAIN": kd.choice(1, 2, 4, default=1)},
     key=_key, spec=_spec, default=_default,
     specialize=lambda p, su, xs, wq, sc, b: {**_format(p, su, xs, wq, sc, b), "BLOCK_M": _pow2_at_least(p.shape[0]),
                                              "N_DIV": _pow2_dividing(wq.shape[0]),

@@ -15,8 +15,7 @@ import torch
 OP_NAMES = ("embedding", "rms_norm", "add_rms_norm", "silu_mul", "gelu_tanh_mul", "softcap", "scaled_add", "rope_",
             "rope_and_cache_", "qmatmul", "attention", "attention_new_tokens", "argmax", "moe_route", "moe")
 # fusions only the kernels have (a model asks prepared_format first, and without them calls the plain ops)
-KILNX_ONLY = ("prepared_format", "add_rms_norm_prepared", "silu_mul_prepared", "fuses_qkv_rope", "qkv_rope_cache",
-              "prefetch_weights")
+KILNX_ONLY = ("prepared_format", "add_rms_norm_prepared", "silu_mul_prepared", "fuses_qkv_rope", "qkv_rope_cache")
 
 
 class _FallbackOps(types.SimpleNamespace):

@@ -36,8 +36,6 @@ class LlamaModel:
         self._inv_freq_local = (config.inv_freq(local=True).to(self.device)
                                 if config.rope_local_theta is not None else self._inv_freq)
         self._rows: dict = {}
-        # where a GEMV hands over to short kernels, the next GEMV's first weight rows go to L2 (kernels only)
-        self._prefetch = getattr(self.ops, "prefetch_weights", None) or (lambda parts, x, site: None)
 
     # ------------------------------------------------------------------ public
     @property
@@ -56,19 +54,17 @@ class LlamaModel:
         for i, layer in enumerate(w.layers):
             if residual is None:
                 residual = h
-                self._prefetch(layer.qkv, h, "qkv")
                 x = ops.rms_norm(h, layer.attn_norm, eps, weight_offset=off)
             else:
-                residual, x = self._add_norm(h, residual, layer.attn_norm, layer.qkv, "qkv")
+                residual, x = self._add_norm(h, residual, layer.attn_norm, layer.qkv)
             a = self._attention(i, layer, x, positions, rows_flat, kv_cache, B, T)
             if self._gemma:
                 a = ops.rms_norm(a, layer.post_attn_norm, eps, weight_offset=off)
             mlp_in = layer.gate_up if layer.router is None else [layer.router, layer.experts_gate_up]
-            residual, x = self._add_norm(a, residual, layer.mlp_norm, mlp_in, "gate_up")
+            residual, x = self._add_norm(a, residual, layer.mlp_norm, mlp_in)
             h = self._mlp(layer, x)
             if self._gemma:
                 h = ops.rms_norm(h, layer.post_mlp_norm, eps, weight_offset=off)
-        self._prefetch(w.lm_head, h, "lm_head")
         _, x = ops.add_rms_norm(h, residual, w.final_norm, eps, weight_offset=off)
         x = x.view(B, T, -1)
         if last_only:
@@ -99,10 +95,9 @@ class LlamaModel:
         ask = getattr(self.ops, "prepared_format", None)
         return ask(parts, x) if ask is not None and parts else None
 
-    def _add_norm(self, x, residual, norm, parts, site):
+    def _add_norm(self, x, residual, norm, parts):
         """(residual, normed x) for the linear layer `parts`, prepared for its GEMV where it takes that."""
         cfg, ops = self.config, self.ops
-        self._prefetch(parts, x, site)
         fmt = self._prepared_format(parts, x)
         if fmt is not None:
             return ops.add_rms_norm_prepared(x, residual, norm, cfg.rms_norm_eps, fmt,
@@ -123,13 +118,11 @@ class LlamaModel:
             # the projection rotates q and writes k, v into the caches itself (kernels/qkv_rope.py)
             q = ops.qkv_rope_cache(x, layer.qkv[0], positions.reshape(-1), rows_flat, inv, k_cache, v_cache,
                                    num_heads=Hq, interleaved=cfg.rope_interleaved)
-            self._prefetch([layer.o], x, "o")
             fmt = self._prepared_format([layer.o], q.view(B * T, qs))
             o = ops.attention(q.view(B, T, Hq, D), k_cache, v_cache, positions, cfg.attn_scale,
                               softcap=cfg.attn_logit_softcap, window=window, prepared=fmt)
         else:
             qkv = _linear(ops, x, layer.qkv)                       # (B*T, q + 2kv)
-            self._prefetch([layer.o], x, "o")
             if layer.qkv_bias is not None:
                 # qwen2's bias add: the ops contract has no bias epilogue, and this is one tiny elementwise op.
                 qkv = qkv + layer.qkv_bias
@@ -155,7 +148,6 @@ class LlamaModel:
                                          cfg.norm_topk_prob)
             return ops.moe(x, layer.experts_gate_up, layer.experts_down, ids, weights, cfg.hidden_act)
         gate_up = _linear(ops, x, layer.gate_up)               # (B*T, 2F) laid out [gate | up]
-        self._prefetch([layer.down], gate_up, "down")
         if self.config.hidden_act == "gelu_tanh":
             act = ops.gelu_tanh_mul(gate_up)
         else:

@@ -181,21 +181,3 @@ def test_a_program_reads_back_what_it_wrote_after_a_barrier(backend):
     torch.testing.assert_close(got, x.flip(1) * 2)
     src = _write_then_read_back.triton_source(x, torch.zeros(3, 16))
     assert src.index("tl.store(") < src.index("tl.debug_barrier()") < src.rindex("tl.load(")
-
-
-def test_a_kernel_that_lets_the_next_start_early_triggers_before_it_waits_on_sm90():
-    """kd.grid_dependency_sync(next_starts_early=True) (the L2 prefetch kernel): the trigger is the kernel's
-    first instruction of the two, the wait comes after the prefetches."""
-    code = """
-import torch, triton.language as tl
-from kilnx.codegen import triton_rt
-from kilnx.codegen.aot import compile_for_target
-from kilnx.kernels import l2_prefetch as P
-triton_rt.PDL = tl.constexpr(True)
-args = tuple(torch.zeros(n, dtype=torch.int32) for n in (4096, 64, 64))
-ptx = compile_for_target(P.l2_prefetch_kernel, args, {}, kw={"a_stop": 4096, "b_stop": 64, "c_stop": 64, "PROGRAMS": 8}).asm["ptx"]
-t, p, w = (ptx.find(s) for s in ("griddepcontrol.launch_dependents", "prefetch.global.L2", "griddepcontrol.wait"))
-print(0 <= t < p < w)
-"""
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=_base_env())
-    assert r.stdout.strip() == "True", (r.stdout, r.stderr[-3000:])

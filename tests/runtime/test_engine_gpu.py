@@ -112,17 +112,3 @@ def test_steps_run_ahead_on_graphs_give_the_synchronous_loops_tokens(sampled, mo
         assert stats.generated_tokens == 24
     assert runs["1"] == runs["0"] and runs["2"] == runs["0"]
 
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
-def test_graph_decode_with_l2_prefetches_follows_the_torch_peer(arch, monkeypatch):
-    """With the next GEMV's weights prefetched into L2 after each GEMV (kernels/l2_prefetch.py), the graph-
-    replayed steps keep the peer's logits: the prefetch kernels sit in the PDL chain (each lets the next
-    kernel launch first, then waits) without a kernel after them reading before the one before them wrote."""
-    from kilnx.kernels import l2_prefetch as P
-    launched = []
-    rows = P.prefetch_rows
-    monkeypatch.setattr(P, "budget_bytes", lambda: 1 << 20)
-    monkeypatch.setattr(P, "prefetch_rows", lambda w, r, **k: (launched.append(r), rows(w, r, **k)))
-    follow_the_peer(engines_for(arch, 64), random_prompt(20, 3), 8)
-    assert launched and all(r > 0 for r in launched)

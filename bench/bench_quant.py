@@ -45,12 +45,10 @@ H2_TILES = [(16, 128, 1, 2), (32, 128, 1, 4), (16, 64, 1, 1), (8, 256, 1, 4), (4
             (16, 256, 1, 4), (32, 64, 1, 2), (8, 64, 1, 1), (4, 256, 2, 2)]
 if os.environ.get("H2_TILES"):   # e.g. "8x128x1x2,16x128x1x2": BLOCK_N x BLOCK_KW x SPLIT_K x num_warps
     H2_TILES = [tuple(int(v) for v in t.split("x")) for t in os.environ["H2_TILES"].split(",")]
-# $H2_CHAIN ("1,2,4"): words per fp16 accumulator (qmv_h2's CHAIN); $H2_MAXNREG ("0,48,64"): register caps
-H2_CONFIGS = [dict(BLOCK_N=bn, BLOCK_KW=kw, SPLIT_K=sk, num_warps=nw, STAGES=st, **({"CHAIN": ch} if ch else {}),
-                   **({"maxnreg": reg} if reg else {}))
+# $H2_CHAIN ("1,2,4"): words per fp16 accumulator (qmv_h2's CHAIN)
+H2_CONFIGS = [dict(BLOCK_N=bn, BLOCK_KW=kw, SPLIT_K=sk, num_warps=nw, STAGES=st, **({"CHAIN": ch} if ch else {}))
               for st in [int(v) for v in os.environ.get("H2_STAGES", "1,2,3").split(",")]
               for ch in [int(v) for v in os.environ.get("H2_CHAIN", "0").split(",")]
-              for reg in [int(v) for v in os.environ.get("H2_MAXNREG", "0").split(",")]
               for bn, kw, sk, nw in H2_TILES]
 # qmv_tc: (BLOCK_N, SPLIT_K, num_warps, STAGES, SWAP)
 TC_CONFIGS = [dict(BLOCK_N=bn, SPLIT_K=sk, num_warps=nw, STAGES=st, SWAP=sw)

@@ -146,12 +146,17 @@ class Interpreter:
                                f"(index range {int(i.min())}..{int(i.max())}, size {arr.shape[d]})\n  at {with_source(n.loc)}")
         return arr, idx, mask
 
-    def load(self, n: Node, v):
-        other = n.arg[3]
-        arr, idx, mask = self._lanes(n, v, 0)
+    @staticmethod
+    def _read(n: Node, arr, idx, mask, other):
+        """arr at every lane's index, `other` where the mask is off (indices clipped: masked lanes may
+        name any address)."""
         clipped = tuple(np.clip(i, 0, max(s - 1, 0)) for i, s in zip(idx, arr.shape))
         vals = arr[clipped] if arr.size else np.zeros(n.shape, arr.dtype)
         return np.where(mask, vals, other).astype(NUMPY_OF[n.dtype])
+
+    def load(self, n: Node, v):
+        arr, idx, mask = self._lanes(n, v, 0)
+        return self._read(n, arr, idx, mask, n.arg[3])
 
     def store(self, n: Node, v):
         value = v[0]
@@ -161,8 +166,7 @@ class Interpreter:
         if n.op == "store":
             arr[sel] = value[mask]
             return None
-        clipped = tuple(np.clip(i, 0, max(s - 1, 0)) for i, s in zip(idx, arr.shape))
-        old = np.where(mask, arr[clipped] if arr.size else 0, 0).astype(NUMPY_OF[n.dtype])
+        old = self._read(n, arr, idx, mask, 0)
         np.add.at(arr, sel, value[mask])
         if n.dtype in ("f16", "bf16"):
             arr[sel] = round_to(arr[sel], n.dtype)

@@ -210,7 +210,6 @@ def test_the_source_hash_covers_helper_modules_and_classes():
     assert "class Frame" not in traced_source(qmatmul.mm.fn)   # a kernel that does not use it
 
 
-
 def test_a_register_cap_in_a_config_reaches_the_compiled_kernel():
     """`maxnreg` is a launch knob like num_warps: a kernel's space may declare it, and its value caps the
     registers per thread in the PTX (compiled for sm_90 here, no GPU needed); 0 leaves the compiler's choice.

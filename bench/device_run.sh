@@ -26,6 +26,7 @@ for s in "$@"; do case $s in
   fp4) KILNX_BENCH_ONLY=fp4 step fp4 90 python3 bench/bench_kernels.py --suite quant --out $OUT/fp4 ;;
   gateup) KILNX_BENCH_ONLY=gate_up step gateup 200 python3 bench/bench_kernels.py --suite quant --out $OUT/gateup ;;
   profprefill) step profprefill_${PROFILE_LEN:-2048} 120 python3 bench/profile_prefill.py ${PROFILE_LEN:-2048} ${PROFILE_MODEL:-llama-3.1-8b} ;;
+  splitk) step splitk ${SPLITK_SECS:-500} python3 bench/probes/splitk_gemv.py $OUT/splitk_gemv.csv ;;
   attnprobe) step attnprobe ${ATTN_SECS:-300} python3 bench/probes/attention_decode.py $OUT/attention_decode.csv ;;
   profdecode) step profdecode 120 python3 bench/profile_decode.py ${PROFILE_MODEL:-llama-3.1-8b} ${PROFILE_ARGS:-} ;;
   profsplit) for a in "128 2113" "2048 2113"; do for sp in 1 0; do

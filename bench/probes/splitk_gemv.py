@@ -28,7 +28,8 @@ from bench_kernels import copies_for, time_calls  # noqa: E402
 from kilnx.codegen import launch  # noqa: E402
 from kilnx.kernels import qmv_h2  # noqa: E402
 
-SHAPES = {"o": (4096, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "gate_up": (28672, 4096)}
+SHAPES = {"o": (4096, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "gate_up": (28672, 4096),
+          "down_1b": (2048, 8192), "gate_up_1b": (16384, 2048), "lm_head": (128256, 4096)}
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu":     # a check of the script under the interpreter
     SHAPES = {"o": (64, 256)}
@@ -47,9 +48,13 @@ def configs(name):
         yield {"BLOCK_N": 64, "BLOCK_KW": 32, "num_warps": 1, "SPLIT_K": 2, "STAGES": 1, "CHAIN": 1}
         return
     tiles = [(4, 128, 1), (4, 256, 2), (8, 128, 2), (8, 64, 1), (16, 128, 2), (4, 64, 1), (2, 256, 1), (8, 256, 2)]
+    if os.environ.get("SPLITK_TILES"):   # BLOCK_N x BLOCK_KW x num_warps, comma-separated
+        tiles = [tuple(int(v) for v in t.split("x")) for t in os.environ["SPLITK_TILES"].split(",")]
     splits = (1, 2, 4, 8) if name in ("o", "down", "qkv") else (1, 2)
-    for (bn, kw, nw), sk in itertools.product(tiles, splits):
-        yield {"BLOCK_N": bn, "BLOCK_KW": kw, "num_warps": nw, "SPLIT_K": sk, "STAGES": 3, "CHAIN": 2}
+    splits = [int(v) for v in os.environ.get("SPLITK_SPLITS", ",".join(map(str, splits))).split(",")]
+    stages = [int(v) for v in os.environ.get("SPLITK_STAGES", "3").split(",")]
+    for (bn, kw, nw), sk, st in itertools.product(tiles, splits, stages):
+        yield {"BLOCK_N": bn, "BLOCK_KW": kw, "num_warps": nw, "SPLIT_K": sk, "STAGES": st, "CHAIN": 2}
 
 
 def main(path):
@@ -58,7 +63,7 @@ def main(path):
     META = provenance(DEV)
     rows = []
     for name, (n, k) in SHAPES.items():
-        if os.environ.get("SPLITK_SHAPES") and name not in os.environ["SPLITK_SHAPES"].split(","):
+        if name not in os.environ.get("SPLITK_SHAPES", "o,down,qkv,gate_up").split(",") and DEV == "cuda":
             continue
         p = {"M": 1, "N": n, "K": k, "bits": 4, "gs": 64}
         wbytes = n * k // 2 + 4 * n * (k // 64)

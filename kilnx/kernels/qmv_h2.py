@@ -172,7 +172,9 @@ def _default(planes, sums, xs, wq, scales, biases, **_):
         return {}
     rows = planes.shape[0]
     if rows == 1 and 2 * planes.shape[1] * planes.shape[2] >= 8192:     # long rows (llama's down)
-        return {"BLOCK_N": 4, "BLOCK_KW": 256, "num_warps": 2, "STAGES": 3, "CHAIN": 2}
+        import os   # TEMPORARY A/B switch (session 13), removed after the measurement
+        bn = int(os.environ.get("KILNX_H2_LONG_TILE", "4x256").split("x")[0])
+        return {"BLOCK_N": bn, "BLOCK_KW": 256, "num_warps": 2, "STAGES": 3, "CHAIN": 2}
     if rows == 1:
         return {"BLOCK_N": 8, "BLOCK_KW": 128, "num_warps": 2, "STAGES": 3, "CHAIN": 2}
     if rows <= 4:

@@ -63,38 +63,32 @@ class Frame:
             self.prefetch(t, self.w_start // self.WPG, kd.cdiv(self.w_stop, self.WPG))
         kd.grid_dependency_sync()
 
-    def chunks(self, skip_first: bool = False):
-        """The loop over this program's chunks, yielding each chunk's first word (from the second chunk
-        on with `skip_first`, after first_chunk_ahead)."""
-        start = self.w_start + self.CHUNK if skip_first else self.w_start
-        return kd.range(start, self.w_stop, self.CHUNK, stages=self.STAGES if self.STAGES > 1 else None)
+    def prefetch_first_chunk(self, wq, *per_group):
+        """Ask L2 for the program's first chunk of packed words and of its per-group tensors, then the
+        sync: every GEMV of a decode step follows a short kernel (add+RMSNorm, attention, SwiGLU) that lets
+        it launch early (PDL), so its first wave of programs sits resident through that kernel, where their
+        first chunk can travel from HBM instead of after it. One chunk: later waves start after the sync."""
+        self.prefetch(wq, self.w_start, kd.minimum(self.w_start + self.CHUNK, self.w_stop),
+                      lines=max(self.CHUNK * 4 // 128, 1))
+        for t in per_group:
+            self.prefetch(t, self.w_start // self.WPG, kd.cdiv(kd.minimum(self.w_start + self.CHUNK, self.w_stop), self.WPG),
+                          lines=max(self.G * ITEMSIZE[t.dtype] // 128, 1))
+        kd.grid_dependency_sync()
 
-    def chunk(self, wq, w0, *, ahead: bool = False):
+    def chunks(self):
+        """The loop over this program's chunks, yielding each chunk's first word."""
+        return kd.range(self.w_start, self.w_stop, self.CHUNK, stages=self.STAGES if self.STAGES > 1 else None)
+
+    def chunk(self, wq, w0):
         """(wc, g, words): the chunk's word and group indices and its (BLOCK_N, CHUNK) packed words."""
         wc = w0 + kd.arange(0, self.CHUNK)
         g = w0 // self.WPG + kd.arange(0, self.G)
-        words = kd.load(wq, self.n[:, None], wc[None, :], hint="stream", check=(not self.ROWS_IN, not self.K_IN),
-                        ahead=ahead)
+        words = kd.load(wq, self.n[:, None], wc[None, :], hint="stream", check=(not self.ROWS_IN, not self.K_IN))
         return wc, g, words
 
-    def per_weight_row(self, t, g, *, ahead: bool = False):
+    def per_weight_row(self, t, g):
         """(BLOCK_N, G) of a per-group weight tensor (scales, biases), as loaded."""
-        return kd.load(t, self.n[:, None], g[None, :], check=(not self.ROWS_IN, not self.K_IN), ahead=ahead)
-
-    def first_chunk_ahead(self, wq, *per_group):
-        """The program's first chunk of packed words and of its per-group tensors, loaded before the grid
-        sync, then the sync: (wc, g, words, *per-group tiles); the loop then starts at `chunks(skip_first=True)`.
-
-        Why: every GEMV of a decode step follows a short kernel (add+RMSNorm, attention, SwiGLU) that lets
-        it launch early (PDL), so its first wave of programs sits resident through that kernel; their first
-        loads, which do not depend on it, are then in flight during it instead of after it. One chunk, not
-        the whole range: programs of later waves start after the sync anyway, and what the first wave holds
-        in registers across the sync must not cost the loop its occupancy. Needs one split (SPLIT_K 1), where
-        every program's range starts with a whole chunk of its own."""
-        wc, g, words = self.chunk(wq, self.w_start, ahead=True)
-        tiles = [self.per_weight_row(t, g, ahead=True) for t in per_group]
-        kd.grid_dependency_sync()
-        return (wc, g, words, *tiles)
+        return kd.load(t, self.n[:, None], g[None, :], check=(not self.ROWS_IN, not self.K_IN))
 
     def rows(self, M):
         """The loop over activation rows. One row needs no loop; a pipelined chunk loop unrolls the rows
@@ -206,10 +200,10 @@ def prefetching() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def loading_ahead() -> bool:
-    """Whether the one-row GEMVs load their first chunk before the grid sync (Frame.first_chunk_ahead;
-    KILNX_GEMV_AHEAD=0 turns it off). Only meaningful when kernels launch early (PDL)."""
-    if os.environ.get("KILNX_GEMV_AHEAD", "1") != "1":
+def prefetching_first_chunk() -> bool:
+    """Whether the one-row GEMVs prefetch their first chunk before the grid sync (Frame.prefetch_first_chunk;
+    KILNX_GEMV_PREFETCH_FIRST=0 turns it off). Only meaningful when kernels launch early (PDL)."""
+    if os.environ.get("KILNX_GEMV_PREFETCH_FIRST", "1") != "1":
         return False
     from kilnx.codegen.triton_rt import pdl_enabled
     return pdl_enabled()

@@ -76,7 +76,7 @@ def _specialize(planes, sums, xs, wq, scales, biases, positions, rows, inv_freq,
     return {**H._format(planes, sums, xs, wq, scales, biases), "BLOCK_M": _pow2_at_least(planes.shape[0]),
             "N_DIV": _pow2_dividing(wq.shape[0]), "KW_DIV": _pow2_dividing(wq.shape[1]), "D": k_cache.shape[3],
             "R": 2 * inv_freq.shape[0], "HQ": wq.shape[0] // k_cache.shape[3] - 2 * k_cache.shape[1],
-            "AHEAD": wq.is_cuda and gemv.loading_ahead()}
+            "AHEAD": wq.is_cuda and gemv.prefetching_first_chunk()}
 
 
 @kd.kernel(tune=TUNE, key=_key, spec=_spec, default=_default, specialize=_specialize)
@@ -95,7 +95,9 @@ def qkv_rope_cache_h2(planes, sums, xs, wq, scales, biases, positions, rows, inv
     f = gemv.Frame(N, KW, WPG=GROUP * BITS // 32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW, SPLIT_K=1,
                    N_DIV=N_DIV, KW_DIV=KW_DIV, STAGES=STAGES,
                    rows_of=lambda pid: pair_rows(pid, BLOCK_N=BLOCK_N, D=D, INTERLEAVED=INTERLEAVED))
-    acc = H.accumulate(f, planes, sums, xs, wq, scales, biases, BITS=BITS, chain=min(CHAIN, f.WPG), ahead=AHEAD)
+    if AHEAD:
+        f.prefetch_first_chunk(wq, scales, biases)
+    acc = H.accumulate(f, planes, sums, xs, wq, scales, biases, BITS=BITS, chain=min(CHAIN, f.WPG))
     # rounded as the stored qkv output was, then rotated in fp32 as rope_cache_kernel does
     a, b = kd.halves(kd.reshape(acc.astype(scales.dtype).f32(), (BLOCK_M, 2, BLOCK_N // 2)), axis=1)
     first, offset = first_members(kd.program_id(0), kd.arange(0, BLOCK_N // 2), BLOCK_N=BLOCK_N, D=D,

@@ -192,41 +192,35 @@ def _default(planes, sums, xs, wq, scales, biases, **_):
                                              "N_DIV": _pow2_dividing(wq.shape[0]),
                                              "KW_DIV": _pow2_dividing(wq.shape[1]),
                                              "PREFETCH": wq.is_cuda and gemv.prefetching(),
-                                             "AHEAD": wq.is_cuda and gemv.loading_ahead()})
+                                             "AHEAD": wq.is_cuda and gemv.prefetching_first_chunk()})
 def qmv_h2(planes, sums, xs, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr,
            BLOCK_M: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr, PREFETCH: kd.constexpr = False,
            AHEAD: kd.constexpr = False, BLOCK_N, BLOCK_KW, SPLIT_K, STAGES, CHAIN):
     N, KW = wq.shape
     f = gemv.Frame(N, KW, WPG=GROUP * BITS // 32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW,
                    SPLIT_K=SPLIT_K, N_DIV=N_DIV, KW_DIV=KW_DIV, STAGES=STAGES)
-    ahead = AHEAD and SPLIT_K == 1 and not PREFETCH
     if PREFETCH:
         f.prefetch_weights(wq, scales, biases)
-    acc = accumulate(f, planes, sums, xs, wq, scales, biases, BITS=BITS, chain=min(CHAIN, f.WPG), ahead=ahead)
+    elif AHEAD:
+        f.prefetch_first_chunk(wq, scales, biases)
+    acc = accumulate(f, planes, sums, xs, wq, scales, biases, BITS=BITS, chain=min(CHAIN, f.WPG))
     return f.store(acc, planes.shape[0], N, scales.dtype, SPLIT_K)
 
 
-def accumulate(f, planes, sums, xs, wq, scales, biases, *, BITS: int, chain: int = 1, ahead: bool = False):
+def accumulate(f, planes, sums, xs, wq, scales, biases, *, BITS: int, chain: int = 1):
     """The program's (BLOCK_M, BLOCK_N) fp32 results over its words: qmv_h2's main loop, shared with the
-    GEMVs that finish differently (qkv_rope.qkv_rope_cache_h2). chain: see gemv.Frame.h2_group_dot.
-    ahead: the first chunk's weights are loaded before the grid sync (gemv.Frame.first_chunk_ahead)."""
+    GEMVs that finish differently (qkv_rope.qkv_rope_cache_h2). chain: see gemv.Frame.h2_group_dot."""
+    PER = 32 // BITS                 # codes per word
     acc = f.group_accumulator()
-
-    def add_chunk(wc, g, words, s, b):
-        s, b = s.f32(), b.f32()
+    for w0 in f.chunks():
+        wc, g, words = f.chunk(wq, w0)
+        s, b = f.per_weight_row(scales, g).f32(), f.per_weight_row(biases, g).f32()
         # every row reuses the decoded pairs (one row decodes each pair right where it is used, so
         # only one pair tile is live at a time)
         pairs = _exact_pairs(words, BITS) if f.BLOCK_M > 1 else None
         for m in f.rows(planes.shape[0]):
             qx_g = f.h2_group_dot(lambda p: _exact_pair(words, BITS, p), pairs, planes, m, wc, PER // 2, chain)
             f.add_group_terms(acc, qx_g * s * f.per_x_row(xs, m, g)[None, :] + b * f.per_x_row(sums, m, g)[None, :], m)
-
-    PER = 32 // BITS                 # codes per word
-    if ahead:
-        add_chunk(*f.first_chunk_ahead(wq, scales, biases))
-    for w0 in f.chunks(skip_first=ahead):
-        wc, g, words = f.chunk(wq, w0)
-        add_chunk(wc, g, words, f.per_weight_row(scales, g), f.per_weight_row(biases, g))
     return f.group_results(acc)
 
 

@@ -181,9 +181,9 @@ print(0 <= w < t)
     assert r.stdout.strip() == "True", (r.stdout, r.stderr[-3000:])
 
 
-def test_the_gemv_issues_its_first_weight_loads_before_the_wait_in_sm90_code():
+def test_the_gemv_prefetches_its_first_chunk_before_the_wait_in_sm90_code():
     """What AHEAD is for survives the compilers: in qmv_h2's sm_90 PTX (PDL forced on) the first chunk's
-    weight loads come before griddepcontrol.wait, the activations' after it."""
+    L2 prefetches come before griddepcontrol.wait, and every load after it."""
     code = """
 import torch, triton.language as tl
 from kilnx.codegen import triton_rt
@@ -195,8 +195,8 @@ wq, s = torch.zeros(4096, 512, dtype=torch.int32), torch.zeros(4096, 64).bfloat1
 cfg = {"BLOCK_N": 8, "BLOCK_KW": 128, "SPLIT_K": 1, "num_warps": 2, "STAGES": 3, "CHAIN": 2}
 ptx = compile_for_target(H.qmv_h2, (planes, sums, xs, wq.view(torch.uint32), s, s), cfg, kw={"AHEAD": True},
                          aligned=True).asm["ptx"]
-wait = ptx.find("griddepcontrol.wait")
-print(0 < ptx.find("ld.global") < wait)
+wait, ld = ptx.find("griddepcontrol.wait"), ptx.find("ld.global")
+print(0 < ptx.find("prefetch.global.L2") < wait < ld)
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=_base_env())
     assert r.stdout.strip() == "True", (r.stdout, r.stderr[-3000:])

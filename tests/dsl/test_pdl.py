@@ -195,8 +195,9 @@ wq, s = torch.zeros(4096, 512, dtype=torch.int32), torch.zeros(4096, 64).bfloat1
 cfg = {"BLOCK_N": 8, "BLOCK_KW": 128, "SPLIT_K": 1, "num_warps": 2, "STAGES": 3, "CHAIN": 2}
 ptx = compile_for_target(H.qmv_h2, (planes, sums, xs, wq.view(torch.uint32), s, s), cfg, kw={"AHEAD": True},
                          aligned=True).asm["ptx"]
-wait, ld = ptx.find("griddepcontrol.wait"), ptx.find("ld.global")
-print(0 < ptx.find("prefetch.global.L2") < wait < ld)
+wait = ptx.find("griddepcontrol.wait")
+reads = [i for i in (ptx.find("ld.global"), ptx.find("cp.async")) if i >= 0]
+print(0 < ptx.find("prefetch.global.L2") < wait < min(reads))
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=_base_env())
     assert r.stdout.strip() == "True", (r.stdout, r.stderr[-3000:])

@@ -119,7 +119,7 @@ class _Gen(StatementEmitter):
             return f"{name} = {self.descriptor_name(n)}.load([{', '.join(r[ndim:2 * ndim])}])"
         if op == "load":
             ptr, mask = self.address(n, r, 0)
-            tname, _, _, other, hint, _, _ = n.arg
+            tname, _, _, other, hint, _ = n.arg
             args = [ptr]
             if mask:
                 args += [f"mask={mask}", f"other={py_literal(other)}"]

@@ -26,18 +26,14 @@ def _mem_index(t: TensorArg, idx, mask, what):
     return srcs, broadcast_shapes(*shapes), mask is not None
 
 
-def load(t: TensorArg, *idx, mask=None, other=0, check=True, hint: str | None = None, ahead: bool = False) -> Value:
+def load(t: TensorArg, *idx, mask=None, other=0, check=True, hint: str | None = None) -> Value:
     """Read t[idx...] (indices broadcast to the tile shape). Out-of-bounds lanes (checked against the
     tensor's shape per dim when `check`, a bool or one per dim) and lanes where `mask` is false read
-    `other`. `hint` ("stream" = evict first, "keep" = evict last) only affects the GPU.
-
-    `ahead`: the author's promise that no kernel before this one in the stream writes t (weights). Such
-    a load may come before `grid_dependency_sync`, so a kernel launched early (PDL) has it in registers
-    while the previous kernel still runs, instead of starting its first loads only once that kernel is done."""
+    `other`. `hint` ("stream" = evict first, "keep" = evict last) only affects the GPU."""
     srcs, shape, has_mask = _mem_index(t, idx, mask, "load")
     checks = tuple(check) if isinstance(check, (tuple, list)) else (bool(check),) * t.ndim
     return Value(builder().emit("load", t.dtype, shape, srcs,
-                                arg=(t.param.name, checks, has_mask, other, hint, None, bool(ahead))))
+                                arg=(t.param.name, checks, has_mask, other, hint, None)))
 
 
 def load_tile(t: TensorArg, *offsets, shape) -> Value:
@@ -70,7 +66,7 @@ def load_tile(t: TensorArg, *offsets, shape) -> Value:
     builder().ir.tile_tensors.add(t.param.name)
     srcs = [i.node for i in idx] + [o.node for o in offs]
     return Value(builder().emit("load", t.dtype, shape, srcs,
-                                arg=(t.param.name, (True,) * t.ndim, False, 0, None, shape, False)))
+                                arg=(t.param.name, (True,) * t.ndim, False, 0, None, shape)))
 
 
 def store(t: TensorArg, *idx_and_value, mask=None, check=True):
@@ -113,18 +109,18 @@ def prefetch(t: TensorArg, *idx):
 def grid_dependency_sync():
     """Where the kernel waits for the previous kernel in the stream to finish (and its writes to be
     visible) when launched with PDL. Every Triton kernel has one; by default it is the first statement.
-    Placing it explicitly lets only `prefetch`, loads marked `ahead` and arithmetic come before it: the
-    call must be at the kernel's top level, once, before any other load, store or atomic."""
+    Placing it explicitly lets only `prefetch` and index arithmetic come before it: the call must be at
+    the kernel's top level, once, before any load, store or atomic."""
     b = builder()
     if b.block is not b.ir.body:
         raise dsl_error("kd.grid_dependency_sync() must be at the kernel's top level, not inside a loop")
     for n in b.ir.walk():
         if n.op == "grid_sync":
             raise dsl_error("kd.grid_dependency_sync() is called twice")
-        if n.op in ("load", "store", "atomic_add") and not (n.op == "load" and n.arg[6]):
+        if n.op in ("load", "store", "atomic_add"):
             raise dsl_error(f"kd.grid_dependency_sync() comes after a {n.op} of `{n.arg[0]}` ({with_source(n.loc)}): "
                             "memory written by the previous kernel may not be ready there; only kd.prefetch "
-                            "and kd.load(..., ahead=True) of tensors no earlier kernel writes may precede it")
+                            "may precede it")
     b.emit("grid_sync", "i32", ())
 
 

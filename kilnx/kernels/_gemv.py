@@ -63,18 +63,6 @@ class Frame:
             self.prefetch(t, self.w_start // self.WPG, kd.cdiv(self.w_stop, self.WPG))
         kd.grid_dependency_sync()
 
-    def prefetch_first_chunk(self, wq, *per_group):
-        """Ask L2 for the program's first chunk of packed words and of its per-group tensors, then the
-        sync: every GEMV of a decode step follows a short kernel (add+RMSNorm, attention, SwiGLU) that lets
-        it launch early (PDL), so its first wave of programs sits resident through that kernel, where their
-        first chunk can travel from HBM instead of after it. One chunk: later waves start after the sync."""
-        self.prefetch(wq, self.w_start, kd.minimum(self.w_start + self.CHUNK, self.w_stop),
-                      lines=max(self.CHUNK * 4 // 128, 1))
-        for t in per_group:
-            self.prefetch(t, self.w_start // self.WPG, kd.cdiv(kd.minimum(self.w_start + self.CHUNK, self.w_stop), self.WPG),
-                          lines=max(self.G * ITEMSIZE[t.dtype] // 128, 1))
-        kd.grid_dependency_sync()
-
     def chunks(self):
         """The loop over this program's chunks, yielding each chunk's first word."""
         return kd.range(self.w_start, self.w_stop, self.CHUNK, stages=self.STAGES if self.STAGES > 1 else None)
@@ -194,16 +182,6 @@ def prefetching() -> bool:
     the previous kernel has passed its own wait, which leaves a window of ~2 us, and a prefetch that
     lands after the sync only duplicates the loads."""
     if os.environ.get("KILNX_GEMV_PREFETCH", "0") != "1":
-        return False
-    from kilnx.codegen.triton_rt import pdl_enabled
-    return pdl_enabled()
-
-
-@functools.lru_cache(maxsize=None)
-def prefetching_first_chunk() -> bool:
-    """Whether the one-row GEMVs prefetch their first chunk before the grid sync (Frame.prefetch_first_chunk;
-    KILNX_GEMV_PREFETCH_FIRST=0 turns it off). Only meaningful when kernels launch early (PDL)."""
-    if os.environ.get("KILNX_GEMV_PREFETCH_FIRST", "1") != "1":
         return False
     from kilnx.codegen.triton_rt import pdl_enabled
     return pdl_enabled()

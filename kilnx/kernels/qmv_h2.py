@@ -172,9 +172,7 @@ def _default(planes, sums, xs, wq, scales, biases, **_):
         return {}
     rows = planes.shape[0]
     if rows == 1 and 2 * planes.shape[1] * planes.shape[2] >= 8192:     # long rows (llama's down)
-        import os   # TEMPORARY A/B switch (session 13), removed after the measurement
-        bn = int(os.environ.get("KILNX_H2_LONG_TILE", "4x256").split("x")[0])
-        return {"BLOCK_N": bn, "BLOCK_KW": 256, "num_warps": 2, "STAGES": 3, "CHAIN": 2}
+        return {"BLOCK_N": 4, "BLOCK_KW": 256, "num_warps": 2, "STAGES": 3, "CHAIN": 2}
     if rows == 1:
         return {"BLOCK_N": 8, "BLOCK_KW": 128, "num_warps": 2, "STAGES": 3, "CHAIN": 2}
     if rows <= 4:
@@ -191,18 +189,15 @@ def _default(planes, sums, xs, wq, scales, biases, **_):
     specialize=lambda p, su, xs, wq, sc, b: {**_format(p, su, xs, wq, sc, b), "BLOCK_M": _pow2_at_least(p.shape[0]),
                                              "N_DIV": _pow2_dividing(wq.shape[0]),
                                              "KW_DIV": _pow2_dividing(wq.shape[1]),
-                                             "PREFETCH": wq.is_cuda and gemv.prefetching(),
-                                             "AHEAD": wq.is_cuda and gemv.prefetching_first_chunk()})
+                                             "PREFETCH": wq.is_cuda and gemv.prefetching()})
 def qmv_h2(planes, sums, xs, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr,
            BLOCK_M: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr, PREFETCH: kd.constexpr = False,
-           AHEAD: kd.constexpr = False, BLOCK_N, BLOCK_KW, SPLIT_K, STAGES, CHAIN):
+           BLOCK_N, BLOCK_KW, SPLIT_K, STAGES, CHAIN):
     N, KW = wq.shape
     f = gemv.Frame(N, KW, WPG=GROUP * BITS // 32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW,
                    SPLIT_K=SPLIT_K, N_DIV=N_DIV, KW_DIV=KW_DIV, STAGES=STAGES)
     if PREFETCH:
         f.prefetch_weights(wq, scales, biases)
-    elif AHEAD:
-        f.prefetch_first_chunk(wq, scales, biases)
     acc = accumulate(f, planes, sums, xs, wq, scales, biases, BITS=BITS, chain=min(CHAIN, f.WPG))
     return f.store(acc, planes.shape[0], N, scales.dtype, SPLIT_K)
 

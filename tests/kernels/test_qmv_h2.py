@@ -75,22 +75,6 @@ def test_prefetching_the_weights_before_the_grid_sync_changes_no_value(backend, 
     assert "tl.load(" not in body[:sync] and body.rindex("_rt.prefetch_l2(") < sync
 
 
-@pytest.mark.parametrize("backend", ["triton", "reference", "numba"])
-@pytest.mark.parametrize("m,words,split_k", [(1, 448, 1), (1, 64, 1), (3, 448, 2)])
-def test_prefetching_the_first_chunk_before_the_grid_sync_changes_no_value(backend, m, words, split_k):
-    """AHEAD (on with PDL on the GPU) asks L2 for each program's first chunk of words, scales and biases
-    before the grid sync, clamped to its range (one chunk or several, split or not); the loads follow it."""
-    x, qw, _ = mlx_case(m, 24, words, 4, 64, seed=11)
-    planes, sums, xs = H.qmv_h2_prep(x, PER=8, GROUP=64, backend="reference")
-    cfg = {"BLOCK_N": 8, "BLOCK_KW": 16, "SPLIT_K": split_k, "STAGES": 1, "CHAIN": 2}
-    args = (planes, sums, xs, qw.packed, qw.scales, qw.biases)
-    plain = H.qmv_h2(*args, backend=backend, config=cfg, AHEAD=False)
-    assert torch.equal(H.qmv_h2(*args, backend=backend, config=cfg, AHEAD=True), plain)
-    body = H.qmv_h2.triton_source(*args, config=cfg, AHEAD=True).split("):\n", 1)[1]
-    before, after = body.split("_rt.grid_dependency_sync()")
-    assert before.count("_rt.prefetch_l2(") == 3 and "tl.load(" not in before and "tl.load(" in after
-
-
 @pytest.mark.parametrize("backend", ["reference", "triton", "numba"])
 def test_prep_is_exact_fp16_planes_times_a_power_of_two(backend):
     x = (torch.randn(3, 256) * torch.tensor([1e-4, 1.0, 5e4])[:, None]).bfloat16().float()

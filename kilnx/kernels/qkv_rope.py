@@ -94,8 +94,9 @@ def qkv_rope_cache_h2(planes, sums, xs, wq, scales, biases, positions, rows, inv
     f = gemv.Frame(N, KW, WPG=GROUP * BITS // 32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW, SPLIT_K=1,
                    N_DIV=N_DIV, KW_DIV=KW_DIV, STAGES=STAGES,
                    rows_of=lambda pid: pair_rows(pid, BLOCK_N=BLOCK_N, D=D, INTERLEAVED=INTERLEAVED))
-    # the rotation's operands first: loaded after the loop they cost every program a memory round trip
-    # at its end, when nothing else is left to overlap it
+    acc = H.accumulate(f, planes, sums, xs, wq, scales, biases, BITS=BITS, chain=min(CHAIN, f.WPG))
+    # rounded as the stored qkv output was, then rotated in fp32 as rope_cache_kernel does
+    a, b = kd.halves(kd.reshape(acc.astype(scales.dtype).f32(), (BLOCK_M, 2, BLOCK_N // 2)), axis=1)
     first, offset = first_members(kd.program_id(0), kd.arange(0, BLOCK_N // 2), BLOCK_N=BLOCK_N, D=D,
                                   INTERLEAVED=INTERLEAVED)
     first = first[None, :]
@@ -104,12 +105,8 @@ def qkv_rope_cache_h2(planes, sums, xs, wq, scales, biases, positions, rows, inv
     m = kd.arange(0, BLOCK_M)
     m_in = (m < M)[:, None]
     pos = kd.load(positions, m, mask=m < M)[:, None]
-    row = kd.load(rows, m, mask=m < M)[:, None]
     angle = pos.f32() * kd.load(inv_freq, dim_a // 2 if INTERLEAVED else dim_a).f32()
     cos, sin = kd.cos(angle), kd.sin(angle)
-    acc = H.accumulate(f, planes, sums, xs, wq, scales, biases, BITS=BITS, chain=min(CHAIN, f.WPG))
-    # rounded as the stored qkv output was, then rotated in fp32 as rope_cache_kernel does
-    a, b = kd.halves(kd.reshape(acc.astype(scales.dtype).f32(), (BLOCK_M, 2, BLOCK_N // 2)), axis=1)
     is_v = head >= HQ + Hk
     ra = kd.where(is_v, a, a * cos - b * sin)
     rb = kd.where(is_v, b, b * cos + a * sin)
@@ -117,6 +114,7 @@ def qkv_rope_cache_h2(planes, sums, xs, wq, scales, biases, positions, rows, inv
     is_q = m_in & (head < HQ)
     kd.store(q, m[:, None], first, ra, mask=is_q)
     kd.store(q, m[:, None], first + offset, rb, mask=is_q)
+    row = kd.load(rows, m, mask=m < M)[:, None]
     is_k = m_in & (head >= HQ) & (head < HQ + Hk)
     for cache, h0, region in ((k_cache, HQ, is_k), (v_cache, HQ + Hk, m_in & is_v)):
         kv_head = kd.where(region, head - h0, 0)

@@ -124,6 +124,18 @@ def qkv_rope_cache(x, w, positions: torch.Tensor, rows: torch.Tensor, inv_freq: 
                                    interleaved=interleaved)
 
 
+def qk_norm_rope_cache_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor,
+                        k_norm: torch.Tensor, eps: float, positions: torch.Tensor, rows: torch.Tensor,
+                        inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+                        weight_offset: float = 0.0, interleaved: bool = False) -> None:
+    """rms_norm(q, q_norm), rms_norm(k, k_norm) per head (qwen3, gemma3), then rope_and_cache_, in one launch:
+    q (T, Hq, D) normalized and rotated in place, k normalized and rotated and v written to the caches at
+    [rows[t], :, positions[t], :]. Full rotary width only (2 * len(inv_freq) = D); else refused."""
+    from kilnx.kernels import qk_norm_rope
+    qk_norm_rope.qk_norm_rope_cache_(q, k, v, q_norm, k_norm, eps, positions, rows, inv_freq, k_cache, v_cache,
+                                     weight_offset=weight_offset, interleaved=interleaved)
+
+
 def gather_qmatmul(x: torch.Tensor, w, expert_ids: torch.Tensor) -> torch.Tensor:
     """Per-(token, slot) expert matmul: x (T, K), w a QWeight expert stack (E, N, K), expert_ids
     (T, top_k) int -> (T, top_k, N), out[t, k] = x[t] @ w[expert_ids[t, k]].T; that is

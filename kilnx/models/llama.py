@@ -129,10 +129,18 @@ class LlamaModel:
             q = qkv[:, :qs].view(B * T, Hq, D)
             k = qkv[:, qs:qs + ks].view(B * T, Hk, D)
             v = qkv[:, qs + ks:].view(B * T, Hk, D)
+            fmt = self._prepared_format([layer.o], qkv[:, :qs])     # (B*T, Hq*D), as o's input
+            qk_fused = getattr(ops, "qk_norm_rope_cache_", None)
+            if layer.q_norm is not None and qk_fused is not None and 2 * inv.shape[0] == D:
+                # q/k norms, rope and the cache write in one launch (kernels/qk_norm_rope.py)
+                qk_fused(q, k, v, layer.q_norm, layer.k_norm, cfg.rms_norm_eps, positions.reshape(-1), rows_flat,
+                         inv, k_cache, v_cache, weight_offset=self._norm_offset, interleaved=cfg.rope_interleaved)
+                o = ops.attention(q.view(B, T, Hq, D), k_cache, v_cache, positions, cfg.attn_scale,
+                                  softcap=cfg.attn_logit_softcap, window=window, prepared=fmt)
+                return _linear(ops, o if fmt is not None else o.reshape(B * T, Hq * D), [layer.o])
             if layer.q_norm is not None:
                 q = ops.rms_norm(q, layer.q_norm, cfg.rms_norm_eps, weight_offset=self._norm_offset)
                 k = ops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps, weight_offset=self._norm_offset)
-            fmt = self._prepared_format([layer.o], qkv[:, :qs])     # (B*T, Hq*D), as o's input
             # rotary embedding, the cache write and attention, in as few launches as the ops can
             o = ops.attention_new_tokens(q, k, v, positions, rows_flat, inv, k_cache, v_cache, cfg.attn_scale,
                                          softcap=cfg.attn_logit_softcap, window=window,

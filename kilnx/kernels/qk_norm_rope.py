@@ -36,7 +36,9 @@ def _key(q, k, v, q_norm, k_norm, positions, *_, **__):
 
 
 def _default(q, k, *_, **__):
-    return {"BLOCK_H": min(_next_pow2(max(q.shape[1], k.shape[1])), 16)}
+    """A head per program for a few tokens (a decode step's 40-odd programs each make one memory round
+    trip, where one program walking the heads made one per head block), blocks of heads for prefill."""
+    return {"BLOCK_H": 1 if q.shape[0] <= 16 else 8, "num_warps": 1 if q.shape[0] <= 16 else 4}
 
 
 @InPlaceAsOutputs.of(mutated=(0, 8, 9))
@@ -47,30 +49,35 @@ def _default(q, k, *_, **__):
 def qk_norm_rope_cache_kernel(q, k, v, q_norm, k_norm, positions, rows, inv_freq, k_cache, v_cache, *, eps: float,
                               offset: float = 0.0, INTERLEAVED: kd.constexpr = False, HALF: kd.constexpr,
                               BLOCK_D: kd.constexpr, BLOCK_H):
-    """One program per token: every head of q normalized and rotated in place, every head of k normalized,
-    rotated and written to k_cache, v copied to v_cache. Full rotary width only (2 * len(inv_freq) = D)."""
-    T, D = q.shape[0], q.shape[2]
-    t = kd.grid(T)
+    """A program per token and block of BLOCK_H heads of [q heads | k heads]: each q head normalized and
+    rotated in place; each k head normalized, rotated and written to k_cache, its v head copied to
+    v_cache. Full rotary width only (2 * len(inv_freq) = D). Heads of both kinds in one block read
+    through masked loads of q and of k (a masked lane touches no memory)."""
+    T, Hq, D = q.shape
+    Hk = k.shape[1]
+    t, hb = kd.grid(T, kd.cdiv(Hq + Hk, BLOCK_H))
+    h = (hb * BLOCK_H + kd.arange(0, BLOCK_H))[:, None]
+    is_q, is_k = h < Hq, (h >= Hq) & (h < Hq + Hk)
+    hq, hk = kd.minimum(h, Hq - 1), kd.where(is_k, h - Hq, 0)     # in-bounds indices for masked lanes
     pos = kd.load(positions, t)
     row = kd.load(rows, t)
     in_rot, cos, sin, dim_a, dim_b = _rotation(pos.f32(), inv_freq, 0, HALF, INTERLEAVED)   # every pair
-    for x, w, dest in ((q, q_norm, lambda head: (q, t, head)), (k, k_norm, lambda head: (k_cache, row, head, pos))):
-        w_a = offset + kd.load(w, dim_a, mask=in_rot).f32()
-        w_b = offset + kd.load(w, dim_b, mask=in_rot).f32()
-        for h0 in kd.range(0, x.shape[1], BLOCK_H):
-            head = (h0 + kd.arange(0, BLOCK_H))[:, None]
-            a = kd.load(x, t, head, dim_a, mask=in_rot).f32()
-            b = kd.load(x, t, head, dim_b, mask=in_rot).f32()
-            inv = kd.rsqrt((kd.sum(a * a, axis=1) + kd.sum(b * b, axis=1)) / D + eps)[:, None]
-            # rounded as rms_norm's output was, before the rotation reads it
-            a = (a * inv * w_a).astype(x.dtype).f32()
-            b = (b * inv * w_b).astype(x.dtype).f32()
-            kd.store(*dest(head), dim_a, a * cos - b * sin, mask=in_rot)
-            kd.store(*dest(head), dim_b, b * cos + a * sin, mask=in_rot)
+    qa, ka = in_rot & is_q, in_rot & is_k
+    a = kd.load(q, t, hq, dim_a, mask=qa).f32() + kd.load(k, t, hk, dim_a, mask=ka).f32()
+    b = kd.load(q, t, hq, dim_b, mask=qa).f32() + kd.load(k, t, hk, dim_b, mask=ka).f32()
+    w_a = offset + kd.where(is_q, kd.load(q_norm, dim_a, mask=in_rot).f32(), kd.load(k_norm, dim_a, mask=in_rot).f32())
+    w_b = offset + kd.where(is_q, kd.load(q_norm, dim_b, mask=in_rot).f32(), kd.load(k_norm, dim_b, mask=in_rot).f32())
+    inv = kd.rsqrt((kd.sum(a * a, axis=1) + kd.sum(b * b, axis=1)) / D + eps)[:, None]
+    # rounded as rms_norm's output was, before the rotation reads it
+    a = (a * inv * w_a).astype(q.dtype).f32()
+    b = (b * inv * w_b).astype(q.dtype).f32()
+    ra, rb = a * cos - b * sin, b * cos + a * sin
+    kd.store(q, t, hq, dim_a, ra, mask=qa)
+    kd.store(q, t, hq, dim_b, rb, mask=qa)
+    kd.store(k_cache, row, hk, pos, dim_a, ra, mask=ka)
+    kd.store(k_cache, row, hk, pos, dim_b, rb, mask=ka)
     dim = kd.arange(0, BLOCK_D)[None, :]
-    for h0 in kd.range(0, v.shape[1], BLOCK_H):
-        head = (h0 + kd.arange(0, BLOCK_H))[:, None]
-        kd.store(v_cache, row, head, pos, dim, kd.load(v, t, head, dim))
+    kd.store(v_cache, row, hk, pos, dim, kd.load(v, t, hk, dim, mask=is_k), mask=is_k)
 
 
 def _problem_args(problem: dict, device: str):

@@ -157,7 +157,7 @@ def build_weights(cfg: ModelConfig, src: WeightSource, *, device="cpu", dtype=to
     def lin(names: list[str]) -> list:
         for n in names:
             need(n)
-        return [_place(w, device, dtype) for w in concat_linears(src.linears(names))]
+        return [gemv_width(_place(w, device, dtype)) for w in concat_linears(src.linears(names))]
 
     gemma = cfg.arch == "gemma3"
     layers = []
@@ -220,6 +220,18 @@ def _moe_weights(cfg: ModelConfig, src: WeightSource, i: int, lin):
         raise CheckpointError(f"{src.path}: layer {i}'s gate and up experts differ in format; they must share "
                               f"bits and group size to run as one [gate | up] stack.")
     return lin([_hf(i, block + ".gate.weight")])[0], gate_up[0], down
+
+
+def gemv_width(w):
+    """An affine weight whose codes straddle words (3, 5, 6 bits: GGUF Q5_0/Q5_1/Q5_K, MLX 3/5/6-bit)
+    widened to the next width the GEMVs and MoE kernels read (4 or 8 bits), exactly; others as they are.
+    Why: those widths had no GEMV, so every decode step multiplied them with the tile GEMM: Gemma-3-270M's
+    Q4_K_M file (Q5_0 where rows are not whole 256-blocks) decoded at 3-4 tok/s on 2 CPU cores, where
+    SmolLM2-135M's 4-bit one ran at ~50. The cost is memory: 8/5 or 8/6 (4/3) of those weights' bytes."""
+    QWeight = qweight_class()
+    if QWeight is not None and isinstance(w, QWeight) and w.mode == "affine" and w.bits in (3, 5, 6):
+        return w.widened(4 if w.bits == 3 else 8)
+    return w
 
 
 def _place(w, device, dtype):

@@ -64,3 +64,33 @@ def unpack_bits(words: np.ndarray, bits: int) -> np.ndarray:
             v |= w64[..., w + 1] << np.uint64(32 - s)
         codes[..., i] = (v & mask).astype(np.uint8)
     return codes.reshape(lead + (nw * 32 // bits,))
+
+
+def repack_words(words, bits: int, new_bits: int):
+    """torch (..., W) int32 words of `bits`-bit codes -> the same codes packed `new_bits` wide (int32 words,
+    the MLX layout), on the words' device. For widening a format the GEMVs cannot read (3/5/6-bit codes
+    straddle words) into one they can, with the same scales and biases: exact."""
+    import torch
+    n_codes, n_words = _chunk(bits)
+    _chunk(new_bits)
+    lead, nw = tuple(words.shape[:-1]), words.shape[-1]
+    if nw % n_words:
+        raise ValueError(f"last axis {nw} must be a multiple of {n_words} words for {bits}-bit codes")
+    w = words.reshape(-1, nw // n_words, n_words).to(torch.int64) & 0xFFFFFFFF
+    mask = (1 << bits) - 1
+    codes = []
+    for i in range(n_codes):
+        j, s = divmod(i * bits, 32)
+        c = w[..., j] >> s
+        if s + bits > 32:   # the code straddles into the next word
+            c = c | (w[..., j + 1] << (32 - s))
+        codes.append(c & mask)
+    per = 32 // new_bits if 32 % new_bits == 0 else None
+    if per is None:
+        raise ValueError(f"repack_words widens into whole-word widths (2, 4, 8), not {new_bits}")
+    codes = torch.stack(codes, -1).reshape(-1, nw * 32 // bits // per, per)
+    out = torch.zeros(codes.shape[:-1], dtype=torch.int64, device=words.device)
+    for i in range(per):
+        out |= codes[..., i] << (i * new_bits)
+    out = torch.where(out >= 1 << 31, out - (1 << 32), out)     # the uint32 bit pattern as int32
+    return out.to(torch.int32).reshape(lead + (-1,))

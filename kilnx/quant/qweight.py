@@ -255,6 +255,16 @@ class QWeight:
         return self._replace(packed=move(self.packed), scales=move(self.scales), biases=move(self.biases),
                              global_scale=move(self.global_scale))
 
+    def widened(self, bits: int) -> "QWeight":
+        """The same codes, scales and biases with codes packed `bits` wide (2, 4 or 8, more than now): an
+        affine weight whose width the GEMVs cannot read (3, 5, 6) in one they can, exactly (dequantize is
+        unchanged), at bits / self.bits times the packed bytes."""
+        from .bitpack import repack_words
+        if self.mode != "affine" or bits <= self.bits:
+            raise ValueError(f"widened: an affine weight to more bits, not {self.mode} {self.bits}-bit to {bits}")
+        return QWeight(repack_words(self.packed, self.bits, bits), self.scales, self.biases,
+                       format=QuantFormat("affine", bits, self.group_size))
+
     def __getitem__(self, expert) -> "QWeight":
         """Select experts from an (E, N, K) stack: an int gives (N, K), a slice (E', N, K)."""
         if self.packed.dim() != 3:

@@ -49,6 +49,14 @@ def test_config_and_tokenizer(gemma):
         assert gemma.tokenizer.encode(prompt) == ids
 
 
+def test_every_linear_loads_in_a_width_the_gemvs_read(gemma):
+    """The file's Q5_0 tensors (rows of 640 are not whole 256-element K-quant blocks) load as 5-bit affine
+    and are widened to 8 bits (models/weights.gemv_width): no linear is left to the tile GEMM at decode."""
+    w = gemma.model.weights
+    linears = [*w.lm_head] + [p for layer in w.layers for p in (*layer.qkv, layer.o, *layer.gate_up, layer.down)]
+    assert {p.bits for p in linears} <= {4, 8}
+
+
 @pytest.mark.parametrize("prompt", list(HF_GREEDY))
 def test_greedy_matches_hf(gemma, prompt):
     from kilnx.runtime.generate import generate_text

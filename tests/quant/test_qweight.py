@@ -3,6 +3,8 @@ stacks, bookkeeping, and the validation messages."""
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from kilnx.quant import QuantFormat, QWeight, dequantize, quantize
@@ -151,3 +153,26 @@ def test_quantize_validation():
         QWeight.quantize(torch.randn(64))
     with pytest.raises(ValueError, match="float32/float16/bfloat16"):
         QWeight.quantize(torch.ones(4, 64, dtype=torch.int32))
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(bits=st.sampled_from([3, 5, 6]), gs=st.sampled_from([32, 64, 128]), experts=st.sampled_from([None, 2]),
+       rows=st.sampled_from([1, 5]))
+def test_widening_repacks_the_same_codes_so_dequantize_is_unchanged(bits, gs, experts, rows):
+    """3/5/6-bit codes straddle words; widened to 4/8 bits they are the same codes (numpy unpack/pack of
+    the MLX layout) with the same scales and biases, so the dense weight is bit for bit the same."""
+    from kilnx.quant.bitpack import pack_bits, unpack_bits
+    shape = (rows, 2 * gs) if experts is None else (experts, rows, 2 * gs)
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(bits * gs + rows))
+    q = QWeight.quantize(w, bits=bits, group_size=gs)
+    wide = q.widened(4 if bits == 3 else 8)
+    codes = unpack_bits(q.packed.numpy().view(np.uint32), bits)
+    assert np.array_equal(wide.packed.numpy().view(np.uint32), pack_bits(codes, wide.bits))
+    assert torch.equal(wide.dequantize(torch.float32), q.dequantize(torch.float32))
+    assert wide.scales is q.scales and wide.shape == q.shape and wide.group_size == gs
+
+
+def test_widening_is_only_to_more_bits_of_an_affine_weight():
+    q = QWeight.quantize(torch.randn(4, 64), bits=4, group_size=32)
+    with pytest.raises(ValueError, match="affine weight to more bits"):
+        q.widened(4)

@@ -23,7 +23,7 @@ def _norm_spec(x, w, eps, offset):
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * (offset + w.float())).to(x.dtype)
 
 
-def _spec(q, k, v, q_norm, k_norm, positions, rows, inv_freq, k_cache, v_cache, *, eps, offset=0.0,
+def _spec(q, k, v, q_norm, k_norm, positions, rows, inv_freq, k_cache, v_cache, *, eps=1e-6, offset=0.0,
           INTERLEAVED=False, **_):
     """q normalized per head and rotated; the caches with k normalized and rotated and v written at
     [rows[t], :, positions[t], :]."""
@@ -46,8 +46,8 @@ def _default(q, k, *_, **__):
            key=_key, default=_default, spec=_spec,
            specialize=lambda q, k, v, qn, kn, positions, rows, inv_freq, kc, vc: {
                "HALF": _next_pow2(inv_freq.shape[0]), "BLOCK_D": _next_pow2(q.shape[2])})
-def qk_norm_rope_cache_kernel(q, k, v, q_norm, k_norm, positions, rows, inv_freq, k_cache, v_cache, *, eps: float,
-                              offset: float = 0.0, INTERLEAVED: kd.constexpr = False, HALF: kd.constexpr,
+def qk_norm_rope_cache_kernel(q, k, v, q_norm, k_norm, positions, rows, inv_freq, k_cache, v_cache, *,
+                              eps: float = 1e-6, offset: float = 0.0, INTERLEAVED: kd.constexpr = False, HALF: kd.constexpr,
                               BLOCK_D: kd.constexpr, BLOCK_H):
     """A program per token and block of BLOCK_H heads of [q heads | k heads]: each q head normalized and
     rotated in place; each k head normalized, rotated and written to k_cache, its v head copied to

@@ -57,6 +57,9 @@ def problems_for_model(model: str, gpu: bool = True) -> list[tuple[str, dict]]:
         if fused_qkv:   # the decode qkv projection with its rope + cache epilogue (kernels/qkv_rope.py)
             out.append(("qkv_rope_cache_h2", {"M": m, "Hq": cfg.num_heads, "Hk": cfg.num_kv_heads,
                                               "D": cfg.head_dim, "K": cfg.hidden_size, "bits": 4, "gs": gs}))
+        if cfg.qk_norm:   # per-head q/k norms, rope and the cache write (kernels/qk_norm_rope.py)
+            out.append(("qk_norm_rope_cache_kernel", {"T": m, "Hq": cfg.num_heads, "Hk": cfg.num_kv_heads,
+                                                      "D": cfg.head_dim, "R": cfg.head_dim, "dtype": "bf16"}))
         return out
 
     def rows(n: int) -> list[tuple[str, dict]]:

@@ -81,5 +81,6 @@ def test_numba_equals_rms_norm_then_rope_and_cache(interleaved):
 def test_partial_rotary_is_refused_with_the_way_out():
     q = torch.zeros(1, 2, 64).bfloat16()
     with pytest.raises(ValueError, match="full rotary width.*rope_and_cache_"):
-        QK.qk_norm_rope_cache_(q, q[:, :1], q[:, :1], torch.ones(64), torch.ones(64), 1e-6, torch.zeros(1).long(),
-                               torch.zeros(1).long(), torch.ones(16), torch.zeros(1, 1, 4, 64), torch.zeros(1, 1, 4, 64))
+        QK.qk_norm_rope_cache_(q, q[:, :1], q[:, :1], torch.ones(64), torch.ones(64), 1e-6,
+                               torch.zeros(1).long(), torch.zeros(1).long(), torch.ones(16),
+                               torch.zeros(1, 1, 4, 64), torch.zeros(1, 1, 4, 64))

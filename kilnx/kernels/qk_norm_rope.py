@@ -47,8 +47,8 @@ def _default(q, k, *_, **__):
            specialize=lambda q, k, v, qn, kn, positions, rows, inv_freq, kc, vc: {
                "HALF": _next_pow2(inv_freq.shape[0]), "BLOCK_D": _next_pow2(q.shape[2])})
 def qk_norm_rope_cache_kernel(q, k, v, q_norm, k_norm, positions, rows, inv_freq, k_cache, v_cache, *,
-                              eps: float = 1e-6, offset: float = 0.0, INTERLEAVED: kd.constexpr = False, HALF: kd.constexpr,
-                              BLOCK_D: kd.constexpr, BLOCK_H):
+                              eps: float = 1e-6, offset: float = 0.0, INTERLEAVED: kd.constexpr = False,
+                              HALF: kd.constexpr, BLOCK_D: kd.constexpr, BLOCK_H):
     """A program per token and block of BLOCK_H heads of [q heads | k heads]: each q head normalized and
     rotated in place; each k head normalized, rotated and written to k_cache, its v head copied to
     v_cache. Full rotary width only (2 * len(inv_freq) = D). Heads of both kinds in one block read

@@ -86,8 +86,9 @@ def main(path):
             except Exception as e:  # noqa: BLE001 - a config that fails is reported, not fatal
                 print(name, cfg, repr(e)[:200], flush=True)
                 continue
-            row = {**META, "shape": name, "config": str(cfg), "default": cfg is default, "us_fill": round(t_fill * 1e6, 3),
-                   "us_no_fill": round(t_nofill * 1e6, 3), "GBps_no_fill": round(wbytes / t_nofill / 1e9, 1)}
+            row = {**META, "shape": name, "config": str(cfg), "default": cfg is default,
+                   "us_fill": round(t_fill * 1e6, 3), "us_no_fill": round(t_nofill * 1e6, 3),
+                   "GBps_no_fill": round(wbytes / t_nofill / 1e9, 1)}
             rows.append(row)
             print(row, flush=True)
             with open(path, "w", newline="") as f:

@@ -36,8 +36,12 @@ def _key(q, k, v, q_norm, k_norm, positions, *_, **__):
 
 
 def _default(q, k, *_, **__):
-    """A head per program for a few tokens (a decode step's 40-odd programs each make one memory round
-    trip, where one program walking the heads made one per head block), blocks of heads for prefill."""
+    """On the GPU a head per program for a few tokens (a decode step's 40-odd programs each make one memory
+    round trip, where one program walking the heads made one per head block: qwen3-8b decode +6.4% against
+    +0.8%), blocks of heads for prefill. On the CPU (numba) every head in one program: a CPU tune of
+    qwen3-0.6b's decode bucket took 16.3 us with 32 heads a program against 27.2 with one."""
+    if not q.is_cuda:
+        return {"BLOCK_H": min(_next_pow2(q.shape[1] + k.shape[1]), 64)}
     return {"BLOCK_H": 1 if q.shape[0] <= 16 else 8, "num_warps": 1 if q.shape[0] <= 16 else 4}
 
 

@@ -135,15 +135,18 @@ class Frame:
         summed over the groups once, after the loop (summing each chunk's costs a lane reduction and two
         layout conversions through shared memory, with their barriers, per chunk); for more rows the
         (BLOCK_M, BLOCK_N) results, each chunk's row sums placed at their row."""
-        return kd.zeros((self.BLOCK_N, self.G) if self.BLOCK_M == 1 else (self.BLOCK_M, self.BLOCK_N), kd.f32)
+        return kd.zeros((self.BLOCK_N, self.G) if self.BLOCK_M == 1 else (self.BLOCK_M, self.BLOCK_N, self.G), kd.f32)
 
     def add_group_terms(self, acc, terms, m):
         """acc += activation row m's (BLOCK_N, G) per-group terms of one chunk."""
-        acc += terms if self.BLOCK_M == 1 else into_row(kd.sum(terms, axis=1), m, self.BLOCK_M)
+        if self.BLOCK_M == 1:
+            acc += terms
+        else:
+            acc += kd.where(kd.arange(0, self.BLOCK_M)[:, None, None] == m, terms[None, :, :], 0.0)
 
     def group_results(self, acc):
         """The (BLOCK_M, BLOCK_N) fp32 results of a group_accumulator after the loop."""
-        return kd.sum(acc, axis=1)[None, :] if self.BLOCK_M == 1 else acc
+        return kd.sum(acc, axis=1)[None, :] if self.BLOCK_M == 1 else kd.sum(acc, axis=2)
 
     def store(self, acc, M, N, dtype, SPLIT_K: int):
         """The (M, N) output: stored in `dtype`, or added into a zeroed fp32 output across splits."""

@@ -56,10 +56,12 @@ TC_CONFIGS = [dict(BLOCK_N=bn, SPLIT_K=sk, num_warps=nw, STAGES=st, SWAP=sw)
                   (64, 1, 4, 3, True), (128, 1, 4, 4, True), (64, 1, 4, 6, True), (128, 1, 8, 4, True),
                   (256, 1, 8, 3, True), (64, 2, 4, 4, True), (128, 2, 4, 4, True), (32, 1, 2, 4, False),
                   (64, 1, 4, 4, False), (16, 2, 1, 4, False), (64, 4, 4, 4, True), (32, 2, 2, 6, False)]]
-MM_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns, TMA=tma)
-              for tma in (True, False)
+# TMA boxes only (pointer tiles were never faster, session 11); each tile as a 2-d grid and as a persistent
+# kernel (one program per SM, tile and K loops pipelined as one)
+MM_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns, TMA=True, PERSISTENT=pers)
+              for pers in (False, True)
               for bm, bn, bk, nw, ns in [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
-                                         (128, 256, 32, 8, 4), (64, 256, 64, 4, 4), (128, 256, 64, 8, 4),
+                                         (256, 128, 64, 8, 3), (64, 256, 64, 4, 4), (128, 256, 64, 8, 4),
                                          (128, 128, 128, 8, 3)]]
 
 
@@ -224,7 +226,9 @@ def _bench_qmm(rec, label, n, k, m, dev, smoke):
     case = f"qmm_b4_M{m}_{label}"
     ref = qmatmul._dense_peer(*sets[0]).float()
     results = []
-    for cfg in [qmatmul.qmm.default_config(*sets[0])] + QMM_CONFIGS[: (2 if smoke else None)]:
+    # $QMM_FUSED_SWEEP=0: the fused kernel on its default config only (its sweep is in sessions 2-11)
+    fused = QMM_CONFIGS[: (2 if smoke else 0 if os.environ.get("QMM_FUSED_SWEEP") == "0" else None)]
+    for cfg in [qmatmul.qmm.default_config(*sets[0])] + fused:
         run = lambda x, wq, s, b, cfg=cfg: qmatmul.qmm(x, wq, s, b, config=cfg)  # noqa: E731
         t = _measure(f"{case} {cfg}", run, sets, ref, reps=10, tol=3e-2)
         if t is not None:
@@ -244,11 +248,11 @@ def _bench_qmm(rec, label, n, k, m, dev, smoke):
     if mm_only:
         t_mm, cfg_mm = min(mm_only, key=lambda r: r[0])
         rec.add("quant", case, "ratio_dense_mm_vs_cublas_time", t_mm / t_cublas, "best_config", str(cfg_mm))
-        for tma in (True, False):   # kd.load_tile (TMA) boxes against kd.load pointer tiles, same run
-            side = [r for r in mm_only if r[1]["TMA"] is tma]
+        for pers in (False, True):   # one program per tile against one per SM, same run
+            side = [r for r in mm_only if r[1]["PERSISTENT"] is pers]
             if side:
                 t_side, cfg_side = min(side, key=lambda r: r[0])
-                rec.add("quant", case, f"ratio_dense_mm_tma_{'on' if tma else 'off'}_vs_cublas_time",
+                rec.add("quant", case, f"ratio_dense_mm_persistent_{'on' if pers else 'off'}_vs_cublas_time",
                         t_side / t_cublas, "best_config", str(cfg_side))
     rec.add("quant", case, "ratio_vs_cublas_time", best[0] / t_cublas, "best_config", str(best[1]))
     rec.add("quant", case, "ratio_vs_cublas_time_default", results[0][0] / t_cublas)

@@ -53,8 +53,9 @@ class _Gen(StatementEmitter):
 
     def loop_header(self, n: Node, bounds: str) -> str:
         # an explicit num_stages is what makes Triton pipeline loads that no dot consumes
-        stages = n.arg.stages
-        return f"tl.range({bounds}, num_stages={stages})" if stages is not None else super().loop_header(n, bounds)
+        opts = ([f"num_stages={n.arg.stages}"] if n.arg.stages is not None else []) + \
+            (["flatten=True"] if n.arg.flatten and not self.interpret else [])
+        return f"tl.range({bounds}, {', '.join(opts)})" if opts else super().loop_header(n, bounds)
 
     def stmts(self, n: Node) -> list[str]:
         stmt = self.stmt(n)

@@ -148,6 +148,9 @@ class Block:
     # a loop body's software-pipelining depth (None: the backend's default); Triton stages the loop's
     # loads through shared memory this many iterations ahead, other backends run the loop as written
     stages: "int | None" = None
+    # a loop nest the backend may run as one loop (Triton's flatten): a persistent kernel's loop over its
+    # tiles and their K loop pipelined as one, so the next tile's loads overlap this tile's epilogue
+    flatten: bool = False
 
     def encloses(self, other: "Block") -> bool:
         b = other

@@ -319,12 +319,14 @@ def assign(v: Value, value) -> Value:
     return v
 
 
-def range(start, stop=None, step=1, *, stages: int | None = None):  # noqa: A001 - mirrors Python's range
+def range(start, stop=None, step=1, *, stages: int | None = None, flatten: bool = False):  # noqa: A001
     """A sequential loop over runtime bounds: `for k in kd.range(0, K, BLOCK_K):` (traced once).
 
     stages=S asks the backend to keep S iterations' loads in flight (Triton: the loop is software-
     pipelined through shared memory even when no dot consumes the loads, as a GEMV's are); stages=1
-    turns pipelining off; None leaves it to the backend (Triton pipelines only loads feeding a dot)."""
+    turns pipelining off; None leaves it to the backend (Triton pipelines only loads feeding a dot).
+    flatten=True lets the backend run this loop and the loops inside it as one (the same iterations in the
+    same order; Triton then pipelines across the inner loop's ends)."""
     if stop is None:
         start, stop = 0, start
     if stages is not None and (not isinstance(stages, int) or stages < 1):
@@ -332,7 +334,7 @@ def range(start, stop=None, step=1, *, stages: int | None = None):  # noqa: A001
     b = builder()
     start, stop, step = lift(start), lift(stop), lift(step)
     d = promote(promote(start.dtype, stop.dtype), step.dtype)
-    body = Block(parent=b.block, stages=stages)
+    body = Block(parent=b.block, stages=stages, flatten=bool(flatten))
     loop = b.emit("range", d, (), (start.node, stop.node, step.node), arg=body)
     loop.block = b.block
     b.block = body

@@ -270,37 +270,51 @@ def tma_ready(*tensors) -> bool:
     return all((t.is_cuda or interpreting()) and tma_readable(t) for t in tensors)
 
 
+def _programs(t: torch.Tensor) -> int:
+    """Programs a persistent kernel launches: one per SM (4 off the GPU, where only the interpreter runs it)."""
+    return torch.cuda.get_device_properties(t.device).multi_processor_count if t.is_cuda else 4
+
+
 @kd.kernel(
-    tune={"BLOCK_M": kd.pow2(16, 128, default=64), "BLOCK_N": kd.pow2(16, 256, default=64),
+    tune={"BLOCK_M": kd.pow2(16, 256, default=64), "BLOCK_N": kd.pow2(16, 256, default=64),
           "BLOCK_K": kd.pow2(16, 256, default=64), "num_warps": kd.choice(2, 4, 8, default=4),
-          "num_stages": kd.choice(1, 2, 3, 4, default=3), "TMA": kd.boolean(default=True)},
+          "num_stages": kd.choice(1, 2, 3, 4, default=3), "TMA": kd.boolean(default=True),
+          "PERSISTENT": kd.boolean(default=False)},
     key=lambda x, w, **_: {"M": x.shape[0], "N": w.shape[0], "K": x.shape[1]}, default=_mm_default,
     spec=lambda x, w, **_: (x.double() @ w.double().T).to(x.dtype),
     specialize=lambda x, w: {"M_DIV": _pow2_dividing(x.shape[0]), "N_DIV": _pow2_dividing(w.shape[0]),
                              "K_DIV": _pow2_dividing(x.shape[1]),
-                             "TMA_READY": tma_ready(x, w)})
+                             "TMA_READY": tma_ready(x, w), "PROGRAMS": _programs(x)})
 def mm(x, w, *, M_DIV: kd.constexpr, N_DIV: kd.constexpr, K_DIV: kd.constexpr, TMA_READY: kd.constexpr,
-       BLOCK_M, BLOCK_N, BLOCK_K, TMA):
+       PROGRAMS: kd.constexpr, BLOCK_M, BLOCK_N, BLOCK_K, TMA, PERSISTENT):
+    """x (M, K) @ w (N, K).T. PERSISTENT: one program per SM walks the output tiles (M-block fastest, as
+    the 2-d grid orders them), its tile loop and K loop pipelined as one, so a tile's first loads are in
+    flight while the previous tile's accumulator is stored."""
     M, K = x.shape
     N = w.shape[0]
     # dims the blocks divide need no bounds masks (unmasked tiles load and pipeline better)
     M_IN, N_IN, K_IN = M_DIV % BLOCK_M == 0, N_DIV % BLOCK_N == 0, K_DIV % BLOCK_K == 0
-    pm, pn = kd.grid(kd.cdiv(M, BLOCK_M), kd.cdiv(N, BLOCK_N))
-    rm = pm * BLOCK_M + kd.arange(0, BLOCK_M)
-    rn = pn * BLOCK_N + kd.arange(0, BLOCK_N)
-    acc = kd.zeros((BLOCK_M, BLOCK_N), kd.f32)
-    for k0 in kd.range(0, K, BLOCK_K):
-        if TMA and TMA_READY and w.dtype == x.dtype:
-            # boxes by TMA: no per-thread addresses, and the pipeliner waits on barriers, not on lanes
-            a = kd.load_tile(x, pm * BLOCK_M, k0, shape=(BLOCK_M, BLOCK_K))
-            b = kd.trans(kd.load_tile(w, pn * BLOCK_N, k0, shape=(BLOCK_N, BLOCK_K)))
-        else:
-            rk = k0 + kd.arange(0, BLOCK_K)
-            a = kd.load(x, rm[:, None], rk[None, :], check=(not M_IN, not K_IN))
-            b = kd.load(w, rn[None, :], rk[:, None], check=(not N_IN, not K_IN)).to(x.dtype)
-        acc += kd.dot(a, b)
     out = kd.output((M, N), x.dtype)
-    kd.store(out, rm[:, None], rn[None, :], acc)
+    tiles_m = kd.cdiv(M, BLOCK_M)
+    # the program's tiles: the one its 2-d grid position names, or every PROGRAMS-th from its id
+    tiles = kd.range(kd.grid(PROGRAMS), tiles_m * kd.cdiv(N, BLOCK_N), PROGRAMS, flatten=True) if PERSISTENT \
+        else [kd.grid(tiles_m, kd.cdiv(N, BLOCK_N))]
+    for tile in tiles:
+        pm, pn = (tile % tiles_m, tile // tiles_m) if PERSISTENT else tile
+        rm = pm * BLOCK_M + kd.arange(0, BLOCK_M)
+        rn = pn * BLOCK_N + kd.arange(0, BLOCK_N)
+        acc = kd.zeros((BLOCK_M, BLOCK_N), kd.f32)
+        for k0 in kd.range(0, K, BLOCK_K):
+            if TMA and TMA_READY and w.dtype == x.dtype:
+                # boxes by TMA: no per-thread addresses, and the pipeliner waits on barriers, not on lanes
+                a = kd.load_tile(x, pm * BLOCK_M, k0, shape=(BLOCK_M, BLOCK_K))
+                b = kd.trans(kd.load_tile(w, pn * BLOCK_N, k0, shape=(BLOCK_N, BLOCK_K)))
+            else:
+                rk = k0 + kd.arange(0, BLOCK_K)
+                a = kd.load(x, rm[:, None], rk[None, :], check=(not M_IN, not K_IN))
+                b = kd.load(w, rn[None, :], rk[:, None], check=(not N_IN, not K_IN)).to(x.dtype)
+            acc += kd.dot(a, b)
+        kd.store(out, rm[:, None], rn[None, :], acc)
     return out
 
 

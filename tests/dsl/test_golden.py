@@ -49,6 +49,12 @@ CASES = {
         Q.mm,
         lambda: (torch.zeros(256, 128, dtype=torch.bfloat16), torch.zeros(512, 128, dtype=torch.bfloat16)),
         {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "TMA": True}, {}),
+    # the same GEMM persistent: one program per SM walks the tiles, its tile and K loops flattened into one
+    "mm_persistent": (
+        Q.mm,
+        lambda: (torch.zeros(256, 128, dtype=torch.bfloat16), torch.zeros(512, 128, dtype=torch.bfloat16)),
+        {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "TMA": True,
+         "PERSISTENT": True}, {}),
 }
 
 

@@ -109,6 +109,19 @@ def test_every_e4m3_scale_code_decodes_exactly_on_the_gpu():
     np.testing.assert_array_equal(got, E4M3_VALUES)
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 256, 128), (200, 384, 256), (513, 1024, 4096), (4096, 2048, 512)])
+@pytest.mark.parametrize("tma", [True, False])
+def test_persistent_dense_mm_gives_the_tiled_grids_bits_on_gpu(m, n, k, tma):
+    """One program per SM, tile and K loops flattened (Triton pipelines across the tiles' ends): the same
+    bits as a program per tile, with fewer tiles than SMs and with many rounds of them."""
+    g = torch.Generator().manual_seed(m + n + k)
+    x, w = torch.randn(m, k, generator=g).bfloat16().cuda(), torch.randn(n, k, generator=g).bfloat16().cuda()
+    cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "TMA": tma}
+    tiled = Q.mm(x, w, config={**cfg, "PERSISTENT": False})
+    assert torch.equal(Q.mm(x, w, config={**cfg, "PERSISTENT": True}), tiled)
+    close(tiled, (x.double() @ w.double().T).cpu(), k)
+
+
 @pytest.mark.parametrize("m,n,k", [(1, 256, 128), (200, 384, 256), (513, 1024, 4096)])
 @pytest.mark.parametrize("tma", [True, False])
 def test_dense_mm_with_and_without_tma_boxes_on_gpu(m, n, k, tma):

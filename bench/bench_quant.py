@@ -242,6 +242,14 @@ def _bench_qmm(rec, label, n, k, m, dev, smoke):
         if t is not None:
             results.append((t, {"path": "dequant+mm", **cfg}))
             mm_only.append((time_calls(lambda x, w, cfg=cfg: qmatmul.mm(x, w, config=cfg), dense, reps=10), cfg))
+            rec.add("quant_sweep", case, "us_mm", mm_only[-1][0] * 1e6, "config", str(cfg))
+    # what qmatmul runs at these rows on its default configs (the route's choice: dequant + mm from
+    # DEQUANT_MM_MIN_ROWS rows, else the fused qmm)
+    if m >= qmatmul.DEQUANT_MM_MIN_ROWS:
+        t_route = _measure(f"{case} qmatmul route", lambda x, wq, s, b: qmatmul.dequant_mm(x, wq, s, b), sets, ref,
+                           reps=10, tol=3e-2)
+    else:
+        t_route = results[0][0] if results else None
     t_cublas = time_calls(lambda x, w: x @ w.T, dense, reps=10)
     best = min(results, key=lambda r: r[0])
     flops = 2 * m * n * k
@@ -255,5 +263,8 @@ def _bench_qmm(rec, label, n, k, m, dev, smoke):
                 rec.add("quant", case, f"ratio_dense_mm_persistent_{'on' if pers else 'off'}_vs_cublas_time",
                         t_side / t_cublas, "best_config", str(cfg_side))
     rec.add("quant", case, "ratio_vs_cublas_time", best[0] / t_cublas, "best_config", str(best[1]))
-    rec.add("quant", case, "ratio_vs_cublas_time_default", results[0][0] / t_cublas)
+    if t_route is not None:
+        rec.add("quant", case, "ratio_vs_cublas_time_default", t_route / t_cublas, "path",
+                "dequant+mm" if m >= qmatmul.DEQUANT_MM_MIN_ROWS else "qmm")
+    rec.add("quant", case, "ratio_fused_qmm_default_vs_cublas_time", results[0][0] / t_cublas)
     rec.add("quant", case, "TFLOPs", flops / best[0] / 1e12, "cublas_bf16_TFLOPs", flops / t_cublas / 1e12)

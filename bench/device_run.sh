@@ -59,4 +59,7 @@ for s in "$@"; do case $s in
   tune8b) step tune8b ${TUNE_SECS:-330} python3 -m kilnx.cli tune --device sm_90 --model llama-3.1-8b --budget ${TUNE_BUDGET:-290s} --workers 1 ${TUNE_ARGS:-} --csv $OUT/tune.csv
           python3 -m kilnx.cli db export $OUT/tune.json > /dev/null 2>&1; cp /tmp/kilnx-tune.db $OUT/ 2>/dev/null ;;
 esac; done
+# every CSV flat under $OUT with its step's folder in the name (files of one name in several folders did
+# not all come back)
+for f in $OUT/*/*.csv; do [ -f "$f" ] && mv "$f" "$OUT/$(basename "$(dirname "$f")")_$(basename "$f")"; done
 ls $OUT

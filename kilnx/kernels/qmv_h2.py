@@ -175,9 +175,19 @@ def _default(planes, sums, xs, wq, scales, biases, **_):
         return {"BLOCK_N": 4, "BLOCK_KW": 256, "num_warps": 2, "STAGES": 3, "CHAIN": 2}
     if rows == 1:
         return {"BLOCK_N": 8, "BLOCK_KW": 128, "num_warps": 2, "STAGES": 3, "CHAIN": 2}
+    # several rows (per-group accumulators per row since session 14; a sweep of 7 configs over the four
+    # shapes at 4 and 8 rows, bench/results/2026-12-04_h200_quant_s14_qmv_rows.csv): 4 words per fp16
+    # accumulator and 8 x 128-word tiles, but for the wide gate_up (16 x 128 at 2-4 rows) and, at 5-8 rows,
+    # 8 x 64 tiles with one warp where N >= 6144 and K is short (qkv 22.7 us against 24.1; gate_up 77.8
+    # against 92.2); down at 8 rows took 42.3 us on the 8 x 128 tile against 67.7 on the old default.
+    n, k = wq.shape[0], 2 * planes.shape[1] * planes.shape[2]
     if rows <= 4:
-        return {"BLOCK_N": 16, "BLOCK_KW": 128, "num_warps": 2, "STAGES": 3, "CHAIN": 2}
-    return {"BLOCK_N": 8, "BLOCK_KW": 64, "num_warps": 1, "STAGES": 3, "CHAIN": 2}
+        if n >= 16384:
+            return {"BLOCK_N": 16, "BLOCK_KW": 128, "num_warps": 2, "STAGES": 3, "CHAIN": 2}
+        return {"BLOCK_N": 8, "BLOCK_KW": 128, "num_warps": 2, "STAGES": 3, "CHAIN": 4}
+    if n >= 6144 and k < 8192:
+        return {"BLOCK_N": 8, "BLOCK_KW": 64, "num_warps": 1, "STAGES": 3, "CHAIN": 4}
+    return {"BLOCK_N": 8, "BLOCK_KW": 128, "num_warps": 2, "STAGES": 3, "CHAIN": 4}
 
 
 @kd.kernel(

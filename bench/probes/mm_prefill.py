@@ -52,43 +52,10 @@ def main(out: str, rounds: int) -> None:
                              "TFLOPs": round(2 * m * n * k / us / 1e6, 1),
                              "config": str(default) if path == "kilnx_default" else ""})
                 print(rows[-1], flush=True)
-    rows += dequant_chunks(rounds)
     with open(out, "w", newline="") as f:
         w = csv.DictWriter(f, list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-
-
-CHUNK_SHAPES = [("gate_up", 512, 28672, 4096), ("gate_up", 1024, 28672, 4096), ("down", 512, 4096, 14336),
-                ("qkv", 512, 6144, 4096)]
-CHUNKS = [None, 2048, 4096, 8192]
-
-
-def dequant_chunks(rounds: int) -> list[dict]:
-    """qmatmul's dequant + mm route on 4-bit gs64 weights, whole and in row slices (chunk_rows), against
-    cuBLAS on the dense weight."""
-    from kilnx.kernels.qmatmul import _dense_spec_weight, dequant_mm, make_qmatmul_args
-    shapes = CHUNK_SHAPES if DEV == "cuda" else [("o", 32, 64, 64)]
-    out = []
-    for name, m, n, k in shapes:
-        problem = {"M": m, "N": n, "K": k, "bits": 4, "gs": 64}
-        per = (n * k // 2 + n * k // 16) + m * k * 2
-        sets = [make_qmatmul_args(problem, DEV) for _ in range(copies_for(per, DEV == "cpu"))]
-        dense = [(x, _dense_spec_weight(x, wq, s, b)) for x, wq, s, b in sets[:2]]
-        want = dense[0][0].float() @ dense[0][1].float().T
-        paths = {"cublas": (lambda x, w: x @ w.T, dense)}
-        for c in CHUNKS if DEV == "cuda" else [None, 32]:
-            paths[f"dequant_mm_chunk{c or 'all'}"] = (lambda x, wq, s, b, c=c: dequant_mm(x, wq, s, b, chunk_rows=c), sets)
-        for path, (fn, args) in paths.items():
-            err = (fn(*args[0]).float() - want).abs().max().item() / want.abs().max().item()
-            assert err < 3e-2, f"{name} M={m} {path}: relative error {err}"
-        for r in range(rounds):
-            for path, (fn, args) in paths.items():
-                us = time_calls(fn, args, reps=10) * 1e6
-                out.append({"case": f"qmatmul_{name}_M{m}", "path": path, "round": r, "us": round(us, 2),
-                            "TFLOPs": round(2 * m * n * k / us / 1e6, 1), "config": ""})
-                print(out[-1], flush=True)
-    return out
 
 
 if __name__ == "__main__":

@@ -356,24 +356,14 @@ def dequant(wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr, BLOC
     return out
 
 
-def dequant_mm(x, wq, scales, biases, *, config=None, dequant_config=None, chunk_rows: int | None = None):
-    """x @ dequantize(w).T as two kernels: the weight to 16-bit once, then the dense GEMM.
-
-    chunk_rows: dequantize and multiply that many weight rows at a time. Each slice's 16-bit copy is
-    allocated where the previous one was freed (torch's caching allocator), so a slice that fits in L2
-    can be written and read there, and overwritten by the next, instead of going to HBM and back."""
+def dequant_mm(x, wq, scales, biases, *, config=None, dequant_config=None):
+    """x @ dequantize(w).T as two kernels: the weight to 16-bit once, then the dense GEMM. (Slices of the
+    weight dequantized and multiplied in turn, so that each 16-bit slice might stay in L2, were slower on
+    the H200: gate_up at M=512 304 us with 4096-row slices against 285 whole, commit 41fdd44's probe,
+    bench/results/2026-12-04_h200_mm_prefill_chunks_s14.csv.)"""
     f = _format_of(x, wq, scales, biases)
-    n = wq.shape[0]
-    if not chunk_rows or chunk_rows >= n:
-        w = dequant(wq, scales, biases, BITS=f["BITS"], GROUP=f["GROUP"], config=dequant_config)
-        return mm(x, w.to(x.dtype), config=config)
-    parts = []
-    for n0 in range(0, n, chunk_rows):
-        rows = slice(n0, n0 + chunk_rows)
-        w = dequant(wq[rows], scales[rows], biases[rows], BITS=f["BITS"], GROUP=f["GROUP"], config=dequant_config)
-        parts.append(mm(x, w.to(x.dtype), config=config))
-        del w
-    return torch.cat(parts, dim=1)
+    w = dequant(wq, scales, biases, BITS=f["BITS"], GROUP=f["GROUP"], config=dequant_config)
+    return mm(x, w.to(x.dtype), config=config)
 
 
 # Rows up to which the one-pass GEMV beats the swapped tile GEMM where nothing was tuned (H200, llama-3.1-8b

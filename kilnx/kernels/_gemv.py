@@ -133,8 +133,9 @@ class Frame:
     def group_accumulator(self):
         """The accumulator of the h2 GEMVs' per-group terms: for one activation row a (BLOCK_N, G) tile,
         summed over the groups once, after the loop (summing each chunk's costs a lane reduction and two
-        layout conversions through shared memory, with their barriers, per chunk); for more rows the
-        (BLOCK_M, BLOCK_N) results, each chunk's row sums placed at their row."""
+        layout conversions through shared memory, with their barriers, per chunk); for more rows one such
+        tile per row, (BLOCK_M, BLOCK_N, G), each chunk's terms added at their row (the per-chunk reduction
+        they replaced cost ~60 SASS instructions per row and chunk on sm_90)."""
         return kd.zeros((self.BLOCK_N, self.G) if self.BLOCK_M == 1 else (self.BLOCK_M, self.BLOCK_N, self.G), kd.f32)
 
     def add_group_terms(self, acc, terms, m):

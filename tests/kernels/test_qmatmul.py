@@ -126,14 +126,14 @@ def test_dense_mm_for_unquantized_weights(m, n, k):
 def test_persistent_dense_mm_gives_the_tiled_grids_bits(m, n, k, tma):
     """One program per SM (4 off the GPU) walking the output tiles computes every tile once, as the
     2-d grid does: the same tiles over the same K order, so the same bits, for any tile count against
-    the program count (fewer tiles than programs, several rounds, a ragged last round)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton kernels run on CPU only under TRITON_INTERPRET=1")
+    the program count (fewer tiles than programs, several rounds, a ragged last round), on every backend."""
+    backends = ["reference", "numba"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
     g = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
     x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
     cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2, "TMA": tma}
-    tiled = Q.mm(x, w, config={**cfg, "PERSISTENT": False})
-    assert torch.equal(Q.mm(x, w, config={**cfg, "PERSISTENT": True}), tiled)
+    for backend in backends:
+        tiled = Q.mm(x, w, backend=backend, config={**cfg, "PERSISTENT": False})
+        assert torch.equal(Q.mm(x, w, backend=backend, config={**cfg, "PERSISTENT": True}), tiled), backend
     assert (tiled.double() - x.double() @ w.double().T).abs().max().item() <= 2 ** -7 * (x.double() @ w.double().T).abs().max().item() + 1e-6
 
 

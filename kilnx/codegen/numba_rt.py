@@ -187,3 +187,46 @@ def h2_sum(a):
 @njit(**_NJ)
 def erf(x):
     return math.erf(np.float64(x))   # in float64, as the reference; the caller rounds to its dtype
+
+
+@njit(**_NJ)
+def _bf2_part(a, shift):
+    return np.float64(bf16_bits_to_f32(np.uint16((np.uint32(a) >> np.uint32(shift)) & np.uint32(0xFFFF))))
+
+
+@njit(**_NJ)
+def _f64_to_bf16_bits(x):
+    """float64 -> bf16 bits with one rounding: through fp32 rounded to odd (16 spare bits), as
+    _f64_to_f16_bits does for fp16."""
+    r = np.float32(x)
+    if np.float64(r) != x:
+        bits = as_u32(r)
+        if abs(np.float64(r)) > abs(x):
+            bits = np.uint32(bits - np.uint32(1))
+        r = as_f32(np.uint32(bits | np.uint32(1)))
+    return np.uint32(f32_to_bf16_bits(r))
+
+
+@njit(**_NJ)
+def bf2_fma(a, b, c):
+    lo = _bf2_part(a, 0) * _bf2_part(b, 0) + _bf2_part(c, 0)
+    hi = _bf2_part(a, 16) * _bf2_part(b, 16) + _bf2_part(c, 16)
+    return _f64_to_bf16_bits(lo) | (_f64_to_bf16_bits(hi) << np.uint32(16))
+
+
+@njit(**_NJ)
+def bf2_half(x, h):
+    return bf16_bits_to_f32(np.uint16((np.uint32(x) >> np.uint32(16 * h)) & np.uint32(0xFFFF)))
+
+
+@njit(**_NJ)
+def byte_perm(a, b, sel):
+    both = np.uint64(a) | (np.uint64(b) << np.uint64(32))
+    out = np.uint64(0)
+    for i in range(4):
+        nib = (np.uint64(sel) >> np.uint64(4 * i)) & np.uint64(15)
+        byte = (both >> ((nib & np.uint64(7)) * np.uint64(8))) & np.uint64(0xFF)
+        if nib & np.uint64(8):
+            byte = np.uint64(0xFF) if byte & np.uint64(0x80) else np.uint64(0)
+        out |= byte << np.uint64(8 * i)
+    return np.uint32(out)

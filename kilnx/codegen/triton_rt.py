@@ -108,3 +108,51 @@ def h2_sum(a):
         return tl.inline_asm_elementwise(
             "{ .reg .f16 l, h; .reg .f32 x, y; mov.b32 {l, h}, $1; cvt.f32.f16 x, l; cvt.f32.f16 y, h; "
             "add.rn.f32 $0, x, y; }", "=f,r", [a], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _bf16_half(a, shift: tl.constexpr):
+    return ((a >> shift) & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float64)
+
+
+@triton.jit
+def _bf16_bits(v):
+    """float64 -> bf16 bits, nearest even, one rounding (the interpreter's fma.rn.bf16x2)."""
+    b = v.to(tl.uint64, bitcast=True)
+    b = (b + ((1 << 44) - 1) + ((b >> 45) & 1)) & 0xFFFFE00000000000
+    return (b.to(tl.float64, bitcast=True).to(tl.float32).to(tl.uint32, bitcast=True) >> 16) & 0xFFFF
+
+
+@triton.jit
+def bf2_fma(a, b, c):
+    """a * b + c on both bf16 halves, rounded once (fma.rn.bf16x2)."""
+    if INTERPRET:
+        lo = _bf16_half(a, 0) * _bf16_half(b, 0) + _bf16_half(c, 0)
+        hi = _bf16_half(a, 16) * _bf16_half(b, 16) + _bf16_half(c, 16)
+        return _bf16_bits(lo) | (_bf16_bits(hi) << 16)
+    else:
+        return tl.inline_asm_elementwise("fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                         dtype=tl.uint32, is_pure=True, pack=1)
+
+
+@triton.jit
+def bf2_half(x, h):
+    """The bf16 in half h of each pair."""
+    return ((x >> (h * 16).to(tl.uint32)) & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def byte_perm(a, b, sel):
+    """prmt.b32 in its default mode (kilnx/dsl/half2.py: byte_perm)."""
+    if INTERPRET:
+        both = a.to(tl.uint64) | (b.to(tl.uint64) << 32)
+        out = tl.zeros(a.shape, tl.uint64) + (sel * 0).to(tl.uint64)
+        for i in tl.static_range(4):
+            nib = (sel.to(tl.uint64) >> (4 * i)) & 15
+            byte = (both >> ((nib & 7) * 8)) & 0xFF
+            byte = tl.where((nib & 8) != 0, tl.where((byte & 0x80) != 0, 0xFF, 0), byte)
+            out = out | (byte.to(tl.uint64) << (8 * i))
+        return out.to(tl.uint32)
+    else:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel],
+                                         dtype=tl.uint32, is_pure=True, pack=1)

@@ -37,3 +37,34 @@ def h2_sum(a) -> Value:
     """The two fp16 halves of each element, widened to fp32 and added."""
     a = _h2(a, None, "kd.h2_sum")
     return Value(builder().emit("h2_sum", "f32", a.shape, (a.node,)))
+
+
+# ---- bf16 pairs: the same packing with bf16 halves, for operands of bf16 tensor-core products ----------
+def bf2_fma(a, b, c) -> Value:
+    """a * b + c on both bf16 halves, one rounding each (fma.rn.bf16x2 on the GPU)."""
+    like = next((v for v in (a, b, c) if isinstance(v, Value)), None)
+    a, b, c = (_h2(v, like, "kd.bf2_fma") for v in (a, b, c))
+    shape = broadcast_shapes(a.shape, b.shape, c.shape)
+    return Value(builder().emit("bf2_fma", "u32", shape, (a.node, b.node, c.node)))
+
+
+def bf2_half(x, h) -> Value:
+    """The bf16 value in half h (0: low 16 bits, 1: high) of each packed pair x; h broadcasts with x, so
+    `kd.bf2_half(x[..., None], kd.arange(0, 2))` spreads pairs into their elements along a new last axis."""
+    x = _h2(x, None, "kd.bf2_half")
+    h = lift(h)
+    if h.dtype not in ("i32", "u32"):
+        raise dsl_error(f"kd.bf2_half takes an integer half index (0 or 1), got {h.dtype}")
+    return Value(builder().emit("bf2_half", "bf16", broadcast_shapes(x.shape, h.shape), (x.node, h.node)))
+
+
+def byte_perm(a, b, selector) -> Value:
+    """PTX prmt: byte i of the result is byte (selector >> 4i) & 7 of the eight bytes of b:a (a's bytes
+    0-3, b's 4-7), its sign replicated when bit 3 of that nibble is set. One instruction on the GPU; e.g.
+    selector 0x4141 puts a's byte 1 in bytes 0 and 2 and zeros (b = 0) in bytes 1 and 3."""
+    like = next((v for v in (a, b, selector) if isinstance(v, Value)), None)
+    # any integer tile: its 32 bits (a selector is often arithmetic on kd.arange, an i32)
+    a, b, selector = (v.to("u32") if isinstance(v, Value) and v.dtype in ("i32", "u32") else v for v in (a, b, selector))
+    a, b, selector = (_h2(v, like, "kd.byte_perm") for v in (a, b, selector))
+    shape = broadcast_shapes(a.shape, b.shape, selector.shape)
+    return Value(builder().emit("byte_perm", "u32", shape, (a.node, b.node, selector.node)))

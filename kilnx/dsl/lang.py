@@ -503,4 +503,4 @@ def tensor_param(name: str, dtype: str, ndim: int, output=False) -> TensorArg:
 # memory access and the half2 ops live beside this module; kernel authors see them all as kd.*
 from .memory import (_mem_index, atomic_add, barrier, grid_dependency_sync, load, load_tile,  # noqa: E402,F401
                      output, prefetch, store)
-from .half2 import h2_fma, h2_pack, h2_sum  # noqa: E402,F401
+from .half2 import bf2_fma, bf2_half, byte_perm, h2_fma, h2_pack, h2_sum  # noqa: E402,F401

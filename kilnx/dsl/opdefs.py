@@ -157,3 +157,50 @@ register("h2_fma", 3, _u32, _h2_fma_reference,
          lambda a, b, c: f"_rt.h2_fma({a}, {b}, {c})", lambda a, b, c: f"_rt.h2_fma({a}, {b}, {c})")
 register("h2_sum", 1, lambda *_: "f32", _h2_sum_reference,
          lambda a: f"_rt.h2_sum({a})", lambda a: f"_rt.h2_sum({a})")
+
+
+# Packed bf16 pairs and byte permutes: a 4-bit code pair decoded straight into the two bf16 halves of a
+# u32 (two elements of a tensor-core operand per instruction; kernels/qmatmul.py's packed decode).
+def _bf16_of_bits(u):
+    return (np.asarray(u).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def _bf16_bits_of(x):
+    """float64 -> bf16 bits, nearest even, one rounding: the float64's mantissa rounded at bf16's 8
+    significant bits (normal values; kernels stay far from bf16's range limits)."""
+    b = np.asarray(x, np.float64).view(np.uint64)
+    b = (b + np.uint64((1 << 44) - 1) + ((b >> np.uint64(45)) & np.uint64(1))) & ~np.uint64((1 << 45) - 1)
+    return (b.view(np.float64).astype(np.float32).view(np.uint32) >> 16).astype(np.uint32)
+
+
+def _bf2_fma_reference(a, b, c):
+    # bf16 products are exact in float64 and so is their sum with a bf16 value: one rounding, as
+    # fma.rn.bf16x2
+    a, b, c = (np.asarray(v).astype(np.uint32) for v in (a, b, c))
+    lo = _bf16_of_bits(a & 0xFFFF) * _bf16_of_bits(b & 0xFFFF) + _bf16_of_bits(c & 0xFFFF)
+    hi = _bf16_of_bits(a >> 16) * _bf16_of_bits(b >> 16) + _bf16_of_bits(c >> 16)
+    return _bf16_bits_of(lo) | (_bf16_bits_of(hi) << 16)
+
+
+def _byte_perm_reference(a, b, sel):
+    """PTX prmt.b32 (default mode): output byte i is byte (sel >> 4i) & 7 of the 8 bytes {b:a} (a's
+    bytes 0-3, b's 4-7); with bit 3 of that nibble set, the chosen byte's sign bit is replicated."""
+    a, b, sel = (np.asarray(v).astype(np.uint64) for v in (a, b, sel))
+    both = a | (b << np.uint64(32))
+    out = np.zeros(np.broadcast(a, b, sel).shape, np.uint64)
+    for i in range(4):
+        nib = (sel >> np.uint64(4 * i)) & np.uint64(15)
+        byte = (both >> ((nib & np.uint64(7)) * np.uint64(8))) & np.uint64(0xFF)
+        byte = np.where(nib & np.uint64(8), np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0)), byte)
+        out |= byte << np.uint64(8 * i)
+    return out.astype(np.uint32)
+
+
+register("bf2_fma", 3, _u32, _bf2_fma_reference,
+         lambda a, b, c: f"_rt.bf2_fma({a}, {b}, {c})", lambda a, b, c: f"_rt.bf2_fma({a}, {b}, {c})")
+register("bf2_half", 2, lambda *_: "bf16",
+         lambda x, h: _bf16_of_bits((np.asarray(x).astype(np.uint32) >> (16 * np.asarray(h).astype(np.uint32)))
+                                    & 0xFFFF).astype(np.float32),
+         lambda x, h: f"_rt.bf2_half({x}, {h})", lambda x, h: f"_rt.bf2_half({x}, {h})")
+register("byte_perm", 3, _u32, _byte_perm_reference,
+         lambda a, b, s: f"_rt.byte_perm({a}, {b}, {s})", lambda a, b, s: f"_rt.byte_perm({a}, {b}, {s})")

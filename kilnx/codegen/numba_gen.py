@@ -444,6 +444,8 @@ class _Gen:
             return src(0, [next(keep) if d != 1 else "0" for d in srcs[0].shape])
         if op == "trans":
             return src(0, idx[::-1])
+        if op == "join":
+            return f"({src(0, idx[:-1])} if {idx[-1]} == 0 else {src(1, idx[:-1])})"
         if op == "load":
             return self.load(n, idx)
         raise NotImplementedError(f"no numba lowering for op {op!r}")

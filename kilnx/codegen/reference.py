@@ -115,6 +115,8 @@ class Interpreter:
             return np.broadcast_to(v[0], n.shape).copy()
         if op == "trans":
             return np.ascontiguousarray(np.asarray(v[0]).T)
+        if op == "join":
+            return np.stack([np.asarray(v[0]), np.asarray(v[1])], axis=-1)
         if op == "dot":
             a, b = v
             return (a.astype(np.float32) @ b.astype(np.float32)).astype(NUMPY_OF[n.dtype])

@@ -105,6 +105,8 @@ class _Gen(StatementEmitter):
             return f"{name} = tl.reshape({r[0]}, {list(n.shape)})"
         if op == "broadcast":
             return f"{name} = tl.broadcast_to({r[0]}, {list(n.shape)})"
+        if op == "join":
+            return f"{name} = tl.join({r[0]}, {r[1]})"
         if op == "trans":
             return f"{name} = tl.trans({r[0]})"
         if op == "dot":

@@ -137,8 +137,11 @@ def bf2_fma(a, b, c):
 
 @triton.jit
 def bf2_half(x, h):
-    """The bf16 in half h of each pair."""
-    return ((x >> (h * 16).to(tl.uint32)) & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    """The bf16 in half h of each pair. Both halves by constant shifts, then a select on h: h is an arange
+    along a register axis, so the select folds away (a shift by h * 16 stayed a per-element shift)."""
+    lo = (x & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    hi = (x >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return tl.where(h == 0, lo, hi)
 
 
 @triton.jit

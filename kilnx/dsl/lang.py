@@ -409,6 +409,17 @@ def bitcast(x: Value, dtype) -> Value:
     return x.bitcast(dtype)
 
 
+def join(a, b) -> Value:
+    """(..., 2): a and b (same shape and dtype) side by side along a new last axis, a at 0. With a reshape
+    it interleaves two tiles; the GPU keeps the new axis within each thread (tl.join), so building a
+    tile from pieces computed in its own layout costs no data movement."""
+    a, b = lift(a), lift(b)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        raise dsl_error(f"kd.join takes two tiles of one shape and dtype, got {a.dtype}{list(a.shape)} "
+                        f"and {b.dtype}{list(b.shape)}")
+    return Value(builder().emit("join", a.dtype, (*a.shape, 2), (a.node, b.node)))
+
+
 def trans(x: Value) -> Value:
     if x.ndim != 2:
         raise dsl_error("kd.trans takes a 2-d tile")

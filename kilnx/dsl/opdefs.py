@@ -32,7 +32,7 @@ class OpDef:
 OPS: dict[str, OpDef] = {}
 
 STRUCTURAL = {"param", "dim", "const", "arange", "full", "program_id", "cast", "bitcast", "load", "store",
-              "atomic_add", "range", "var", "assign", "reshape", "expand", "broadcast", "trans",
+              "atomic_add", "range", "var", "assign", "reshape", "expand", "broadcast", "trans", "join",
               "reduce", "dot", "where", "stride", "prefetch", "grid_sync", "barrier"}
 
 

@@ -25,6 +25,7 @@ import torch
 import kilnx.dsl as kd
 from kilnx.dsl.kernel import PerObjectMemo
 from kilnx.kernels import _gemv as gemv
+from kilnx.kernels import bf16_decode
 
 
 def _format_of(x, wq, scales, biases):
@@ -194,12 +195,14 @@ def _qmm_spec(x, wq, scales, biases, *, BITS, GROUP, **_):
     tune={"BLOCK_M": kd.pow2(16, 256, default=128), "BLOCK_N": kd.pow2(16, 256, default=128),
           "BLOCK_K": kd.pow2(32, 256, default=64), "MAGIC": kd.boolean(default=True),
           "SWAP": kd.boolean(default=False), "num_warps": kd.choice(2, 4, 8, default=8),
-          "num_stages": kd.choice(1, 2, 3, 4, default=3)},
+          "num_stages": kd.choice(1, 2, 3, 4, default=3), "PACKED": kd.boolean(default=False)},
     key=_qmv_key, spec=_qmm_spec, default=_qmm_default,
     specialize=lambda x, wq, s, b: {**_format_of(x, wq, s, b), "N_DIV": _pow2_dividing(wq.shape[0]),
                                     "K_DIV": _pow2_dividing(x.shape[1])})
 def qmm(x, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr, N_DIV: kd.constexpr,
-        K_DIV: kd.constexpr, BLOCK_M, BLOCK_N, BLOCK_K, MAGIC, SWAP):
+        K_DIV: kd.constexpr, BLOCK_M, BLOCK_N, BLOCK_K, MAGIC, SWAP, PACKED):
+    """PACKED: 4-bit codes with bf16 activations and scales decode two at a time into bf16 pairs
+    (kernels/bf16_decode.py); other formats ignore it."""
     M, K = x.shape
     N = wq.shape[0]
     MASK = (1 << BITS) - 1
@@ -212,36 +215,45 @@ def qmm(x, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr, N_DIV
     acc = kd.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), kd.f32)
     for k0 in kd.range(0, K, BLOCK_K):
         rk = k0 + kd.arange(0, BLOCK_K)
-        if 32 % BITS == 0:
-            # whole words along K (contiguous, coalesced), codes expanded by a broadcast shift:
-            # code j of word w is element k = w * PER + j
-            PER = 32 // BITS
-            kw = k0 // PER + kd.arange(0, BLOCK_K // PER)
-            words = kd.load(wq, rn[:, None], kw[None, :], check=(not N_IN, not K_IN))
-            shifts = kd.arange(0, PER) * BITS
-            q = kd.reshape((words[:, :, None] >> shifts[None, None, :]) & MASK, (BLOCK_N, BLOCK_K))
+        packed = PACKED and BLOCK_K >= 8 and bf16_decode.serves(BITS, x.dtype, scales.dtype)
+        if packed:
+            kw = k0 // 8 + kd.arange(0, BLOCK_K // 8)
+            g = k0 // GROUP + kd.arange(0, NG)
+            chk = (not N_IN, not K_IN)
+            w = bf16_decode.weight_tile(kd.load(wq, rn[:, None], kw[None, :], check=chk),
+                                        kd.load(scales, rn[:, None], g[None, :], check=chk),
+                                        kd.load(biases, rn[:, None], g[None, :], check=chk), GROUP=GROUP)
         else:
-            # codes may straddle two words: read the bit window per element
-            bit = rk * BITS
-            wi = (bit >> 5)[None, :]
-            sh = (bit & 31)[None, :]
-            lo = kd.load(wq, rn[:, None], wi).to(kd.u32) >> sh.to(kd.u32)
-            spill = sh > 32 - BITS
-            hi = kd.load(wq, rn[:, None], wi + 1, mask=spill).to(kd.u32) << ((32 - sh) & 31).to(kd.u32)
-            q = ((lo | kd.where(spill, hi, 0)) & MASK).to(kd.i32)
-        # codes are small: OR-ing them into 2^23's mantissa is an exact int->float without a convert
-        qf = (q | 0x4B000000).bitcast(kd.f32) - 8388608.0 if MAGIC else q.f32()
-        # one scale and bias per row and group, broadcast over the group's codes (a load per element
-        # would issue BLOCK_K loads per row)
-        g = k0 // GROUP + kd.arange(0, NG)
-        chk = (not N_IN, not K_IN)
-        s = kd.load(scales, rn[:, None], g[None, :], check=chk).f32()
-        b = kd.load(biases, rn[:, None], g[None, :], check=chk).f32()
-        if BLOCK_K > GROUP:
-            qf = kd.reshape(qf, (BLOCK_N, NG, GROUP))
-            w = kd.reshape(qf * s[:, :, None] + b[:, :, None], (BLOCK_N, BLOCK_K))
-        else:
-            w = qf * s + b
+            if 32 % BITS == 0:
+                # whole words along K (contiguous, coalesced), codes expanded by a broadcast shift:
+                # code j of word w is element k = w * PER + j
+                PER = 32 // BITS
+                kw = k0 // PER + kd.arange(0, BLOCK_K // PER)
+                words = kd.load(wq, rn[:, None], kw[None, :], check=(not N_IN, not K_IN))
+                shifts = kd.arange(0, PER) * BITS
+                q = kd.reshape((words[:, :, None] >> shifts[None, None, :]) & MASK, (BLOCK_N, BLOCK_K))
+            else:
+                # codes may straddle two words: read the bit window per element
+                bit = rk * BITS
+                wi = (bit >> 5)[None, :]
+                sh = (bit & 31)[None, :]
+                lo = kd.load(wq, rn[:, None], wi).to(kd.u32) >> sh.to(kd.u32)
+                spill = sh > 32 - BITS
+                hi = kd.load(wq, rn[:, None], wi + 1, mask=spill).to(kd.u32) << ((32 - sh) & 31).to(kd.u32)
+                q = ((lo | kd.where(spill, hi, 0)) & MASK).to(kd.i32)
+            # codes are small: OR-ing them into 2^23's mantissa is an exact int->float without a convert
+            qf = (q | 0x4B000000).bitcast(kd.f32) - 8388608.0 if MAGIC else q.f32()
+            # one scale and bias per row and group, broadcast over the group's codes (a load per element
+            # would issue BLOCK_K loads per row)
+            g = k0 // GROUP + kd.arange(0, NG)
+            chk = (not N_IN, not K_IN)
+            s = kd.load(scales, rn[:, None], g[None, :], check=chk).f32()
+            b = kd.load(biases, rn[:, None], g[None, :], check=chk).f32()
+            if BLOCK_K > GROUP:
+                qf = kd.reshape(qf, (BLOCK_N, NG, GROUP))
+                w = kd.reshape(qf * s[:, :, None] + b[:, :, None], (BLOCK_N, BLOCK_K))
+            else:
+                w = qf * s + b
         if SWAP:
             acc += kd.dot(w.to(x.dtype), kd.load(x, rm[None, :], rk[:, None], check=(True, not K_IN)))
         else:

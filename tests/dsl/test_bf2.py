@@ -183,3 +183,34 @@ print("ok")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+@kd.kernel(tune={"BLOCK": kd.choice(8)})
+def interleave(a, b, *, BLOCK):
+    r = kd.grid(1) * BLOCK + kd.arange(0, BLOCK)
+    both = kd.join(kd.load(a, r[:, None], kd.arange(0, 4)[None, :]), kd.load(b, r[:, None], kd.arange(0, 4)[None, :]))
+    out = kd.output((BLOCK, 8), a.dtype)
+    kd.store(out, r[:, None], kd.arange(0, 8)[None, :], kd.reshape(both, (BLOCK, 8)))
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_join_puts_its_tiles_side_by_side_along_a_new_last_axis(backend):
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton kernels run on CPU only under TRITON_INTERPRET=1")
+    a, b = torch.arange(32.0).reshape(8, 4), -torch.arange(32.0).reshape(8, 4)
+    got = interleave(a, b, backend=backend, config={})
+    assert torch.equal(got, torch.stack([a, b], -1).reshape(8, 8)), backend
+
+
+def test_join_refuses_tiles_of_different_shapes():
+    @kd.kernel
+    def bad(a):
+        kd.grid(1)
+        out = kd.output((4, 2), kd.f32)
+        kd.store(out, kd.arange(0, 4)[:, None], kd.arange(0, 2)[None, :],
+                 kd.join(kd.load(a, kd.arange(0, 4)), kd.load(a, kd.arange(0, 2))))
+        return out
+
+    with pytest.raises(kd.DSLError, match="kd.join takes two tiles of one shape"):
+        bad(torch.zeros(4), backend="reference")

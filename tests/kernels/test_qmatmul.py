@@ -82,6 +82,28 @@ def test_qmm_swapped_and_magic_tiles(bits, cfg):
     check(Q.qmm(x, qw.packed, qw.scales, qw.biases, backend="triton", config=cfg), want, 128)
 
 
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(m=st.sampled_from([1, 5, 17]), n=st.sampled_from([7, 40]), gs=st.sampled_from([32, 64, 128]),
+       groups=st.sampled_from([1, 3]), block_k=st.sampled_from([32, 64, 128]), swap=st.booleans())
+def test_packed_bf16_decode_gives_the_bf16_weights_product(m, n, gs, groups, block_k, swap):
+    """PACKED qmm (4-bit codes decoded two at a time into bf16 pairs, kernels/bf16_decode.py) multiplies x
+    by the weight q * s + b rounded once to bf16, with bf16 activations, scales and biases: within the
+    output's bf16 rounding of x @ w.T over the exact bf16 weights, on every backend, for chunks smaller
+    than, equal to and larger than a group."""
+    k = gs * groups
+    x, qw, _ = mlx_case(m, n, k, 4, gs, seed=m * 100 + n + gs)
+    x, s, b = x.bfloat16(), qw.scales.bfloat16(), qw.biases.bfloat16()
+    codes = torch.stack([(qw.packed.view(torch.int32).long() >> (4 * j)) & 15 for j in range(8)], -1).reshape(n, k)
+    w = (codes.double().reshape(n, groups, gs) * s.double()[..., None] + b.double()[..., None]).reshape(n, k)
+    want = x.double() @ w.bfloat16().double().T
+    tol = 2 ** -7 * float(want.abs().max()) + 2 ** -8 * k ** 0.5 * float(x.abs().max()) * float(w.abs().max())
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": block_k, "SWAP": swap, "MAGIC": True, "PACKED": True,
+           "num_warps": 4, "num_stages": 2}
+    for backend in ["reference", "numba"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1" else []):
+        got = Q.qmm(x, qw.packed, s, b, backend=backend, config=cfg)
+        assert got.dtype == torch.bfloat16 and (got.double() - want).abs().max().item() <= tol, backend
+
+
 @pytest.mark.parametrize("bits,gs", [(4, 64), (8, 32), (2, 128)])
 def test_dequant_then_dense_mm(bits, gs):
     x, qw, want = mlx_case(20, 24, 2 * gs, bits, gs, seed=bits + gs)

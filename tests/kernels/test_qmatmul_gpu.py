@@ -62,8 +62,12 @@ def test_qmv_tc_on_gpu(bits, m, dtype, cfg):
 @pytest.mark.parametrize("m", [5, 130])
 @pytest.mark.parametrize("cfg", [{"MAGIC": True, "SWAP": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128},
                                  {"MAGIC": True, "SWAP": False},
-                                 {"MAGIC": False, "SWAP": False, "BLOCK_M": 64, "BLOCK_N": 64}])
+                                 {"MAGIC": False, "SWAP": False, "BLOCK_M": 64, "BLOCK_N": 64},
+                                 {"PACKED": True, "SWAP": False, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64,
+                                  "num_warps": 8, "num_stages": 3},
+                                 {"PACKED": True, "SWAP": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}])
 def test_qmm_on_gpu(bits, m, cfg):
+    """PACKED (two 4-bit codes per bf16x2 instruction) applies to the 4-bit cases, the others ignore it."""
     x, wq, s, b, want = case(m, 200, 1024, bits)
     close(Q.qmm(x, wq, s, b, config=cfg), want, 1024)
 

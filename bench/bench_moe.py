@@ -36,7 +36,9 @@ BITS, GS = 4, 64
 
 # swept: each kernel's default config for the shape, then the first of the tuner's seeds for it
 # (about 40 Triton compiles in all: the suite fits the GPU driver's 200 s step)
-GEMM_CONFIGS = gemm_seeds()[:4] + [{"MAGIC": False}]
+# and the first seeds with 4-bit codes decoded two per bf16x2 instruction (kernels/bf16_decode.py; the GLU
+# GEMM's K loop 292 sm_90 SASS instructions against 546, offline count, session 14)
+GEMM_CONFIGS = gemm_seeds()[:4] + [{"MAGIC": False}] + [{**c, "PACKED": True} for c in gemm_seeds()[:3]]
 GLU_CONFIGS = gemv_seeds("glu")[:5]
 COMBINE_CONFIGS = gemv_seeds("combine")[:5]
 

@@ -36,6 +36,7 @@ import inspect
 import torch
 
 import kilnx.dsl as kd
+from kilnx.kernels import bf16_decode
 from kilnx.kernels.moe_align import align, align_block_m, align_buffers
 
 ACTIVATIONS = {"silu": kd.silu, "gelu_tanh": kd.gelu_tanh}
@@ -51,14 +52,22 @@ def _code_f32(code, MAGIC):
     return (code | 0x4B000000).bitcast(kd.f32) - 8388608.0 if MAGIC else code.f32()
 
 
-def _dequantized_tile_t(wq, scales, biases, expert, cols, k0, BITS, GROUP, BLOCK_K, MAGIC, check):
-    """W[expert][cols, k0:k0 + BLOCK_K] dequantized and transposed: (BLOCK_K, len(cols)) fp32.
-    Code j of packed word w is element k = w * PER + j (LSB first). `check`: bounds checks on the
-    (row, K) dims; the expert of a block that runs exists."""
+def _dequantized_tile_t(wq, scales, biases, expert, cols, k0, BITS, GROUP, BLOCK_K, MAGIC, check,
+                        packed=False):
+    """W[expert][cols, k0:k0 + BLOCK_K] dequantized and transposed: (BLOCK_K, len(cols)) fp32 (bf16 when
+    `packed`: 4-bit codes decoded two per instruction, kernels/bf16_decode.py). Code j of packed word w
+    is element k = w * PER + j (LSB first). `check`: bounds checks on the (row, K) dims; the expert of a
+    block that runs exists."""
     PER = 32 // BITS
     BN = cols.shape[0]
     NG = max(BLOCK_K // GROUP, 1)    # quantization groups per K step
     chk = (False, *check)
+    if packed:
+        g = (k0 // GROUP + kd.arange(0, NG))[None, :]
+        return kd.trans(bf16_decode.weight_tile(
+            kd.load(wq, expert, cols[:, None], (k0 // 8 + kd.arange(0, BLOCK_K // 8))[None, :], check=chk),
+            kd.load(scales, expert, cols[:, None], g, check=chk), kd.load(biases, expert, cols[:, None], g, check=chk),
+            GROUP=GROUP))
     words = kd.load(wq, expert, cols[:, None], (k0 // PER + kd.arange(0, BLOCK_K // PER))[None, :], check=chk)
     shifts = kd.arange(0, PER) * BITS
     q = _code_f32(kd.reshape((words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1), (BN, BLOCK_K)),
@@ -75,8 +84,9 @@ def _dequantized_tile_t(wq, scales, biases, expert, cols, k0, BITS, GROUP, BLOCK
 
 
 def _gather_gemm(x, wq, scales, biases, sorted_ids, block_expert, routing, *, act, combine, BITS, GROUP,
-                 BLOCK_M, X_BY_TOKEN, DIVS, BLOCK_N, BLOCK_K, MAGIC):
+                 BLOCK_M, X_BY_TOKEN, DIVS, BLOCK_N, BLOCK_K, MAGIC, PACKED=False):
     K = x.shape[1]
+    packed = PACKED and BLOCK_K >= 8 and bf16_decode.serves(BITS, x.dtype, scales.dtype)
     T, TOP_K = routing.shape
     numel = T * TOP_K
     n_out = wq.shape[1] // 2 if act else wq.shape[1]
@@ -93,12 +103,12 @@ def _gather_gemm(x, wq, scales, biases, sorted_ids, block_expert, routing, *, ac
     acc_up = kd.zeros((BLOCK_M, BLOCK_N), kd.f32) if act else None
     for k0 in kd.range(0, k_stop, BLOCK_K):
         a = kd.load(x, x_row[:, None], (k0 + kd.arange(0, BLOCK_K))[None, :], check=(True, check[1]))
-        w = _dequantized_tile_t(wq, scales, biases, expert, cols, k0, BITS, GROUP, BLOCK_K, MAGIC, check)
+        w = _dequantized_tile_t(wq, scales, biases, expert, cols, k0, BITS, GROUP, BLOCK_K, MAGIC, check, packed)
         acc += kd.dot(a, w.to(x.dtype))
         if act:
             # the up half shares the activations tile: one x load feeds both products
             w_up = _dequantized_tile_t(wq, scales, biases, expert, cols + n_out, k0, BITS, GROUP, BLOCK_K,
-                                       MAGIC, check)
+                                       MAGIC, check, packed)
             acc_up += kd.dot(a, w_up.to(x.dtype))
     y = ACTIVATIONS[act](acc) * acc_up if act else acc
     if routing.dtype in (kd.f16, kd.bf16, kd.f32, kd.f64):
@@ -234,7 +244,7 @@ def _gemv_default(x, wq, scales, biases, expert_ids, *rest, SLOTS, **_):
 
 
 GEMM_TUNE = {"BLOCK_N": kd.pow2(16, 256, default=64), "BLOCK_K": kd.pow2(32, 256, default=64),
-             "MAGIC": kd.boolean(default=True),
+             "MAGIC": kd.boolean(default=True), "PACKED": kd.boolean(default=False),
              "num_warps": kd.choice(2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=3)}
 # the GEMVs' loop has no dot: a launch's num_stages pipelines nothing there, the loop's STAGES does
 GEMV_TUNE = {"BLOCK_N": kd.pow2(1, 64, default=1), "BLOCK_KW": kd.pow2(8, 512, default=128),
@@ -268,32 +278,35 @@ def _hooks(*, gemm: bool, glu: bool = False, combine: bool = False) -> dict:
 @kd.kernel(**_hooks(gemm=True))
 def gather_qmm(x, wq, scales, biases, sorted_ids, block_expert, routing, *, BITS: kd.constexpr,
                GROUP: kd.constexpr, BLOCK_M: kd.constexpr, X_BY_TOKEN: kd.constexpr, DIVS: kd.constexpr,
-               BLOCK_N, BLOCK_K, MAGIC):
+               BLOCK_N, BLOCK_K, MAGIC, PACKED):
     """(T * top_k, N): slot i = x[row of i] @ W[its expert]^T. `routing` (T, top_k) is the expert ids
     (read for their shape only) or the routing weights (each row then scaled by its weight)."""
     return _gather_gemm(x, wq, scales, biases, sorted_ids, block_expert, routing, act=None, combine=False,
                         BITS=BITS, GROUP=GROUP, BLOCK_M=BLOCK_M, X_BY_TOKEN=X_BY_TOKEN, DIVS=DIVS,
-                        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, MAGIC=MAGIC)
+                        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, MAGIC=MAGIC,
+                        PACKED=PACKED)
 
 
 @kd.kernel(**_hooks(gemm=True, glu=True))
 def gather_qmm_glu(x, wq, scales, biases, sorted_ids, block_expert, routing, *, BITS: kd.constexpr,
                    GROUP: kd.constexpr, BLOCK_M: kd.constexpr, X_BY_TOKEN: kd.constexpr,
-                   ACT: kd.constexpr = "silu", DIVS: kd.constexpr, BLOCK_N, BLOCK_K, MAGIC):
+                   ACT: kd.constexpr = "silu", DIVS: kd.constexpr, BLOCK_N, BLOCK_K, MAGIC, PACKED):
     """(T * top_k, N / 2): act(gate) * up of the [gate | up] product (weighted if routing is float)."""
     return _gather_gemm(x, wq, scales, biases, sorted_ids, block_expert, routing, act=ACT, combine=False,
                         BITS=BITS, GROUP=GROUP, BLOCK_M=BLOCK_M, X_BY_TOKEN=X_BY_TOKEN, DIVS=DIVS,
-                        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, MAGIC=MAGIC)
+                        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, MAGIC=MAGIC,
+                        PACKED=PACKED)
 
 
 @kd.kernel(**_hooks(gemm=True, combine=True))
 def gather_qmm_combine(x, wq, scales, biases, sorted_ids, block_expert, routing_weights, *, BITS: kd.constexpr,
                        GROUP: kd.constexpr, BLOCK_M: kd.constexpr, X_BY_TOKEN: kd.constexpr, DIVS: kd.constexpr,
-                       BLOCK_N, BLOCK_K, MAGIC):
+                       BLOCK_N, BLOCK_K, MAGIC, PACKED):
     """(T, N) fp32 = sum_k routing_weights[t, k] * (slot (t, k) @ W[its expert]^T), added atomically."""
     return _gather_gemm(x, wq, scales, biases, sorted_ids, block_expert, routing_weights, act=None,
                         combine=True, BITS=BITS, GROUP=GROUP, BLOCK_M=BLOCK_M, X_BY_TOKEN=X_BY_TOKEN, DIVS=DIVS,
-                        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, MAGIC=MAGIC)
+                        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, MAGIC=MAGIC,
+                        PACKED=PACKED)
 
 
 @kd.kernel(**_hooks(gemm=False))

@@ -138,6 +138,34 @@ def test_gather_kernels_match_mlx_gather_qmm(bits, gs, T, E, N, groups, x_rows, 
             close(got, want, K)
 
 
+@settings(max_examples=3, deadline=None, derandomize=True)
+@given(gs=st.sampled_from([32, 64, 128]), T=st.sampled_from([3, 17]), N=st.sampled_from([7, 40]),
+       groups=st.sampled_from([1, 3]), act=st.sampled_from([None, "silu"]), block_k=st.sampled_from([32, 64]))
+def test_packed_bf16_decode_in_the_grouped_gemm(gs, T, N, groups, act, block_k):
+    """PACKED grouped GEMMs (4-bit codes two per bf16x2 instruction, kernels/bf16_decode.py) with bf16
+    activations, scales and biases: each slot's product with its expert's weights rounded once to bf16,
+    within the bf16 output's rounding, on every backend, plain and GLU."""
+    E, k = 4, 2
+    K = gs * groups
+    _, w = experts(E, 2 * N, K, 4, gs, seed=T + N + gs)
+    s, b = w.scales.bfloat16(), w.biases.bfloat16()
+    codes = torch.stack([(w.packed.view(torch.int32).long() >> (4 * j)) & 15 for j in range(8)], -1)
+    dense = (codes.reshape(E, 2 * N, groups, gs).double() * s.double()[..., None] + b.double()[..., None])
+    dense = dense.reshape(E, 2 * N, K).bfloat16().double()
+    ids, _ = routing(T, k, E, seed=T)
+    x = torch.randn(T, K, generator=torch.Generator().manual_seed(T)).bfloat16()
+    prod = torch.einsum("tk,tjnk->tjn", x.double(), dense[ids]).reshape(T * k, 2 * N)
+    want = torch.nn.functional.silu(prod[:, :N]) * prod[:, N:] if act else prod
+    sorted_ids, block_expert, _ = align_formula(ids, E, 16)
+    cfg = {"BLOCK_N": 32, "BLOCK_K": block_k, "PACKED": True}
+    tol = 2 ** -7 * float(want.abs().max()) + 2 ** -8 * K ** 0.5 * float(x.abs().max()) * float(dense.abs().max())
+    for backend in ("triton", "reference", "numba"):
+        args = (x, w.packed, s, b, sorted_ids, block_expert, ids)
+        got = (M.gather_qmm_glu(*args, backend=backend, config=cfg, ACT=act) if act
+               else M.gather_qmm(*args, backend=backend, config=cfg))
+        assert (got.double() - want).abs().max().item() <= (2 * tol if act else tol), backend
+
+
 def test_public_gather_qmatmul_is_mlx_gather_qmm_squeezed():
     E, N, K, bits, gs = 6, 24, 128, 4, 64
     mw, w = experts(E, N, K, bits, gs, seed=1)

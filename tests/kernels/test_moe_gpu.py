@@ -52,6 +52,24 @@ def test_gather_qmatmul_on_gpu(bits, T):
     close(M.gather_qmatmul(x, w, ids).reshape(T * TOP_K, -1), want)
 
 
+@pytest.mark.parametrize("cfg", [{"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+                                 {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}])
+@pytest.mark.parametrize("T", [64, 2048])
+def test_packed_bf16_grouped_gemms_on_gpu(cfg, T):
+    """The prefill GEMMs with 4-bit codes decoded two per bf16x2 FMA (PACKED) give the formulas."""
+    gu, dn = stack(2 * F, H, 4, seed=5), stack(H, F, 4, seed=6)
+    ids, rw = routing(T, T + 1)
+    x = torch.randn(T, H).bfloat16().cuda()
+    sorted_ids, block_expert, _ = align(ids, E, 64)
+    g, d = (gu.packed, gu.scales, gu.biases), (dn.packed, dn.scales, dn.biases)
+    h = M.gather_qmm_glu(x, *g, sorted_ids, block_expert, ids, config={**cfg, "PACKED": True})
+    close(h, S.gather_spec(x, *g, ids, gemm=False, act="silu", combine=False, BITS=4, GROUP=64,
+                           X_BY_TOKEN=True).cpu().double())
+    y = M.gather_qmm_combine(h, *d, sorted_ids, block_expert, rw, config={**cfg, "PACKED": True})
+    close(y, S.gather_spec(h, *d, ids, rw, gemm=False, act=None, combine=True, BITS=4, GROUP=64,
+                           X_BY_TOKEN=False).cpu().double())
+
+
 def check_decode_pair(glu, combine, down_bits: int, seed: int, T: int):
     """glu(x, gate_up, ids) -> h and combine(h, down, ids, rw) -> y of one decode MoE against the formulas."""
     gu, dn = stack(2 * F, H, 4, seed=seed), stack(H, F, down_bits, seed=seed + 1)

@@ -147,17 +147,23 @@ def round_bf16(x):
 
 
 @njit(**_NJ)
-def _f64_to_f16_bits(x):
-    """float64 -> fp16 bits with one rounding. LLVM lowers a direct double->half truncation to a
-    library call that numba's JIT does not link, so go through fp32 rounded to odd (truncate, then
-    set the last bit if anything was dropped): with 13 spare bits the fp16 rounding stays exact."""
+def _f64_to_f32_odd(x):
+    """float64 -> fp32 rounded to odd (truncate, then set the last bit if anything was dropped): a later
+    rounding to a format with at least 2 fewer bits (fp16: 13, bf16: 16) is then the one rounding of x."""
     r = np.float32(x)
     if np.float64(r) != x:
         bits = as_u32(r)
         if abs(np.float64(r)) > abs(x):
             bits = np.uint32(bits - np.uint32(1))      # toward zero: same sign, smaller magnitude
         r = as_f32(np.uint32(bits | np.uint32(1)))
-    return _f32_to_f16_bits(r)
+    return r
+
+
+@njit(**_NJ)
+def _f64_to_f16_bits(x):
+    """float64 -> fp16 bits with one rounding. LLVM lowers a direct double->half truncation to a
+    library call that numba's JIT does not link, so go through fp32 rounded to odd."""
+    return _f32_to_f16_bits(_f64_to_f32_odd(x))
 
 
 @njit(**_NJ)
@@ -196,15 +202,8 @@ def _bf2_part(a, shift):
 
 @njit(**_NJ)
 def _f64_to_bf16_bits(x):
-    """float64 -> bf16 bits with one rounding: through fp32 rounded to odd (16 spare bits), as
-    _f64_to_f16_bits does for fp16."""
-    r = np.float32(x)
-    if np.float64(r) != x:
-        bits = as_u32(r)
-        if abs(np.float64(r)) > abs(x):
-            bits = np.uint32(bits - np.uint32(1))
-        r = as_f32(np.uint32(bits | np.uint32(1)))
-    return np.uint32(f32_to_bf16_bits(r))
+    """float64 -> bf16 bits with one rounding, through fp32 rounded to odd."""
+    return np.uint32(f32_to_bf16_bits(_f64_to_f32_odd(x)))
 
 
 @njit(**_NJ)

@@ -72,8 +72,9 @@ def grid_dependency_sync():
 
 
 @triton.jit
-def _half(a, shift: tl.constexpr):
-    return ((a >> shift) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float64)
+def _half(a, shift: tl.constexpr, dtype: tl.constexpr = tl.float16):
+    """The 16-bit float (fp16 or bf16) in the half of each u32 at `shift`, widened to float64."""
+    return ((a >> shift) & 0xFFFF).to(tl.uint16).to(dtype, bitcast=True).to(tl.float64)
 
 
 @triton.jit
@@ -111,11 +112,6 @@ def h2_sum(a):
 
 
 @triton.jit
-def _bf16_half(a, shift: tl.constexpr):
-    return ((a >> shift) & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float64)
-
-
-@triton.jit
 def _bf16_bits(v):
     """float64 -> bf16 bits, nearest even, one rounding (the interpreter's fma.rn.bf16x2)."""
     b = v.to(tl.uint64, bitcast=True)
@@ -127,8 +123,8 @@ def _bf16_bits(v):
 def bf2_fma(a, b, c):
     """a * b + c on both bf16 halves, rounded once (fma.rn.bf16x2)."""
     if INTERPRET:
-        lo = _bf16_half(a, 0) * _bf16_half(b, 0) + _bf16_half(c, 0)
-        hi = _bf16_half(a, 16) * _bf16_half(b, 16) + _bf16_half(c, 16)
+        lo = _half(a, 0, tl.bfloat16) * _half(b, 0, tl.bfloat16) + _half(c, 0, tl.bfloat16)
+        hi = _half(a, 16, tl.bfloat16) * _half(b, 16, tl.bfloat16) + _half(c, 16, tl.bfloat16)
         return _bf16_bits(lo) | (_bf16_bits(hi) << 16)
     else:
         return tl.inline_asm_elementwise("fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],

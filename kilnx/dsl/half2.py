@@ -64,7 +64,7 @@ def byte_perm(a, b, selector) -> Value:
     selector 0x4141 puts a's byte 1 in bytes 0 and 2 and zeros (b = 0) in bytes 1 and 3."""
     like = next((v for v in (a, b, selector) if isinstance(v, Value)), None)
     # any integer tile: its 32 bits (a selector is often arithmetic on kd.arange, an i32)
-    a, b, selector = (v.to("u32") if isinstance(v, Value) and v.dtype in ("i32", "u32") else v for v in (a, b, selector))
+    a, b, selector = (v.to("u32") if isinstance(v, Value) and v.dtype == "i32" else v for v in (a, b, selector))
     a, b, selector = (_h2(v, like, "kd.byte_perm") for v in (a, b, selector))
     shape = broadcast_shapes(a.shape, b.shape, selector.shape)
     return Value(builder().emit("byte_perm", "u32", shape, (a.node, b.node, selector.node)))

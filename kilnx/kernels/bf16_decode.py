@@ -3,9 +3,8 @@
 Why: the GEMMs that dequantize inside their K loop (`qmatmul.qmm`, and the MoE grouped GEMMs after it)
 decode each code with a shift, a mask, an int -> float conversion, an FMA and a rounding to bf16: ~312
 sm_90 SASS instructions per 32 codes a thread in qmm's loop at 128 x 128 x 64 (8 warps), in the same
-warps that feed the tensor cores. Here a code pair costs one byte permute, one mask and two bf16x2 FMAs;
-a plain-Triton sketch of the same loop compiled to ~192 (`.scratch` probe, session 14; not yet timed on
-a GPU).
+warps that feed the tensor cores. Here a code pair costs one byte permute, one mask and two bf16x2 FMAs:
+191 instructions for the same loop (bench/probes/sass_count.py, session 14; not yet timed on a GPU).
 
 Code pair p of a word (elements 2p and 2p + 1: the low and high nibble of byte p, MLX order) comes from
 `prmt(w, w >> 4)` with byte p of w in byte 0 and byte p of w >> 4 in byte 2, masked to 0x000F000F and
@@ -31,7 +30,7 @@ def bf16_pairs(v):
     return (v.f32().bitcast(kd.u32) >> 16) * 0x10001
 
 
-def weight_tile(words, scales, biases, *, GROUP: int):
+def weight_tile(words, scales, biases):
     """(BLOCK_N, 8 KW) bf16 weights from (BLOCK_N, KW) 4-bit words and their (BLOCK_N, NG) bf16 scales and
     biases, NG = max(8 KW / GROUP, 1) consecutive groups (all of the chunk's words in one group when
     8 KW <= GROUP). Every pair is a tile in the words' own layout; kd.join assembles them along axes the

@@ -66,8 +66,7 @@ def _dequantized_tile_t(wq, scales, biases, expert, cols, k0, BITS, GROUP, BLOCK
         g = (k0 // GROUP + kd.arange(0, NG))[None, :]
         return kd.trans(bf16_decode.weight_tile(
             kd.load(wq, expert, cols[:, None], (k0 // 8 + kd.arange(0, BLOCK_K // 8))[None, :], check=chk),
-            kd.load(scales, expert, cols[:, None], g, check=chk), kd.load(biases, expert, cols[:, None], g, check=chk),
-            GROUP=GROUP))
+            kd.load(scales, expert, cols[:, None], g, check=chk), kd.load(biases, expert, cols[:, None], g, check=chk)))
     words = kd.load(wq, expert, cols[:, None], (k0 // PER + kd.arange(0, BLOCK_K // PER))[None, :], check=chk)
     shifts = kd.arange(0, PER) * BITS
     q = _code_f32(kd.reshape((words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1), (BN, BLOCK_K)),
@@ -86,7 +85,7 @@ def _dequantized_tile_t(wq, scales, biases, expert, cols, k0, BITS, GROUP, BLOCK
 def _gather_gemm(x, wq, scales, biases, sorted_ids, block_expert, routing, *, act, combine, BITS, GROUP,
                  BLOCK_M, X_BY_TOKEN, DIVS, BLOCK_N, BLOCK_K, MAGIC, PACKED=False):
     K = x.shape[1]
-    packed = PACKED and BLOCK_K >= 8 and bf16_decode.serves(BITS, x.dtype, scales.dtype)
+    packed = PACKED and bf16_decode.serves(BITS, x.dtype, scales.dtype)
     T, TOP_K = routing.shape
     numel = T * TOP_K
     n_out = wq.shape[1] // 2 if act else wq.shape[1]

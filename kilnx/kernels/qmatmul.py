@@ -213,16 +213,16 @@ def qmm(x, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr, N_DIV
     rm = pm * BLOCK_M + kd.arange(0, BLOCK_M)
     rn = pn * BLOCK_N + kd.arange(0, BLOCK_N)
     acc = kd.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), kd.f32)
+    packed = PACKED and bf16_decode.serves(BITS, x.dtype, scales.dtype)
     for k0 in kd.range(0, K, BLOCK_K):
         rk = k0 + kd.arange(0, BLOCK_K)
-        packed = PACKED and BLOCK_K >= 8 and bf16_decode.serves(BITS, x.dtype, scales.dtype)
         if packed:
             kw = k0 // 8 + kd.arange(0, BLOCK_K // 8)
             g = k0 // GROUP + kd.arange(0, NG)
             chk = (not N_IN, not K_IN)
             w = bf16_decode.weight_tile(kd.load(wq, rn[:, None], kw[None, :], check=chk),
                                         kd.load(scales, rn[:, None], g[None, :], check=chk),
-                                        kd.load(biases, rn[:, None], g[None, :], check=chk), GROUP=GROUP)
+                                        kd.load(biases, rn[:, None], g[None, :], check=chk))
         else:
             if 32 % BITS == 0:
                 # whole words along K (contiguous, coalesced), codes expanded by a broadcast shift:

@@ -25,7 +25,7 @@ import torch
 
 from bench_kernels import copies_for, time_calls
 from kilnx.kernels import moe as M
-from kilnx.kernels.moe_align import align
+from kilnx.kernels.moe_align import align, align_block_m
 from kilnx.kernels.moe_specs import gemm_seeds, gemv_seeds, random_expert_weights, routed_experts
 from kilnx.quant import QWeight
 
@@ -38,7 +38,7 @@ BITS, GS = 4, 64
 # (about 40 Triton compiles in all: the suite fits the GPU driver's 200 s step)
 # and the first seeds with 4-bit codes decoded two per bf16x2 instruction (kernels/bf16_decode.py; the GLU
 # GEMM's K loop 292 sm_90 SASS instructions against 546, offline count, session 14)
-GEMM_CONFIGS = gemm_seeds()[:4] + [{"MAGIC": False}] + [{**c, "PACKED": True} for c in gemm_seeds()[:3]]
+GEMM_CONFIGS = gemm_seeds()[:4] + [{"MAGIC": False}] + [{**c, "PACKED": True} for c in gemm_seeds()]
 GLU_CONFIGS = gemv_seeds("glu")[:5]
 COMBINE_CONFIGS = gemv_seeds("combine")[:5]
 
@@ -49,8 +49,9 @@ def bench_moe(rec, copy_bw: float, smoke: bool):
     E, H, F = shape["E"], shape["hidden"], shape["width"]
     gu, dn = _stack(E, 2 * F, H, dev), _stack(E, H, F, dev)
     dense = _dense_bf16(gu), _dense_bf16(dn)
-    T = 2048 if not smoke else 32
-    if os.environ.get("KILNX_MOE_CASES", "all") != "decode":    # decode only: KILNX_MOE_CASES=decode
+    # $KILNX_MOE_PREFILL_TOKENS (e.g. "2048,256"): prefill sizes (at 256 tokens the blocks are 16 rows)
+    tokens = [int(t) for t in os.environ.get("KILNX_MOE_PREFILL_TOKENS", "2048").split(",")] if not smoke else [32]
+    for T in tokens if os.environ.get("KILNX_MOE_CASES", "all") != "decode" else ():   # decode only: =decode
         _safe(rec, f"moe_prefill{T}_qwen3_30b_a3b", lambda: _bench_prefill(rec, T, shape, gu, dn, dense, dev, smoke))
     # decode: the configs swept at one token; at four, the default against those winners
     configs = [GLU_CONFIGS[: (1 if smoke else None)], COMBINE_CONFIGS[: (1 if smoke else None)]]
@@ -139,7 +140,8 @@ def _bench_prefill(rec, T, shape, gu, dn, dense, dev, smoke):
     t_default = time_calls(lambda x: M.moe(x, gu, dn, ids, rw), sets, reps=10)
     assert _rel_err(M.moe(sets[0][0], gu, dn, ids, rw), y_ref) < 3e-2, "kilnx.ops.moe is wrong"
     best = None
-    for bm in ((64, 128) if not smoke else (16,)):
+    bm0 = align_block_m(T * k, E)   # the runtime's block height at this size, and twice it
+    for bm in ((bm0, 2 * bm0) if not smoke else (16,)):
         sorted_ids, block_expert, _ = align(ids, E, bm)
         t_align = time_calls(lambda i: align(i, E, bm), [(ids,)] * 2, reps=10)
         t_gu, cfg_gu = _best(f"{case} BM={bm} gate_up", M.gather_qmm_glu,

@@ -43,9 +43,14 @@ QMM_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages
                    (256, 128, 64, 8, 3, True, False), (256, 128, 32, 8, 4, True, False)]] + [
     # 4-bit codes decoded two per bf16x2 instruction (kernels/bf16_decode.py): 191 SASS instructions per
     # K step at 128 x 128 x 64, 8 warps, against 312 for the fp32 decode (offline count, session 14)
-    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns, MAGIC=True, SWAP=False, PACKED=True)
-    for bm, bn, bk, nw, ns in [(128, 128, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3),
-                               (64, 128, 64, 4, 4), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4)]]
+    # (session 15, M=512: 128 x 128 x 64 / 8 warps 361 us against 447 for the fp32 decode's best). With SWAP
+    # the decoded weight is the MMA's A operand, which Hopper's wgmma can take from registers
+    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns, MAGIC=True, SWAP=sw, PACKED=True)
+    for bm, bn, bk, nw, ns, sw in [(128, 128, 64, 8, 3, False), (256, 128, 64, 8, 3, False),
+                                   (128, 256, 64, 8, 3, False), (128, 128, 64, 8, 4, False),
+                                   (128, 64, 64, 4, 4, False), (64, 128, 64, 4, 3, False),
+                                   (32, 64, 128, 4, 3, True), (64, 64, 128, 4, 3, True), (64, 128, 64, 4, 3, True),
+                                   (128, 128, 64, 8, 3, True), (64, 256, 64, 8, 3, True), (16, 32, 256, 4, 4, True)]]
 H2_TILES = [(16, 128, 1, 2), (32, 128, 1, 4), (16, 64, 1, 1), (8, 256, 1, 4), (4, 512, 1, 4), (8, 128, 1, 2),
             (16, 256, 1, 4), (32, 64, 1, 2), (8, 64, 1, 1), (4, 256, 2, 2)]
 if os.environ.get("H2_TILES"):   # e.g. "8x128x1x2,16x128x1x2": BLOCK_N x BLOCK_KW x SPLIT_K x num_warps
@@ -99,7 +104,10 @@ def bench_quant(rec, copy_bw: float, smoke: bool):
         _safe(rec, f"qmv_b8_M1_{label}", lambda: _bench_qmv(rec, label, n, k, 1, 8, dev, copy_bw, smoke))
         for mode in ("mxfp4", "nvfp4"):
             _safe(rec, f"qmv_{mode}_M1_{label}", lambda mode=mode: _bench_fp4(rec, label, n, k, mode, dev, copy_bw, smoke))
-    for m in ((512, 4096) if not smoke and only not in ("qmv", "gate_up") else (32,) if smoke else ()):
+    qmm_ms = (512, 4096) if not smoke and only not in ("qmv", "gate_up") else (32,) if smoke else ()
+    if os.environ.get("QMM_MS") and not smoke:   # e.g. "64,128,256,512": where the route's crossover lies
+        qmm_ms = tuple(int(v) for v in os.environ["QMM_MS"].split(","))
+    for m in qmm_ms:
         _safe(rec, f"qmm_b4_M{m}_{label}", lambda: _bench_qmm(rec, label, n, k, m, dev, smoke))
 
 
@@ -238,10 +246,12 @@ def _bench_qmm(rec, label, n, k, m, dev, smoke):
         t = _measure(f"{case} {cfg}", run, sets, ref, reps=10, tol=3e-2)
         if t is not None:
             results.append((t, cfg))
+            rec.add("quant_sweep", case, "us_fused_qmm", t * 1e6, "config", str(cfg))
     # the two-kernel path: dequantize the weight once, then the dense DSL GEMM
     mm_only = []
     dense = [(x, qmatmul._dense_spec_weight(x, wq, s, b)) for x, wq, s, b in sets]
-    for cfg in MM_CONFIGS[: (1 if smoke else None)]:
+    # $QMM_MM_SWEEP=0: only the route's default config of the two-kernel path
+    for cfg in MM_CONFIGS[: (1 if smoke or os.environ.get("QMM_MM_SWEEP") == "0" else None)]:
         run = lambda x, wq, s, b, cfg=cfg: qmatmul.dequant_mm(x, wq, s, b, config=cfg)  # noqa: E731
         t = _measure(f"{case} dequant+mm {cfg}", run, sets, ref, reps=10, tol=3e-2)
         if t is not None:
@@ -250,11 +260,13 @@ def _bench_qmm(rec, label, n, k, m, dev, smoke):
             rec.add("quant_sweep", case, "us_mm", mm_only[-1][0] * 1e6, "config", str(cfg))
     # what qmatmul runs at these rows on its default configs (the route's choice: dequant + mm from
     # DEQUANT_MM_MIN_ROWS rows, else the fused qmm)
-    if m >= qmatmul.DEQUANT_MM_MIN_ROWS:
-        t_route = _measure(f"{case} qmatmul route", lambda x, wq, s, b: qmatmul.dequant_mm(x, wq, s, b), sets, ref,
-                           reps=10, tol=3e-2)
-    else:
-        t_route = results[0][0] if results else None
+    # (the two-kernel path on its default is timed at every M: where it overtakes the fused kernel is
+    # DEQUANT_MM_MIN_ROWS)
+    t_two = _measure(f"{case} dequant+mm default", lambda x, wq, s, b: qmatmul.dequant_mm(x, wq, s, b), sets, ref,
+                     reps=10, tol=3e-2)
+    if t_two is not None:
+        rec.add("quant_sweep", case, "us_dequant_mm_default", t_two * 1e6)
+    t_route = t_two if m >= qmatmul.DEQUANT_MM_MIN_ROWS else results[0][0] if results else None
     t_cublas = time_calls(lambda x, w: x @ w.T, dense, reps=10)
     best = min(results, key=lambda r: r[0])
     flops = 2 * m * n * k

@@ -259,14 +259,14 @@ def _bench_qmm(rec, label, n, k, m, dev, smoke):
             mm_only.append((time_calls(lambda x, w, cfg=cfg: qmatmul.mm(x, w, config=cfg), dense, reps=10), cfg))
             rec.add("quant_sweep", case, "us_mm", mm_only[-1][0] * 1e6, "config", str(cfg))
     # what qmatmul runs at these rows on its default configs (the route's choice: dequant + mm from
-    # DEQUANT_MM_MIN_ROWS rows, else the fused qmm)
+    # dequant_mm_min_rows, else the fused qmm)
     # (the two-kernel path on its default is timed at every M: where it overtakes the fused kernel is
-    # DEQUANT_MM_MIN_ROWS)
+    # dequant_mm_min_rows)
     t_two = _measure(f"{case} dequant+mm default", lambda x, wq, s, b: qmatmul.dequant_mm(x, wq, s, b), sets, ref,
                      reps=10, tol=3e-2)
     if t_two is not None:
         rec.add("quant_sweep", case, "us_dequant_mm_default", t_two * 1e6)
-    t_route = t_two if m >= qmatmul.DEQUANT_MM_MIN_ROWS else results[0][0] if results else None
+    t_route = t_two if m >= qmatmul.dequant_mm_min_rows(*sets[0]) else results[0][0] if results else None
     t_cublas = time_calls(lambda x, w: x @ w.T, dense, reps=10)
     best = min(results, key=lambda r: r[0])
     flops = 2 * m * n * k
@@ -282,6 +282,6 @@ def _bench_qmm(rec, label, n, k, m, dev, smoke):
     rec.add("quant", case, "ratio_vs_cublas_time", best[0] / t_cublas, "best_config", str(best[1]))
     if t_route is not None:
         rec.add("quant", case, "ratio_vs_cublas_time_default", t_route / t_cublas, "path",
-                "dequant+mm" if m >= qmatmul.DEQUANT_MM_MIN_ROWS else "qmm")
+                "dequant+mm" if m >= qmatmul.dequant_mm_min_rows(*sets[0]) else "qmm")
     rec.add("quant", case, "ratio_fused_qmm_default_vs_cublas_time", results[0][0] / t_cublas)
     rec.add("quant", case, "TFLOPs", flops / best[0] / 1e12, "cublas_bf16_TFLOPs", flops / t_cublas / 1e12)

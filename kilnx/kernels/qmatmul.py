@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 import kilnx.dsl as kd
+from kilnx.dsl.ir import dtype_of
 from kilnx.dsl.kernel import PerObjectMemo
 from kilnx.kernels import _gemv as gemv
 from kilnx.kernels import bf16_decode
@@ -173,8 +174,15 @@ def run_qmv(x, wq, scales, biases, *, backend=None, config=None, prep_config=Non
 
 
 # ---- qmm: tile GEMM with the dequantization in the prologue ------------------------------------------
-def _qmm_default(x, wq, scales, biases, **_):
+def _qmm_default(x, wq, scales, biases, *, BITS, **_):
     m = x.shape[0]
+    if x.is_cuda and m > 16 and _packed_serves(BITS, x, scales):
+        # codes decoded in bf16 pairs, the weight the MMA's left operand: llama-3.1-8b gate_up on the H200,
+        # M=64 93 us, 128 99, 256 188, 512 353, against 133 / 131 / 243 / 449 on the fp32 decode's defaults
+        # (bench/results/2026-12-04_h200_quant_s15_qmm.csv)
+        return {"BLOCK_M": max(16, _pow2_at_least(m)) if m <= 64 else 128, "BLOCK_N": 64 if m <= 64 else 128,
+                "BLOCK_K": 128 if m <= 64 else 64, "SWAP": True, "MAGIC": True, "PACKED": True,
+                "num_warps": 4 if m <= 64 else 8, "num_stages": 3}
     if m <= 16:   # few rows: the weight fills the wide side of the MMA (best measured on H200 at M=8)
         return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "SWAP": True, "num_warps": 4, "num_stages": 4}
     if m <= 64:
@@ -387,6 +395,19 @@ QMV_MAX_ROWS = 8
 # llama-3.1-8b gate_up this took 1.99x and 1.44x cuBLAS's time where the fused qmm took 3.16x and 3.04x
 # (H200, bench/results/*_qmm_s3.csv). Below a few hundred rows the weight's 16-bit copy is the larger cost.
 DEQUANT_MM_MIN_ROWS = 256
+# ... and where the fused qmm decodes 4-bit codes in bf16 pairs (kernels/bf16_decode.py): at M=256 it took
+# 188 us against the two kernels' 209, at 512 353 against 285 (gate_up, H200, session 15)
+DEQUANT_MM_MIN_ROWS_PACKED = 512
+
+
+def _packed_serves(bits: int, x: torch.Tensor, scales: torch.Tensor) -> bool:
+    return bf16_decode.serves(bits, dtype_of(x.dtype), dtype_of(scales.dtype))
+
+
+def dequant_mm_min_rows(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, biases) -> int:
+    """Rows from which qmatmul on the GPU takes the two-kernel path (dequantize once, then `mm`)."""
+    bits = _format_of(x, wq, scales, biases)["BITS"]
+    return DEQUANT_MM_MIN_ROWS_PACKED if _packed_serves(bits, x, scales) else DEQUANT_MM_MIN_ROWS
 
 
 _SERVED = PerObjectMemo()

@@ -46,11 +46,15 @@ QMM_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages
     # (session 15, M=512: 128 x 128 x 64 / 8 warps 361 us against 447 for the fp32 decode's best). With SWAP
     # the decoded weight is the MMA's A operand, which Hopper's wgmma can take from registers
     dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns, MAGIC=True, SWAP=sw, PACKED=True)
+    # (128 x 256 x 64 / 8 warps and 64 x 128 x 64 / 4 warps without SWAP do not compile: Triton 3.6 reports an
+    # illegal shared layout)
     for bm, bn, bk, nw, ns, sw in [(128, 128, 64, 8, 3, False), (256, 128, 64, 8, 3, False),
-                                   (128, 256, 64, 8, 3, False), (128, 128, 64, 8, 4, False),
-                                   (128, 64, 64, 4, 4, False), (64, 128, 64, 4, 3, False),
+                                   (128, 128, 64, 8, 4, False), (128, 64, 64, 4, 4, False),
                                    (32, 64, 128, 4, 3, True), (64, 64, 128, 4, 3, True), (64, 128, 64, 4, 3, True),
-                                   (128, 128, 64, 8, 3, True), (64, 256, 64, 8, 3, True), (16, 32, 256, 4, 4, True)]]
+                                   (128, 128, 64, 8, 3, True), (128, 128, 64, 8, 4, True), (128, 64, 64, 4, 3, True),
+                                   (128, 128, 64, 4, 3, True), (256, 128, 64, 8, 3, True), (64, 256, 64, 8, 3, True)]]
+# qmm's default above 64 rows on the GPU until session 15 (the fp32 decode)
+FP32_DECODE_DEFAULT = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, MAGIC=False, SWAP=False, num_warps=4, num_stages=2)
 H2_TILES = [(16, 128, 1, 2), (32, 128, 1, 4), (16, 64, 1, 1), (8, 256, 1, 4), (4, 512, 1, 4), (8, 128, 1, 2),
             (16, 256, 1, 4), (32, 64, 1, 2), (8, 64, 1, 1), (4, 256, 2, 2)]
 if os.environ.get("H2_TILES"):   # e.g. "8x128x1x2,16x128x1x2": BLOCK_N x BLOCK_KW x SPLIT_K x num_warps
@@ -107,8 +111,12 @@ def bench_quant(rec, copy_bw: float, smoke: bool):
     qmm_ms = (512, 4096) if not smoke and only not in ("qmv", "gate_up") else (32,) if smoke else ()
     if os.environ.get("QMM_MS") and not smoke:   # e.g. "64,128,256,512": where the route's crossover lies
         qmm_ms = tuple(int(v) for v in os.environ["QMM_MS"].split(","))
-    for m in qmm_ms:
-        _safe(rec, f"qmm_b4_M{m}_{label}", lambda: _bench_qmm(rec, label, n, k, m, dev, smoke))
+    # $QMM_SHAPES (e.g. "o,qkv,down"): the qmm cases on other llama-3.1-8b projections (default gate_up)
+    qmm_shapes = os.environ["QMM_SHAPES"].split(",") if os.environ.get("QMM_SHAPES") and not smoke else [label]
+    for label in qmm_shapes:
+        n, k = LLAMA8B[label] if not smoke else shapes[label]
+        for m in qmm_ms:
+            _safe(rec, f"qmm_b4_M{m}_{label}", lambda: _bench_qmm(rec, label, n, k, m, dev, smoke))
 
 
 def _safe(rec, case, fn):
@@ -240,7 +248,9 @@ def _bench_qmm(rec, label, n, k, m, dev, smoke):
     ref = qmatmul._dense_peer(*sets[0]).float()
     results = []
     # $QMM_FUSED_SWEEP=0: the fused kernel on its default config only (its sweep is in sessions 2-11)
-    fused = QMM_CONFIGS[: (2 if smoke else 0 if os.environ.get("QMM_FUSED_SWEEP") == "0" else None)]
+    # (with the fp32 decode's default before session 15 always: the packed default's gain in the same run)
+    fused = [FP32_DECODE_DEFAULT] + QMM_CONFIGS[: (2 if smoke else 0 if os.environ.get("QMM_FUSED_SWEEP") == "0"
+                                                   else None)]
     for cfg in [qmatmul.qmm.default_config(*sets[0])] + fused:
         run = lambda x, wq, s, b, cfg=cfg: qmatmul.qmm(x, wq, s, b, config=cfg)  # noqa: E731
         t = _measure(f"{case} {cfg}", run, sets, ref, reps=10, tol=3e-2)

@@ -178,7 +178,7 @@ def _qmm_default(x, wq, scales, biases, *, BITS, **_):
     m = x.shape[0]
     if x.is_cuda and m > 16 and _packed_serves(BITS, x, scales):
         # codes decoded in bf16 pairs, the weight the MMA's left operand: llama-3.1-8b gate_up on the H200,
-        # M=64 93 us, 128 99, 256 188, 512 353, against 133 / 131 / 243 / 449 on the fp32 decode's defaults
+        # M=64 93 us, 128 99, 256 188, against 133 / 131 / 243 on the fp32 decode's defaults
         # (bench/results/2026-12-04_h200_quant_s15_qmm.csv)
         return {"BLOCK_M": max(16, _pow2_at_least(m)) if m <= 64 else 128, "BLOCK_N": 64 if m <= 64 else 128,
                 "BLOCK_K": 128 if m <= 64 else 64, "SWAP": True, "MAGIC": True, "PACKED": True,
@@ -395,9 +395,10 @@ QMV_MAX_ROWS = 8
 # llama-3.1-8b gate_up this took 1.99x and 1.44x cuBLAS's time where the fused qmm took 3.16x and 3.04x
 # (H200, bench/results/*_qmm_s3.csv). Below a few hundred rows the weight's 16-bit copy is the larger cost.
 DEQUANT_MM_MIN_ROWS = 256
-# ... and where the fused qmm decodes 4-bit codes in bf16 pairs (kernels/bf16_decode.py): at M=256 it took
-# 188 us against the two kernels' 209, at 512 353 against 285 (gate_up, H200, session 15)
-DEQUANT_MM_MIN_ROWS_PACKED = 512
+# ... and where the fused qmm decodes 4-bit codes in bf16 pairs (kernels/bf16_decode.py): on gate_up (H200,
+# session 15) it took 187 us against the two kernels' 208 at M=256, 278 against 253 at 384, 354 against 282
+# at 512; the two lines cross near 320 rows
+DEQUANT_MM_MIN_ROWS_PACKED = 320
 
 
 def _packed_serves(bits: int, x: torch.Tensor, scales: torch.Tensor) -> bool:

@@ -111,7 +111,7 @@ class QmatmulRowsRoute:
                 y = gemv(*prep(x, PER=32 // bits, GROUP=group, backend=backend), wq, scales, biases, backend=backend)
                 return y if y.dtype == x.dtype else y.to(x.dtype)
             return gemv_call
-        if x.is_cuda and x.shape[0] >= qm.dequant_mm_min_rows(x, wq, scales, biases) and 32 % bits == 0:
+        if 32 % bits == 0 and qm.takes_dequant_mm(x, wq, scales, biases):
             return qm.dequant_mm
         return lambda x, wq, scales, biases: qm.qmm(x, wq, scales, biases, backend=backend)
 

@@ -126,3 +126,21 @@ def test_qmatmul_decides_once_per_weight_and_row_count(monkeypatch):
     forget_remembered_configs()
     Q.qmatmul(x, weights[0])
     assert asked == [1, 1, 1]
+
+
+@pytest.mark.parametrize("m,n,want", [
+    (128, 28672, False),   # gate_up: 224 programs of 128 x 128, the fused kernel fills the GPU
+    (64, 28672, False),
+    (128, 4096, True),     # o / down: 32 programs on 132 SMs, each walking all of K
+    (256, 6144, True),     # qkv: 96
+    (16, 4096, False),     # few rows: the weight's 16-bit copy is the larger cost
+    (320, 28672, True),    # from the crossover's rows the two kernels whatever the grid
+])
+def test_the_two_kernel_path_takes_large_or_starved_fused_grids(m, n, want):
+    tile = (128, 128) if m > 64 else (64, 64)
+    assert Q.two_kernels_win(m, n, 320, tile, sms=132) is want
+
+
+def test_the_cpu_never_takes_the_two_kernel_path():
+    x, wq, s, b = Q.make_qmatmul_args({"M": 512, "N": 64, "K": 128, "bits": 4, "gs": 64}, "cpu")[:4]
+    assert not Q.takes_dequant_mm(x, wq, s, b)

@@ -412,7 +412,7 @@ def dequant_mm_min_rows(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor,
 
 
 def takes_dequant_mm(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, biases) -> bool:
-    """Whether qmatmul on the GPU takes the two-kernel path: from `dequant_mm_min_rows` rows, and above 16
+    """Whether qmatmul on the GPU takes the two-kernel path: from `dequant_mm_min_rows` rows, and above 64
     wherever the fused kernel's default tiles give fewer programs than the GPU has SMs. Those few programs
     each walk the whole K loop: at 128 and 256 rows the fused kernel took 65 / 68 us on llama-3.1-8b's o,
     71 / 74 on qkv and 295 / 291 on down, the two kernels 47 / 40, 60 / 55 and 157 / 130 (H200, session 15;
@@ -420,15 +420,18 @@ def takes_dequant_mm(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, bi
     if not x.is_cuda:
         return False
     m, min_rows = x.shape[0], dequant_mm_min_rows(x, wq, scales, biases)
-    cfg = qmm.default_config(x, wq, scales, biases) if 16 < m < min_rows else {"BLOCK_M": 1, "BLOCK_N": 1}
+    cfg = qmm.default_config(x, wq, scales, biases) if 64 < m < min_rows else {"BLOCK_M": 1, "BLOCK_N": 1}
     return two_kernels_win(m, wq.shape[0], min_rows, (cfg["BLOCK_M"], cfg["BLOCK_N"]), _programs(x))
 
 
 def two_kernels_win(m: int, n: int, min_rows: int, tile: tuple[int, int], sms: int) -> bool:
-    """The route's rule: m rows of an n-row weight, the fused kernel's (BLOCK_M, BLOCK_N) tile, sms SMs."""
+    """The route's rule: m rows of an n-row weight, the fused kernel's (BLOCK_M, BLOCK_N) tile, sms SMs.
+    Up to 64 rows the fused kernel's tiles are 64 wide and short along K per program: at 64 rows it won on
+    every llama-3.1-8b projection, 28 / 28 / 119 us against 44 / 59 / 155 on o / qkv / down with 64 or 96
+    programs, so the grid test applies to the 128-wide tiles above."""
     if m >= min_rows:
         return True
-    return m > 16 and -(-m // tile[0]) * -(-n // tile[1]) < sms
+    return m > 64 and -(-m // tile[0]) * -(-n // tile[1]) < sms
 
 
 _SERVED = PerObjectMemo()

@@ -134,6 +134,7 @@ def test_qmatmul_decides_once_per_weight_and_row_count(monkeypatch):
     (128, 4096, True),     # o / down: 32 programs on 132 SMs, each walking all of K
     (256, 6144, True),     # qkv: 96
     (16, 4096, False),     # few rows: the weight's 16-bit copy is the larger cost
+    (64, 4096, False),     # 64-wide tiles, short per program: the fused kernel won with 64 programs
     (320, 28672, True),    # from the crossover's rows the two kernels whatever the grid
 ])
 def test_the_two_kernel_path_takes_large_or_starved_fused_grids(m, n, want):

@@ -14,7 +14,7 @@ import traceback
 import torch
 
 from bench_kernels import copies_for, time_calls
-from kilnx.kernels import qmatmul, qmv_h2, qmv_tc
+from kilnx.kernels import qmatmul, qmv_h2, qmv_tc, routing
 from kilnx.quant import QWeight
 
 LLAMA8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -270,7 +270,7 @@ def _bench_qmm(rec, label, n, k, m, dev, smoke):
             mm_only.append((time_calls(lambda x, w, cfg=cfg: qmatmul.mm(x, w, config=cfg), dense, reps=10), cfg))
             rec.add("quant_sweep", case, "us_mm", mm_only[-1][0] * 1e6, "config", str(cfg))
     # the two-kernel path on its default, timed at every M (where it overtakes the fused kernel is the
-    # route's crossover, qmatmul.takes_dequant_mm)
+    # route's crossover, routing.takes_dequant_mm)
     t_two = _measure(f"{case} dequant+mm default", lambda x, wq, s, b: qmatmul.dequant_mm(x, wq, s, b), sets, ref,
                      reps=10, tol=3e-2)
     if t_two is not None:
@@ -294,6 +294,6 @@ def _bench_qmm(rec, label, n, k, m, dev, smoke):
     rec.add("quant", case, "ratio_vs_cublas_time", best[0] / t_cublas, "best_config", str(best[1]))
     if t_route is not None:
         rec.add("quant", case, "ratio_vs_cublas_time_default", t_route / t_cublas, "path",
-                "dequant+mm" if qmatmul.takes_dequant_mm(*sets[0]) else "qmm")
+                "dequant+mm" if routing.takes_dequant_mm(*sets[0]) else "qmm")
     rec.add("quant", case, "ratio_fused_qmm_default_vs_cublas_time", results[0][0] / t_cublas)
     rec.add("quant", case, "TFLOPs", flops / best[0] / 1e12, "cublas_bf16_TFLOPs", flops / t_cublas / 1e12)

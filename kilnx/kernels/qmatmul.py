@@ -173,6 +173,10 @@ def run_qmv(x, wq, scales, biases, *, backend=None, config=None, prep_config=Non
     return qmv(planes, sums, wq, scales, biases, backend=backend, config=config)
 
 
+def _packed_serves(bits: int, x: torch.Tensor, scales: torch.Tensor) -> bool:
+    return bf16_decode.serves(bits, dtype_of(x.dtype), dtype_of(scales.dtype))
+
+
 # ---- qmm: tile GEMM with the dequantization in the prologue ------------------------------------------
 def _qmm_default(x, wq, scales, biases, *, BITS, **_):
     m = x.shape[0]
@@ -390,49 +394,6 @@ def dequant_mm(x, wq, scales, biases, *, config=None, dequant_config=None):
 # shapes: the packed-fp16 qmv_h2 won at M=8 on all four, 19-95 us against 23-104 us; the fp32 qmv had lost
 # at 8); `kilnx tune` stores the measured crossover per device and weight shape (kilnx/kernels/routing.py).
 QMV_MAX_ROWS = 8
-
-# Rows from which the GPU dequantizes the weight to bf16 once and runs the dense GEMM: at M=512 and 4096 on
-# llama-3.1-8b gate_up this took 1.99x and 1.44x cuBLAS's time where the fused qmm took 3.16x and 3.04x
-# (H200, bench/results/*_qmm_s3.csv). Below a few hundred rows the weight's 16-bit copy is the larger cost.
-DEQUANT_MM_MIN_ROWS = 256
-# ... and where the fused qmm decodes 4-bit codes in bf16 pairs (kernels/bf16_decode.py): on gate_up (H200,
-# session 15) it took 187 us against the two kernels' 208 at M=256, 278 against 253 at 384, 354 against 282
-# at 512; the two lines cross near 320 rows
-DEQUANT_MM_MIN_ROWS_PACKED = 320
-
-
-def _packed_serves(bits: int, x: torch.Tensor, scales: torch.Tensor) -> bool:
-    return bf16_decode.serves(bits, dtype_of(x.dtype), dtype_of(scales.dtype))
-
-
-def dequant_mm_min_rows(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, biases) -> int:
-    """Rows from which qmatmul on the GPU takes the two-kernel path (dequantize once, then `mm`)."""
-    bits = _format_of(x, wq, scales, biases)["BITS"]
-    return DEQUANT_MM_MIN_ROWS_PACKED if _packed_serves(bits, x, scales) else DEQUANT_MM_MIN_ROWS
-
-
-def takes_dequant_mm(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, biases) -> bool:
-    """Whether qmatmul on the GPU takes the two-kernel path: from `dequant_mm_min_rows` rows, and above 64
-    wherever the fused kernel's default tiles give fewer programs than the GPU has SMs. Those few programs
-    each walk the whole K loop: at 128 and 256 rows the fused kernel took 65 / 68 us on llama-3.1-8b's o,
-    71 / 74 on qkv and 295 / 291 on down, the two kernels 47 / 40, 60 / 55 and 157 / 130 (H200, session 15;
-    gate_up's 224+ programs keep the fused kernel ahead there)."""
-    if not x.is_cuda:
-        return False
-    m, min_rows = x.shape[0], dequant_mm_min_rows(x, wq, scales, biases)
-    cfg = qmm.default_config(x, wq, scales, biases) if 64 < m < min_rows else {"BLOCK_M": 1, "BLOCK_N": 1}
-    return two_kernels_win(m, wq.shape[0], min_rows, (cfg["BLOCK_M"], cfg["BLOCK_N"]), _programs(x))
-
-
-def two_kernels_win(m: int, n: int, min_rows: int, tile: tuple[int, int], sms: int) -> bool:
-    """The route's rule: m rows of an n-row weight, the fused kernel's (BLOCK_M, BLOCK_N) tile, sms SMs.
-    Up to 64 rows the fused kernel's tiles are 64 wide and short along K per program: at 64 rows it won on
-    every llama-3.1-8b projection, 28 / 28 / 119 us against 44 / 59 / 155 on o / qkv / down with 64 or 96
-    programs, so the grid test applies to the 128-wide tiles above."""
-    if m >= min_rows:
-        return True
-    return m > 64 and -(-m // tile[0]) * -(-n // tile[1]) < sms
-
 
 _SERVED = PerObjectMemo()
 """weight, (rows, K, dtype, device) -> its call: a qmatmul call's checks, routing and format decided once."""

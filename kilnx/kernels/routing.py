@@ -17,12 +17,53 @@ import torch
 from kilnx.dsl.kernel import _tuning_generation, format_key
 from kilnx.dsl.tunables import Space, choice
 
-ROUTING_VERSION = "4"
+ROUTING_VERSION = "5"   # 5: the two-kernel path by grid size and the packed crossover (session 15)
 TC_NEVER = 65            # past qmv_tc.MAX_ROWS: the tensor-core GEMV is never chosen
 # On the H200 qmv_tc took the same time at 1, 4 and 8 rows and beat qmv_h2 at 8 on every llama-3.1-8b
 # shape (by 9-15%), lost at 4 (by 29-71%) (bench/results/2026-12-03_h200_quant_s5.csv); kilnx tune
 # stores the crossover per device.
 TC_MIN_ROWS = 8
+
+
+# Rows from which the GPU dequantizes the weight to bf16 once and runs the dense GEMM: at M=512 and 4096 on
+# llama-3.1-8b gate_up this took 1.99x and 1.44x cuBLAS's time where the fused qmm took 3.16x and 3.04x
+# (H200, bench/results/*_qmm_s3.csv). Below a few hundred rows the weight's 16-bit copy is the larger cost.
+DEQUANT_MM_MIN_ROWS = 256
+# ... and where the fused qmm decodes 4-bit codes in bf16 pairs (kernels/bf16_decode.py): on gate_up (H200,
+# session 15) it took 187 us against the two kernels' 208 at M=256, 278 against 253 at 384, 354 against 282
+# at 512; the two lines cross near 320 rows
+DEQUANT_MM_MIN_ROWS_PACKED = 320
+
+
+def dequant_mm_min_rows(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, biases) -> int:
+    """Rows from which qmatmul on the GPU takes the two-kernel path (dequantize once, then `mm`)."""
+    from kilnx.kernels import qmatmul as qm
+    bits = qm._format_of(x, wq, scales, biases)["BITS"]
+    return DEQUANT_MM_MIN_ROWS_PACKED if qm._packed_serves(bits, x, scales) else DEQUANT_MM_MIN_ROWS
+
+
+def takes_dequant_mm(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, biases) -> bool:
+    """Whether qmatmul on the GPU takes the two-kernel path: from `dequant_mm_min_rows` rows, and above 64
+    wherever the fused kernel's default tiles give fewer programs than the GPU has SMs. Those few programs
+    each walk the whole K loop: at 128 and 256 rows the fused kernel took 65 / 68 us on llama-3.1-8b's o,
+    71 / 74 on qkv and 295 / 291 on down, the two kernels 47 / 40, 60 / 55 and 157 / 130 (H200, session 15;
+    gate_up's 224+ programs keep the fused kernel ahead there)."""
+    from kilnx.kernels import qmatmul as qm
+    if not x.is_cuda:
+        return False
+    m, min_rows = x.shape[0], dequant_mm_min_rows(x, wq, scales, biases)
+    cfg = qm.qmm.default_config(x, wq, scales, biases) if 64 < m < min_rows else {"BLOCK_M": 1, "BLOCK_N": 1}
+    return two_kernels_win(m, wq.shape[0], min_rows, (cfg["BLOCK_M"], cfg["BLOCK_N"]), qm._programs(x))
+
+
+def two_kernels_win(m: int, n: int, min_rows: int, tile: tuple[int, int], sms: int) -> bool:
+    """The route's rule: m rows of an n-row weight, the fused kernel's (BLOCK_M, BLOCK_N) tile, sms SMs.
+    Up to 64 rows the fused kernel's tiles are 64 wide and short along K per program: at 64 rows it won on
+    every llama-3.1-8b projection, 28 / 28 / 119 us against 44 / 59 / 155 on o / qkv / down with 64 or 96
+    programs, so the grid test applies to the 128-wide tiles above."""
+    if m >= min_rows:
+        return True
+    return m > 64 and -(-m // tile[0]) * -(-n // tile[1]) < sms
 
 
 class QmatmulRowsRoute:
@@ -111,7 +152,7 @@ class QmatmulRowsRoute:
                 y = gemv(*prep(x, PER=32 // bits, GROUP=group, backend=backend), wq, scales, biases, backend=backend)
                 return y if y.dtype == x.dtype else y.to(x.dtype)
             return gemv_call
-        if 32 % bits == 0 and qm.takes_dequant_mm(x, wq, scales, biases):
+        if 32 % bits == 0 and takes_dequant_mm(x, wq, scales, biases):
             return qm.dequant_mm
         return lambda x, wq, scales, biases: qm.qmm(x, wq, scales, biases, backend=backend)
 

@@ -25,6 +25,11 @@ for bits in (3, 4, 8):
     for cfg in ({"SWAP": True, "MAGIC": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128},
                 {"SWAP": False, "MAGIC": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}):
         compile_for_target(Q.qmm, args, cfg)
+    if bits == 4:   # the GPU defaults above 16 rows: codes decoded in bf16 pairs, the weight wgmma's A operand
+        for tile in ((64, 64, 128, 4), (128, 128, 64, 8)):
+            cfg = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps"), tile), SWAP=True, PACKED=True)
+            ptx = compile_for_target(Q.qmm, args, cfg).asm["ptx"]
+            assert "fma.rn.bf16x2" in ptx and "wgmma" in ptx, "packed qmm off the bf16x2 decode or the wgmma"
     if 32 % bits == 0:
         compile_for_target(Q.dequant, args[1:], {}, kw={"BITS": bits, "GROUP": 64})
         compile_for_target(Q.mm, (x, torch.randn(64, 256).bfloat16()), {"BLOCK_M": 64, "BLOCK_N": 64})

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kilnx.kernels import qmatmul as Q
+from kilnx.kernels import routing as R
 from kilnx.quant import QWeight
 
 pytestmark = [pytest.mark.gpu,
@@ -81,7 +82,7 @@ def test_public_qmatmul_on_gpu_every_m():
                  (300, 16896), (400, 96)]:
         x, wq, s, b, want = case(m, n, 512, 4)
         w = QWeight.from_mlx(wq, s, b, bits=4, group_size=64)
-        assert Q.takes_dequant_mm(x, wq, s, b) is (m >= 320 or (m > 64 and n == 96))
+        assert R.takes_dequant_mm(x, wq, s, b) is (m >= 320 or (m > 64 and n == 96))
         close(Q.qmatmul(x, w), want, 512)
 
 

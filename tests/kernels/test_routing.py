@@ -10,7 +10,8 @@ import torch
 
 from kilnx.cache import TuningDB
 from kilnx.kernels import qmatmul as Q
-from kilnx.kernels.routing import TC_NEVER, QmatmulRowsRoute, qmatmul_rows
+from kilnx.kernels.routing import (TC_NEVER, QmatmulRowsRoute, qmatmul_rows, takes_dequant_mm,
+                                   two_kernels_win)
 from kilnx.runtime import dispatch
 from kilnx.runtime.device import cpu_info
 
@@ -139,9 +140,9 @@ def test_qmatmul_decides_once_per_weight_and_row_count(monkeypatch):
 ])
 def test_the_two_kernel_path_takes_large_or_starved_fused_grids(m, n, want):
     tile = (128, 128) if m > 64 else (64, 64)
-    assert Q.two_kernels_win(m, n, 320, tile, sms=132) is want
+    assert two_kernels_win(m, n, 320, tile, sms=132) is want
 
 
 def test_the_cpu_never_takes_the_two_kernel_path():
     x, wq, s, b = Q.make_qmatmul_args({"M": 512, "N": 64, "K": 128, "bits": 4, "gs": 64}, "cpu")[:4]
-    assert not Q.takes_dequant_mm(x, wq, s, b)
+    assert not takes_dequant_mm(x, wq, s, b)

@@ -487,7 +487,10 @@ qmm.seed_configs = lambda problem: (
     [{"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": ns, "SWAP": True, "MAGIC": True}
      for bn, bk, ns in [(32, 256, 4), (64, 128, 3), (32, 128, 4)]] if problem["M"] <= 16 else
     [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns, "SWAP": False, "MAGIC": True}
-     for bm, bn, bk, nw, ns in [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 32, 4, 4)]])
+     for bm, bn, bk, nw, ns in [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 32, 4, 4)]] +
+    # the packed bf16 decode with the weight as the MMA's left operand (the GPU's default above 16 rows)
+    [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 3, "SWAP": True, "MAGIC": True,
+      "PACKED": True} for bm, bn, bk, nw in [(128, 128, 64, 8), (64, 64, 128, 4), (128, 64, 64, 4)]])
 qmm.tuning(make_args=make_qmatmul_args, problems=QMM_PROBLEMS, peer=_dense_peer)
 
 
@@ -506,3 +509,28 @@ def _matmul_tolerance(args):
 
 qmv.tolerance = _matmul_tolerance
 qmm.tolerance = _matmul_tolerance
+
+
+# The dense GEMM of the two-kernel path (what qmatmul runs on the GPU from 320 rows, and wherever the fused
+# kernel's grid is starved), tuned on the bf16 weight's shape with cuBLAS as its peer.
+def make_mm_args(problem: dict, device: str):
+    m, n, k = problem["M"], problem["N"], problem["K"]
+    g = torch.Generator(device="cpu").manual_seed(m * 7919 + n * 31 + k)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(device)
+    w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16).to(device)
+    return x, w
+
+
+def _mm_tolerance(args):
+    x, w = args
+    xrms, wmax = x.float().pow(2).mean().sqrt().item(), w.float().abs().max().item()
+    return 2e-2, 4e-3 * (x.shape[1] ** 0.5) * xrms * wmax
+
+
+mm.tuning(make_args=make_mm_args, problems=[{"M": 2048, "N": 4096, "K": 4096}], peer=lambda x, w: x @ w.T)
+mm.tolerance = _mm_tolerance
+# the defaults and the best tiles of the session-14 sweep (bench/results/2026-12-04_h200_quant_s14_mm.csv)
+mm.seed_configs = lambda problem: [
+    {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "num_warps": nw, "num_stages": ns, "TMA": True, "PERSISTENT": p}
+    for bm, bn, nw, ns, p in [(128, 256, 8, 3, True), (128, 128, 4, 4, True), (128, 256, 8, 4, True),
+                              (256, 128, 8, 3, False), (128, 128, 8, 4, True)]]

@@ -24,3 +24,27 @@ def test_an_moe_preset_tunes_the_decode_moe_the_runtime_runs():
     cpu = {name for name, _ in registry.problems_for_model("qwen3-30b-a3b", gpu=False)}
     assert {"gather_qmv_h2_glu", "gather_qmv_h2_combine", "gather_qmm_glu", "moe_align_scatter"} <= gpu
     assert {"gather_qmv_glu", "gather_qmv_combine"} <= cpu and not {"gather_qmv_h2_glu"} & cpu
+
+
+def test_a_gpu_tune_times_the_gemm_each_prompt_size_runs():
+    """From 320 rows the GPU dequantizes once and runs the dense `mm` (kernels/routing.py): a GPU tune
+    times `mm` at the prefill sizes and the fused qmm below them; the CPU, which has no two-kernel path,
+    tunes the fused qmm at every size."""
+    gpu = registry.problems_for_model("llama-3.1-8b", gpu=True)
+    cpu = registry.problems_for_model("llama-3.1-8b", gpu=False)
+    assert {p["M"] for n, p in gpu if n == "mm"} == {512, 2048}
+    assert {p["M"] for n, p in gpu if n == "qmm"} == {16, 128}
+    assert {p["M"] for n, p in cpu if n == "qmm"} == {16, 512, 2048} and not [n for n, _ in cpu if n == "mm"]
+
+
+def test_the_dense_gemm_tunes_against_its_reference():
+    """`mm`'s tuning inputs, its seeds and its peer agree with its numpy-defined result (a small problem)."""
+    import torch
+    mm = registry.get("mm")
+    args = mm.make_args({"M": 32, "N": 64, "K": 128}, "cpu")
+    want = mm.reference(*args).float()
+    assert torch.allclose(mm.peer(*args).float(), want, rtol=2e-2, atol=1e-2)
+    rtol, atol = mm.tolerance(args)
+    for cfg in mm.seed_configs({"M": 32, "N": 64, "K": 128})[:2]:
+        got = mm(*args, config={**cfg, "TMA": False}, backend="reference").float()
+        assert torch.allclose(got, want, rtol=rtol, atol=atol)

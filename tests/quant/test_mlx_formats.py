@@ -146,6 +146,18 @@ def test_pack_4bit_layout_is_lsb_first():
     assert word == 0x76543210  # byte 0 = element 1 << 4 | element 0
 
 
+@given(bits=st.sampled_from((2, 4, 8)), rows=st.integers(1, 3), words=st.integers(1, 4), seed=st.integers(0, 99))
+@settings(max_examples=30, deadline=None)
+def test_pack_bits_is_the_lsb_first_bit_stream(bits, rows, words, seed):
+    """Code i of a row is bits [i*b, (i+1)*b) of the row's stream, bit t of the stream bit t % 32 of word
+    t // 32 (the widths that fill bytes take a byte-wise path: checked here against the stream itself)."""
+    k = words * 32 // bits
+    codes = np.random.default_rng(seed).integers(0, 2**bits, size=(rows, k))
+    want = [[sum(int(c) << (i * bits) for i, c in enumerate(row)) >> (32 * w) & 0xFFFFFFFF for w in range(words)]
+            for row in codes]
+    assert pack_bits(codes, bits).tolist() == want
+
+
 def test_pack_3bit_values_straddle_words():
     codes = np.zeros((1, 32), np.uint8)
     codes[0, 10] = 0b111  # bits 30, 31 of word 0 and bit 0 of word 1

@@ -4,7 +4,8 @@ Why: the GEMMs that dequantize inside their K loop (`qmatmul.qmm`, and the MoE g
 decode each code with a shift, a mask, an int -> float conversion, an FMA and a rounding to bf16: ~312
 sm_90 SASS instructions per 32 codes a thread in qmm's loop at 128 x 128 x 64 (8 warps), in the same
 warps that feed the tensor cores. Here a code pair costs one byte permute, one mask and two bf16x2 FMAs:
-191 instructions for the same loop (bench/probes/sass_count.py, session 14; not yet timed on a GPU).
+191 instructions for the same loop (bench/probes/sass_count.py). On the H200 that loop took gate_up at 128
+and 512 rows in 99 / 354 us against 131 / 449 (bench/results/2026-12-04_h200_quant_s15_qmm*.csv).
 
 Code pair p of a word (elements 2p and 2p + 1: the low and high nibble of byte p, MLX order) comes from
 `prmt(w, w >> 4)` with byte p of w in byte 0 and byte p of w >> 4 in byte 2, masked to 0x000F000F and
@@ -16,13 +17,15 @@ mantissa bits are why the high nibble is brought down first (fp16's trick, 16 q'
 from __future__ import annotations
 
 import kilnx.dsl as kd
+from kilnx.dsl.ir import dtype_of
 
 ONE_ONE, MINUS_128 = 0x3F803F80, 0xC300C300        # bf16 pairs (1, 1) and (-128, -128)
 
 
-def serves(bits: int, x_dtype: str, scale_dtype: str) -> bool:
-    """Whether the packed decode applies: 4-bit codes, bf16 activations, bf16 scales and biases."""
-    return bits == 4 and x_dtype == "bf16" and scale_dtype == "bf16"
+def serves(bits: int, x_dtype, scale_dtype) -> bool:
+    """Whether the packed decode applies: 4-bit codes, bf16 activations, bf16 scales and biases (dtypes as
+    a kernel's trace names them or as torch does: the defaults decide on tensors)."""
+    return bits == 4 and dtype_of(x_dtype) == "bf16" and dtype_of(scale_dtype) == "bf16"
 
 
 def bf16_pairs(v):

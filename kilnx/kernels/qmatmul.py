@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 
 import kilnx.dsl as kd
-from kilnx.dsl.ir import dtype_of
 from kilnx.dsl.kernel import PerObjectMemo
 from kilnx.kernels import _gemv as gemv
 from kilnx.kernels import bf16_decode
@@ -173,20 +172,16 @@ def run_qmv(x, wq, scales, biases, *, backend=None, config=None, prep_config=Non
     return qmv(planes, sums, wq, scales, biases, backend=backend, config=config)
 
 
-def _packed_serves(bits: int, x: torch.Tensor, scales: torch.Tensor) -> bool:
-    return bf16_decode.serves(bits, dtype_of(x.dtype), dtype_of(scales.dtype))
-
-
 # ---- qmm: tile GEMM with the dequantization in the prologue ------------------------------------------
 def _qmm_default(x, wq, scales, biases, *, BITS, **_):
     m = x.shape[0]
-    if x.is_cuda and m > 16 and _packed_serves(BITS, x, scales):
+    if x.is_cuda and m > 16 and bf16_decode.serves(BITS, x.dtype, scales.dtype):
         # codes decoded in bf16 pairs, the weight the MMA's left operand: llama-3.1-8b gate_up on the H200,
         # M=64 93 us, 128 99, 256 188, against 133 / 131 / 243 on the fp32 decode's defaults
         # (bench/results/2026-12-04_h200_quant_s15_qmm.csv)
-        return {"BLOCK_M": max(16, _pow2_at_least(m)) if m <= 64 else 128, "BLOCK_N": 64 if m <= 64 else 128,
-                "BLOCK_K": 128 if m <= 64 else 64, "SWAP": True, "MAGIC": True, "PACKED": True,
-                "num_warps": 4 if m <= 64 else 8, "num_stages": 3}
+        tile = ({"BLOCK_M": max(16, _pow2_at_least(m)), "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4} if m <= 64
+                else {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8})
+        return {**tile, "SWAP": True, "MAGIC": True, "PACKED": True, "num_stages": 3}
     if m <= 16:   # few rows: the weight fills the wide side of the MMA (best measured on H200 at M=8)
         return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "SWAP": True, "num_warps": 4, "num_stages": 4}
     if m <= 64 and not x.is_cuda:
@@ -504,11 +499,13 @@ def _matmul_tolerance(args):
     if len(args) == 5:   # qmv's prepared activations
         args = (_x_of(args[0]), *args[2:])
     x, wq, scales, biases = args
-    k = x.shape[1]
     bits = _format_of(*args)["BITS"]
-    wmax = scales.float().abs().max().item() * (2 ** bits - 1) + biases.float().abs().max().item()
+    return _dot_tolerance(x, scales.float().abs().max().item() * (2 ** bits - 1) + biases.float().abs().max().item())
+
+
+def _dot_tolerance(x, wmax: float):
     xrms = x.float().pow(2).mean().sqrt().item()
-    return 2e-2, 4e-3 * (k ** 0.5) * xrms * wmax
+    return 2e-2, 4e-3 * (x.shape[1] ** 0.5) * xrms * wmax
 
 
 qmv.tolerance = _matmul_tolerance
@@ -525,14 +522,8 @@ def make_mm_args(problem: dict, device: str):
     return x, w
 
 
-def _mm_tolerance(args):
-    x, w = args
-    xrms, wmax = x.float().pow(2).mean().sqrt().item(), w.float().abs().max().item()
-    return 2e-2, 4e-3 * (x.shape[1] ** 0.5) * xrms * wmax
-
-
 mm.tuning(make_args=make_mm_args, problems=[{"M": 2048, "N": 4096, "K": 4096}], peer=lambda x, w: x @ w.T)
-mm.tolerance = _mm_tolerance
+mm.tolerance = lambda args: _dot_tolerance(args[0], args[1].float().abs().max().item())
 # the defaults and the best tiles of the session-14 sweep (bench/results/2026-12-04_h200_quant_s14_mm.csv)
 mm.seed_configs = lambda problem: [
     {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "num_warps": nw, "num_stages": ns, "TMA": True, "PERSISTENT": p}

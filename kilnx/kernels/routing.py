@@ -37,9 +37,10 @@ DEQUANT_MM_MIN_ROWS_PACKED = 320
 
 def dequant_mm_min_rows(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, biases) -> int:
     """Rows from which qmatmul on the GPU takes the two-kernel path (dequantize once, then `mm`)."""
+    from kilnx.kernels import bf16_decode
     from kilnx.kernels import qmatmul as qm
     bits = qm._format_of(x, wq, scales, biases)["BITS"]
-    return DEQUANT_MM_MIN_ROWS_PACKED if qm._packed_serves(bits, x, scales) else DEQUANT_MM_MIN_ROWS
+    return DEQUANT_MM_MIN_ROWS_PACKED if bf16_decode.serves(bits, x.dtype, scales.dtype) else DEQUANT_MM_MIN_ROWS
 
 
 def takes_dequant_mm(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, biases) -> bool:

@@ -33,14 +33,14 @@ def pack_bits(codes: np.ndarray, bits: int) -> np.ndarray:
     lead = codes.shape[:-1]
     if 8 % bits == 0:
         # whole codes per byte: OR each byte's codes together in uint8 and read the bytes as little-endian
-        # words (byte j of a word is its bits 8j..8j+7). A model's load packs every weight this way:
-        # SmolLM2-135M's 121 matrices took 2.2 s through the general uint64 loop below
+        # words (byte j of a word is its bits 8j..8j+7). A GGUF load packs every weight this way: SmolLM2-135M
+        # loaded in 0.75 s against 1.13 s through the general uint64 loop below (2 EPYC cores)
         per_byte = 8 // bits
         c = codes.reshape(-1, k).astype(np.uint8, copy=False)
         packed = c[:, 0::per_byte].copy()
         for j in range(1, per_byte):
             packed |= c[:, j::per_byte] << np.uint8(j * bits)
-        return np.ascontiguousarray(packed).view(np.dtype("<u4")).astype(np.uint32, copy=False).reshape(
+        return packed.view(np.dtype("<u4")).astype(np.uint32, copy=False).reshape(
             lead + (k * bits // 32,))
     c = codes.reshape(-1, k // n_codes, n_codes).astype(np.uint64)
     words = np.zeros(c.shape[:2] + (n_words,), dtype=np.uint64)

@@ -214,3 +214,12 @@ def test_join_refuses_tiles_of_different_shapes():
 
     with pytest.raises(kd.DSLError, match="kd.join takes two tiles of one shape"):
         bad(torch.zeros(4), backend="reference")
+
+
+def test_the_packed_decode_serves_4_bit_codes_with_bf16_activations_and_scales():
+    """The kernels ask with their trace's dtype names, the defaults with the tensors' torch dtypes: alike."""
+    from kilnx.kernels.bf16_decode import serves
+    for x, s in [("bf16", "bf16"), (torch.bfloat16, torch.bfloat16)]:
+        assert serves(4, x, s) and not serves(8, x, s)
+    for x, s in [("f16", "bf16"), (torch.bfloat16, torch.float32), (torch.float32, "bf16")]:
+        assert not serves(4, x, s)

@@ -43,7 +43,9 @@ class LlamaModel:
         return self.config.num_layers
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache, *,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, last_index: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, V); (B, 1, V) of the last token with `last_only`, or of token `last_index` (a (1,)
+        device tensor: a prompt padded to a captured prefill graph's length, runtime/engine.py)."""
         cfg, ops, w = self.config, self.ops, self.weights
         B, T = input_ids.shape
         eps, off = cfg.rms_norm_eps, self._norm_offset
@@ -67,7 +69,9 @@ class LlamaModel:
                 h = ops.rms_norm(h, layer.post_mlp_norm, eps, weight_offset=off)
         _, x = ops.add_rms_norm(h, residual, w.final_norm, eps, weight_offset=off)
         x = x.view(B, T, -1)
-        if last_only:
+        if last_index is not None:
+            x = x.index_select(1, last_index)
+        elif last_only:
             x = x[:, -1:].contiguous()
         logits = _linear(ops, x, w.lm_head)
         if cfg.final_logit_softcap:

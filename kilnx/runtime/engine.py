@@ -7,6 +7,13 @@ dominates small-batch decoding. On CPU the first decode step of each batch size 
 launches (codegen/launch.py Recorder) and later steps replay them over static inputs: the Python
 dispatch of ~270 kernel calls was ~8 ms of a ~27 ms SmolLM2-135M step (KILNX_CPU_REPLAY=0: eager).
 
+A prompt of up to `prefill_graph_max` tokens (512 by default, KILNX_PREFILL_GRAPH_MAX; 0: off) is padded to
+the next bucket length (16, 32, 64, then multiples of 64) and its prefill replayed from a graph captured
+for that (row, length) at its first use: such a prefill is a few hundred launches of little work each, so
+the host's launch loop, not the GPU, set its time to first token. The padding tokens sit at the positions
+after the prompt; what they write into the cache there is overwritten by the decode steps before any
+step reads it (a step writes its own K/V before attending, and attends only up to its position).
+
 Sequences occupy cache rows; prefill runs one sequence at a time into its row (prompts differ in
 length), decode runs all active rows together with per-row positions.
 """
@@ -26,9 +33,21 @@ from kilnx.runtime.kv_cache import KVCache
 @dataclass
 class _Graph:
     graph: object
-    ids: torch.Tensor        # (b, 1) static input
-    positions: torch.Tensor  # (b, 1) static input
+    ids: torch.Tensor        # (b, 1) static input; (1, T) for a prefill graph
+    positions: torch.Tensor  # (b, 1) static input; (1, T)
     logits: torch.Tensor     # (b, 1, V) static output
+    last: torch.Tensor | None = None   # a prefill graph's (1,) index of the prompt's last token
+
+
+def prefill_bucket(n: int, largest: int) -> int | None:
+    """The padded length a graph-replayed prefill of n tokens runs at: 16, 32, 64, then the next multiple
+    of 64 (padding costs GPU time, which these prompts have to spare); None above `largest`."""
+    t = 16
+    while t < min(n, 64):
+        t *= 2
+    if n > t:
+        t = -(-n // 64) * 64
+    return t if t <= largest else None
 
 
 def _buckets(max_batch: int) -> list[int]:
@@ -58,6 +77,10 @@ class Engine:
             cuda_graphs = self.device.type == "cuda" and os.environ.get("KILNX_CUDA_GRAPHS", "1") != "0"
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self._graphs: dict[int, _Graph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        self.prefill_graph_max = int(os.environ.get("KILNX_PREFILL_GRAPH_MAX", "512")) if self.cuda_graphs else 0
+        self._prefill_graphs: dict[tuple[int, int], _Graph] = {}   # (row, padded length) -> graph
+        self.prefill_graph_refused: dict[tuple[int, int], str] = {}  # (row, padded length) -> why it stays eager
         if cpu_replay is None:
             cpu_replay = self.device.type == "cpu" and os.environ.get("KILNX_CPU_REPLAY", "1") != "0"
         self.cpu_replay = bool(cpu_replay) and self.device.type == "cpu"
@@ -88,6 +111,9 @@ class Engine:
         self.check_fits(start + n)
         ids = ids.to(self.device)
         cache = self.cache.rows(row, row + 1)
+        t = prefill_bucket(n, self.prefill_graph_max) if self.prefill_graph_max else None
+        if t is not None and start + t <= self.max_seq and (row, t) not in self.prefill_graph_refused:
+            return self._prefill_graphed(ids, row, start, t, cache)
         logits = None
         for s in range(0, n, self.prefill_chunk):
             e = min(n, s + self.prefill_chunk)
@@ -123,6 +149,41 @@ class Engine:
         logits = self.model.forward(tokens.view(B, 1).to(self.device), positions.view(B, 1).to(self.device),
                                     cache, last_only=True)
         return logits[:, 0]
+
+    def _prefill_graphed(self, ids: torch.Tensor, row: int, start: int, t: int, cache) -> torch.Tensor:
+        """The prompt padded to t tokens, replayed from its (row, t) graph; the first prompt of this length
+        runs eagerly (compiling, filling every memo) and its forward is then captured (capture records,
+        it does not run: nothing is written). A forward that cannot be captured stays eager for this length."""
+        n, key = ids.numel(), (row, t)
+        g = self._prefill_graphs.get(key)
+        if g is None:
+            dev = self.device
+            g = _Graph(None, torch.zeros(1, t, dtype=torch.long, device=dev),
+                       torch.arange(start, start + t, device=dev).unsqueeze(0), None,
+                       torch.full((1,), n - 1, dtype=torch.long, device=dev))
+        else:
+            torch.add(self._arange(t), start, out=g.positions[0])
+            g.last.fill_(n - 1)
+        g.ids[0, n:].zero_()
+        g.ids[0, :n].copy_(ids)
+        if g.graph is not None:
+            g.graph.replay()
+            return g.logits[0, -1].clone()   # the buffer is the next replay's output
+        logits = self.model.forward(g.ids, g.positions, cache, last_index=g.last)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self.model.forward(g.ids, g.positions, cache, last_index=g.last)
+        except RuntimeError as e:          # a host read or sync in some op: this length stays eager
+            self.prefill_graph_refused[key] = str(e).splitlines()[0]
+            return logits[0, -1]
+        self._prefill_graphs[key] = _Graph(graph, g.ids, g.positions, out, g.last)
+        return logits[0, -1]
+
+    def _arange(self, t: int) -> torch.Tensor:
+        if getattr(self, "_aranged", None) is None or self._aranged.numel() < t:
+            self._aranged = torch.arange(max(t, 512), device=self.device)
+        return self._aranged[:t]
 
     def decode_inputs(self, B: int = 1) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The captured B-row step's own input buffers (tokens (B,), positions (B,)), where B is a captured
@@ -163,9 +224,8 @@ class Engine:
         # write there is never read before a real token at that position overwrites it (a step writes its
         # own K/V before attending, and attends only up to its position), so capturing after prefills
         # (KILNX_LAZY_GRAPHS) is as safe as before them.
-        pool = torch.cuda.graph_pool_handle()
         for b in sorted(_buckets(self.max_batch), reverse=True):   # largest first: its pool fits the rest
-            self._graphs[b] = self._capture(b, pool)
+            self._graphs[b] = self._capture(b, self._pool)
         self._graphs = dict(sorted(self._graphs.items()))
 
     @torch.no_grad()

@@ -33,6 +33,31 @@ def test_incremental_matches_full_forward(arch, backend):
     torch.testing.assert_close(torch.stack(got), full[6:], rtol=1e-4, atol=1e-4)
 
 
+def test_prefill_buckets_pad_to_16_32_64_then_multiples_of_64():
+    from kilnx.runtime.engine import prefill_bucket
+    got = {n: prefill_bucket(n, 512) for n in (1, 16, 17, 33, 64, 65, 128, 129, 500, 512, 513)}
+    assert got == {1: 16, 16: 16, 17: 32, 33: 64, 64: 64, 65: 128, 128: 128, 129: 192, 500: 512, 512: 512,
+                   513: None}
+    assert prefill_bucket(100, 64) is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_moe"])
+def test_a_prompt_padded_after_its_end_keeps_its_last_tokens_logits(arch):
+    """What a graph-replayed prefill relies on: tokens padded after the prompt (at the following positions)
+    change neither the logits of the prompt's last token, read through `last_index`, nor the cache below
+    the prompt's end."""
+    model = tiny_model(arch)
+    ids = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(4))
+    caches = [KVCache.for_model(model.config, 1, 32) for _ in range(2)]
+    want = model.forward(ids[None], torch.arange(11)[None], caches[0], last_only=True)
+    padded = torch.cat([ids, torch.zeros(5, dtype=torch.long)])
+    got = model.forward(padded[None], torch.arange(16)[None], caches[1], last_index=torch.tensor([10]))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for layer in range(model.config.num_layers):
+        torch.testing.assert_close(caches[1].k[layer][:, :, :11], caches[0].k[layer][:, :, :11])
+        torch.testing.assert_close(caches[1].v[layer][:, :, :11], caches[0].v[layer][:, :, :11])
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_batched_decode_matches_single(arch, backend):
     model = tiny_model(arch, ops=backend.ops, device=backend.device)

@@ -104,6 +104,19 @@ def test_q_k_norms_rope_and_cache_write_in_one_launch_follow_the_torch_peer(arch
     assert calls, "the steps did not take qk_norm_rope_cache_kernel"
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3", "qwen3_moe"])
+def test_graph_replayed_prefills_follow_the_torch_peer(arch):
+    """Prompts of up to prefill_graph_max tokens run padded to their bucket: the first of a bucket eagerly
+    (then captured), later ones replayed with new tokens and lengths. Each prefill's logits, and the decode
+    steps after it (over the padding's junk K/V), keep the torch peer's."""
+    engines = engines_for(arch, 128)
+    kilnx = engines["kilnx"]
+    for n, seed in ((20, 1), (27, 2), (9, 3), (20, 4)):         # buckets 32, 32 (replayed), 16, 32
+        follow_the_peer(engines, random_prompt(n, seed), 4)
+    assert not kilnx.prefill_graph_refused
+    assert set(kilnx._prefill_graphs) == {(0, 32), (0, 16)}
+
+
 def test_lazy_graphs_capture_at_the_first_decode_step_after_a_prefill(monkeypatch):
     """KILNX_LAZY_GRAPHS=1: no capture before the first token; the first decode step captures (its warm-up
     and capture write junk K/V only at the cache's last position) and every step keeps the peer's logits,

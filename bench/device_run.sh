@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU-machine driver: bash bench/device_run.sh STEP...   (needs .whl carried; everything lands in $OUT)
-# Steps: gputests gpuquick (TESTS=files) e2eab (AB_MODELS="8b 1b moe" AB_VAR=KILNX_PDL|KILNX_GEMV_PREFETCH|KILNX_FUSED_QKV_ROPE|KILNX_FUSED_ROPE|KILNX_DECODE_LOOKAHEAD|KILNX_MOE_PREPARED AB_VALUES="1 0" AB_PROMPTS=128,2048) quant qmv tc qmm ncu fusions moe e2e1b e2e8b (E2E_CSV=name) tune (TUNE_MODEL) tune8b cold8b attnprobe mmprefill (MMP_ROUNDS) splitk (SPLITK_SHAPES SPLITK_TILES SPLITK_SPLITS SPLITK_STAGES)   -- each has its own time limit and log.
+# Steps: gputests gpuquick (TESTS=files) e2eab (AB_MODELS="8b 1b moe" AB_VAR=KILNX_PDL|KILNX_GEMV_PREFETCH|KILNX_FUSED_QKV_ROPE|KILNX_FUSED_ROPE|KILNX_DECODE_LOOKAHEAD|KILNX_MOE_PREPARED AB_VALUES="1 0" AB_PROMPTS=128,2048) quant qmv tc qmm ncu fusions moe e2e1b e2e8b (E2E_CSV=name) tune (TUNE_MODEL) tune8b cold8b attnprobe qmmrows mmprefill (MMP_ROUNDS) splitk (SPLITK_SHAPES SPLITK_TILES SPLITK_SPLITS SPLITK_STAGES)   -- each has its own time limit and log.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -30,6 +30,7 @@ for s in "$@"; do case $s in
   profprefill) step profprefill_${PROFILE_LEN:-2048} 120 python3 bench/profile_prefill.py ${PROFILE_LEN:-2048} ${PROFILE_MODEL:-llama-3.1-8b} ;;
   splitk) step splitk ${SPLITK_SECS:-500} python3 bench/probes/splitk_gemv.py $OUT/splitk_gemv.csv ;;
   mmprefill) step mmprefill ${MMP_SECS:-300} python3 bench/probes/mm_prefill.py $OUT/mm_prefill.csv ${MMP_ROUNDS:-3} ;;
+  qmmrows) step qmmrows ${QMMROWS_SECS:-400} python3 bench/probes/qmm_rows.py $OUT/qmm_rows.csv ${QMMROWS_ROUNDS:-2} ;;
   attnprobe) step attnprobe ${ATTN_SECS:-300} python3 bench/probes/attention_decode.py $OUT/attention_decode.csv ;;
   profdecode) step profdecode 120 python3 bench/profile_decode.py ${PROFILE_MODEL:-llama-3.1-8b} ${PROFILE_ARGS:-} ;;
   profsplit) for a in "128 2113" "2048 2113"; do for sp in 1 0; do

@@ -179,8 +179,7 @@ def _qmm_default(x, wq, scales, biases, *, BITS, **_):
         # codes decoded in bf16 pairs, the weight the MMA's left operand: llama-3.1-8b gate_up on the H200,
         # M=64 93 us, 128 99, 256 188, against 133 / 131 / 243 on the fp32 decode's defaults
         # (bench/results/2026-12-04_h200_quant_s15_qmm.csv)
-        tile = ({"BLOCK_M": max(16, _pow2_at_least(m)), "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4} if m <= 64
-                else {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8})
+        tile = _packed_tile(m, wq.shape[0], _programs(x))
         return {**tile, "SWAP": True, "MAGIC": True, "PACKED": True, "num_stages": 3}
     if m <= 16:   # few rows: the weight fills the wide side of the MMA (best measured on H200 at M=8)
         return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "SWAP": True, "num_warps": 4, "num_stages": 4}
@@ -196,6 +195,18 @@ def _qmm_default(x, wq, scales, biases, *, BITS, **_):
         return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "MAGIC": False, "SWAP": False, "num_warps": 4,
                 "num_stages": 2}
     return {}
+
+
+def _packed_tile(m: int, n: int, sms: int) -> dict:
+    """The packed fused kernel's default tile above 16 rows: 64 wide up to 64 rows, and up to
+    routing.NARROW_TILE_MAX_ROWS where 128-wide tiles would leave SMs idle (o at 128 rows 28 us against 85,
+    H200, session 16); else 128 x 128 x 64 over 8 warps."""
+    from kilnx.kernels.routing import NARROW_TILE_MAX_ROWS, starved
+    if m <= 64:
+        return {"BLOCK_M": max(16, _pow2_at_least(m)), "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4}
+    if m <= NARROW_TILE_MAX_ROWS and starved(m, n, sms):
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4}
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8}
 
 
 def _qmm_spec(x, wq, scales, biases, *, BITS, GROUP, **_):

@@ -17,7 +17,7 @@ import torch
 from kilnx.dsl.kernel import _tuning_generation, format_key
 from kilnx.dsl.tunables import Space, choice
 
-ROUTING_VERSION = "5"   # 5: the two-kernel path by grid size and the packed crossover (session 15)
+ROUTING_VERSION = "6"   # 6: narrow fused tiles before the two kernels on starved grids (session 16)
 TC_NEVER = 65            # past qmv_tc.MAX_ROWS: the tensor-core GEMV is never chosen
 # On the H200 qmv_tc took the same time at 1, 4 and 8 rows and beat qmv_h2 at 8 on every llama-3.1-8b
 # shape (by 9-15%), lost at 4 (by 29-71%) (bench/results/2026-12-03_h200_quant_s5.csv); kilnx tune
@@ -43,28 +43,38 @@ def dequant_mm_min_rows(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor,
     return DEQUANT_MM_MIN_ROWS_PACKED if bf16_decode.serves(bits, x.dtype, scales.dtype) else DEQUANT_MM_MIN_ROWS
 
 
+# Up to these rows a fused grid that 128-wide tiles would starve takes 64 x 64 x 128 tiles instead (packed
+# bf16 decode), and above them the two kernels: llama-3.1-8b's o / qkv / down on the H200 (session 16,
+# bench/results/2026-12-04_h200_qmm_rows_s16.csv) took 27-28 / 41 / 112-116 us fused against 42-43 / 57-58 /
+# 149-150 for the two kernels at 80 and 128 rows, 40 / 52 / 137 against 44 / 57 / 151 at 192, but 42-51 / 53 /
+# 145-167 against 37 / 53 / 128 at 256 (the 128-wide tiles: 78-85 / 79-86 / 269-285 at every row count)
+NARROW_TILE_MAX_ROWS = 192
+
+
+def starved(m: int, n: int, sms: int) -> bool:
+    """Whether 128 x 128 tiles over (m, n) give fewer programs than the GPU has SMs: each of those few
+    programs walks all of K, and the rest of the GPU idles."""
+    return -(-m // 128) * -(-n // 128) < sms
+
+
 def takes_dequant_mm(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, biases) -> bool:
-    """Whether qmatmul on the GPU takes the two-kernel path: from `dequant_mm_min_rows` rows, and above 64
-    wherever the fused kernel's default tiles give fewer programs than the GPU has SMs. Those few programs
-    each walk the whole K loop: at 128 and 256 rows the fused kernel took 65 / 68 us on llama-3.1-8b's o,
-    71 / 74 on qkv and 295 / 291 on down, the two kernels 47 / 40, 60 / 55 and 157 / 130 (H200, session 15;
-    gate_up's 224+ programs keep the fused kernel ahead there)."""
+    """Whether qmatmul on the GPU takes the two-kernel path: from `dequant_mm_min_rows` rows, and above the
+    narrow tiles' rows (64 for the fp32 decode's kernel, NARROW_TILE_MAX_ROWS for the packed one) wherever
+    128-wide fused tiles would starve the grid."""
+    from kilnx.kernels import bf16_decode
     from kilnx.kernels import qmatmul as qm
     if not x.is_cuda:
         return False
-    m, min_rows = x.shape[0], dequant_mm_min_rows(x, wq, scales, biases)
-    cfg = qm.qmm.default_config(x, wq, scales, biases) if 64 < m < min_rows else {"BLOCK_M": 1, "BLOCK_N": 1}
-    return two_kernels_win(m, wq.shape[0], min_rows, (cfg["BLOCK_M"], cfg["BLOCK_N"]), qm._programs(x))
+    bits = qm._format_of(x, wq, scales, biases)["BITS"]
+    narrow = NARROW_TILE_MAX_ROWS if bf16_decode.serves(bits, x.dtype, scales.dtype) else 64
+    return two_kernels_win(x.shape[0], wq.shape[0], dequant_mm_min_rows(x, wq, scales, biases), narrow,
+                           qm._programs(x))
 
 
-def two_kernels_win(m: int, n: int, min_rows: int, tile: tuple[int, int], sms: int) -> bool:
-    """The route's rule: m rows of an n-row weight, the fused kernel's (BLOCK_M, BLOCK_N) tile, sms SMs.
-    Up to 64 rows the fused kernel's tiles are 64 wide and short along K per program: at 64 rows it won on
-    every llama-3.1-8b projection, 28 / 28 / 119 us against 44 / 59 / 155 on o / qkv / down with 64 or 96
-    programs, so the grid test applies to the 128-wide tiles above."""
-    if m >= min_rows:
-        return True
-    return m > 64 and -(-m // tile[0]) * -(-n // tile[1]) < sms
+def two_kernels_win(m: int, n: int, min_rows: int, narrow_max_rows: int, sms: int) -> bool:
+    """The route's rule for m rows of an n-row weight on sms SMs: the two kernels from min_rows, and from
+    narrow_max_rows (up to which the fused kernel's tiles are 64 wide) where 128-wide tiles starve the grid."""
+    return m >= min_rows or (m > max(64, narrow_max_rows) and starved(m, n, sms))
 
 
 class QmatmulRowsRoute:

@@ -10,8 +10,8 @@ import torch
 
 from kilnx.cache import TuningDB
 from kilnx.kernels import qmatmul as Q
-from kilnx.kernels.routing import (TC_NEVER, QmatmulRowsRoute, qmatmul_rows, takes_dequant_mm,
-                                   two_kernels_win)
+from kilnx.kernels.routing import (NARROW_TILE_MAX_ROWS, TC_NEVER, QmatmulRowsRoute, qmatmul_rows,
+                                   takes_dequant_mm, two_kernels_win)
 from kilnx.runtime import dispatch
 from kilnx.runtime.device import cpu_info
 
@@ -132,15 +132,28 @@ def test_qmatmul_decides_once_per_weight_and_row_count(monkeypatch):
 @pytest.mark.parametrize("m,n,want", [
     (128, 28672, False),   # gate_up: 224 programs of 128 x 128, the fused kernel fills the GPU
     (64, 28672, False),
-    (128, 4096, True),     # o / down: 32 programs on 132 SMs, each walking all of K
-    (256, 6144, True),     # qkv: 96
+    (128, 4096, False),    # o / down: 32 programs of 128 x 128 on 132 SMs, but 128 of 64 x 64
+    (192, 6144, False),    # qkv: 96 of 128 x 128, 288 of 64 x 64
+    (256, 6144, True),     # past the narrow tiles' rows a starved grid takes the two kernels
+    (256, 28672, False),
     (16, 4096, False),     # few rows: the weight's 16-bit copy is the larger cost
     (64, 4096, False),     # 64-wide tiles, short per program: the fused kernel won with 64 programs
     (320, 28672, True),    # from the crossover's rows the two kernels whatever the grid
 ])
 def test_the_two_kernel_path_takes_large_or_starved_fused_grids(m, n, want):
-    tile = (128, 128) if m > 64 else (64, 64)
-    assert two_kernels_win(m, n, 320, tile, sms=132) is want
+    assert two_kernels_win(m, n, 320, NARROW_TILE_MAX_ROWS, sms=132) is want
+
+
+def test_without_narrow_tiles_a_starved_grid_takes_the_two_kernels_above_64_rows():
+    assert two_kernels_win(128, 4096, 256, 64, sms=132) and not two_kernels_win(64, 4096, 256, 64, sms=132)
+
+
+@pytest.mark.parametrize("m,n,block", [(65, 4096, 64), (192, 6144, 64), (193, 6144, 128), (128, 28672, 128),
+                                       (64, 4096, 64), (40, 4096, 64)])
+def test_the_packed_qmm_default_narrows_its_tiles_where_wide_ones_starve_the_grid(m, n, block):
+    """Every row count the fused kernel serves on the GPU gets a tile of 132+ programs where one exists
+    short of the two kernels' rows (on 132 SMs)."""
+    assert Q._packed_tile(m, n, sms=132)["BLOCK_N"] == block
 
 
 def test_the_cpu_never_takes_the_two_kernel_path():

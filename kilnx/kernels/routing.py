@@ -44,11 +44,13 @@ def dequant_mm_min_rows(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor,
 
 
 # Up to these rows a fused grid that 128-wide tiles would starve takes 64 x 64 x 128 tiles instead (packed
-# bf16 decode), and above them the two kernels: llama-3.1-8b's o / qkv / down on the H200 (session 16,
-# bench/results/2026-12-04_h200_qmm_rows_s16.csv) took 27-28 / 41 / 112-116 us fused against 42-43 / 57-58 /
-# 149-150 for the two kernels at 80 and 128 rows, 40 / 52 / 137 against 44 / 57 / 151 at 192, but 42-51 / 53 /
-# 145-167 against 37 / 53 / 128 at 256 (the 128-wide tiles: 78-85 / 79-86 / 269-285 at every row count)
-NARROW_TILE_MAX_ROWS = 192
+# bf16 decode), and above them the two kernels. Alone (bench/results/2026-12-04_h200_qmm_rows_s16.csv,
+# H200), llama-3.1-8b's o / qkv / down took 27-28 / 41 / 112-116 us fused against 42-43 / 57-58 / 149-150 for
+# the two kernels at 80 and 128 rows, 40 / 52 / 137 against 44 / 57 / 151 at 192, and lost at 256. In the
+# model, the graph-replayed prefill of 128 tokens took 11.6-11.8 ms against 12.2-12.3 with the two kernels,
+# but of 192 tokens 15.8-16.0 against 15.1 (bench/results/2026-12-04_h200_e2e_s16_narrow192_*.csv): there the
+# weight's dequantization overlaps the kernel before it (PDL) and the isolated times mislead
+NARROW_TILE_MAX_ROWS = 128
 
 
 def starved(m: int, n: int, sms: int) -> bool:

@@ -75,14 +75,14 @@ def test_qmm_on_gpu(bits, m, cfg):
 
 def test_public_qmatmul_on_gpu_every_m():
     # every route and default: GEMVs, the fused qmm on its fp32 and (above 16 rows, 4-bit bf16) packed
-    # decode defaults (64-wide tiles on a starved grid up to 192 rows), the two-kernel path from 320 rows or
-    # above 192 where 128-wide fused tiles would starve the grid (16896 weight rows: 132 tiles of 128 at
+    # decode defaults (64-wide tiles on a starved grid up to NARROW_TILE_MAX_ROWS), the two-kernel path from
+    # 320 rows or above those where 128-wide fused tiles would starve the grid (16896 weight rows: 132 tiles of 128 at
     # least, so that on up to 132 SMs the fused kernel is not routed away for a starved grid)
     for m, n in [(1, 96), (2, 96), (9, 96), (16, 96), (17, 96), (40, 16896), (64, 16896), (65, 16896), (65, 96),
-                 (192, 96), (193, 96), (300, 16896), (400, 96)]:
+                 (R.NARROW_TILE_MAX_ROWS, 96), (R.NARROW_TILE_MAX_ROWS + 1, 96), (300, 16896), (400, 96)]:
         x, wq, s, b, want = case(m, n, 512, 4)
         w = QWeight.from_mlx(wq, s, b, bits=4, group_size=64)
-        assert R.takes_dequant_mm(x, wq, s, b) is (m >= 320 or (m > 192 and n == 96))
+        assert R.takes_dequant_mm(x, wq, s, b) is (m >= 320 or (m > R.NARROW_TILE_MAX_ROWS and n == 96))
         close(Q.qmatmul(x, w), want, 512)
 
 

@@ -133,8 +133,8 @@ def test_qmatmul_decides_once_per_weight_and_row_count(monkeypatch):
     (128, 28672, False),   # gate_up: 224 programs of 128 x 128, the fused kernel fills the GPU
     (64, 28672, False),
     (128, 4096, False),    # o / down: 32 programs of 128 x 128 on 132 SMs, but 128 of 64 x 64
-    (192, 6144, False),    # qkv: 96 of 128 x 128, 288 of 64 x 64
-    (256, 6144, True),     # past the narrow tiles' rows a starved grid takes the two kernels
+    (128, 6144, False),    # qkv: 48 of 128 x 128, 192 of 64 x 64
+    (192, 6144, True),     # past the narrow tiles' rows a starved grid takes the two kernels
     (256, 28672, False),
     (16, 4096, False),     # few rows: the weight's 16-bit copy is the larger cost
     (64, 4096, False),     # 64-wide tiles, short per program: the fused kernel won with 64 programs
@@ -148,7 +148,7 @@ def test_without_narrow_tiles_a_starved_grid_takes_the_two_kernels_above_64_rows
     assert two_kernels_win(128, 4096, 256, 64, sms=132) and not two_kernels_win(64, 4096, 256, 64, sms=132)
 
 
-@pytest.mark.parametrize("m,n,block", [(65, 4096, 64), (192, 6144, 64), (193, 6144, 128), (128, 28672, 128),
+@pytest.mark.parametrize("m,n,block", [(65, 4096, 64), (128, 6144, 64), (129, 6144, 128), (128, 28672, 128),
                                        (64, 4096, 64), (40, 4096, 64)])
 def test_the_packed_qmm_default_narrows_its_tiles_where_wide_ones_starve_the_grid(m, n, block):
     """Every row count the fused kernel serves on the GPU gets a tile of 132+ programs where one exists

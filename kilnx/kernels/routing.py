@@ -48,8 +48,9 @@ def dequant_mm_min_rows(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor,
 # H200), llama-3.1-8b's o / qkv / down took 27-28 / 41 / 112-116 us fused against 42-43 / 57-58 / 149-150 for
 # the two kernels at 80 and 128 rows, 40 / 52 / 137 against 44 / 57 / 151 at 192, and lost at 256. In the
 # model, the graph-replayed prefill of 128 tokens took 11.6-11.8 ms against 12.2-12.3 with the two kernels,
-# but of 192 tokens 15.8-16.0 against 15.1 (bench/results/2026-12-04_h200_e2e_s16_narrow192_*.csv): there the
-# weight's dequantization overlaps the kernel before it (PDL) and the isolated times mislead
+# but of 192 tokens 15.8-16.0 against 15.1 (bench/results/2026-12-04_h200_e2e_s16_narrow192_*.csv). Why the
+# isolated times mislead at 192 is not established: under PDL the profile charges the fused kernels' tails
+# to the norm after them (profiles/2026-12-04_h200_prefill192_llama8b_narrow192_*.txt)
 NARROW_TILE_MAX_ROWS = 128
 
 

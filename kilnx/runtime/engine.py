@@ -11,8 +11,9 @@ A prompt of up to `prefill_graph_max` tokens (512 by default, KILNX_PREFILL_GRAP
 the next bucket length (16, 32, 64, then multiples of 64) and its prefill replayed from a graph captured
 for that (row, length) at its first use: such a prefill is a few hundred launches of little work each, so
 the host's launch loop, not the GPU, set its time to first token. The padding tokens sit at the positions
-after the prompt; what they write into the cache there is overwritten by the decode steps before any
-step reads it (a step writes its own K/V before attending, and attends only up to its position).
+after the prompt, those past the cache's end all at its last position; what they write into the cache
+there is overwritten by the decode steps before any step reads it (a step writes its own K/V before
+attending, and attends only up to its position).
 
 Sequences occupy cache rows; prefill runs one sequence at a time into its row (prompts differ in
 length), decode runs all active rows together with per-row positions.
@@ -112,7 +113,7 @@ class Engine:
         ids = ids.to(self.device)
         cache = self.cache.rows(row, row + 1)
         t = prefill_bucket(n, self.prefill_graph_max) if self.prefill_graph_max else None
-        if t is not None and start + t <= self.max_seq and (row, t) not in self.prefill_graph_refused:
+        if t is not None and (row, t) not in self.prefill_graph_refused:
             return self._prefill_graphed(ids, row, start, t, cache)
         logits = None
         for s in range(0, n, self.prefill_chunk):
@@ -159,11 +160,13 @@ class Engine:
         if g is None:
             dev = self.device
             g = _Graph(None, torch.zeros(1, t, dtype=torch.long, device=dev),
-                       torch.arange(start, start + t, device=dev).unsqueeze(0), None,
+                       torch.zeros(1, t, dtype=torch.long, device=dev), None,
                        torch.full((1,), n - 1, dtype=torch.long, device=dev))
         else:
-            torch.add(self._arange(t), start, out=g.positions[0])
             g.last.fill_(n - 1)
+        # padding past the cache's end all sits at its last position (the prompt ends before it)
+        torch.add(self._arange(t), start, out=g.positions[0])
+        g.positions.clamp_(max=self.max_seq - 1)
         g.ids[0, n:].zero_()
         g.ids[0, :n].copy_(ids)
         if g.graph is not None:

@@ -117,6 +117,16 @@ def test_graph_replayed_prefills_follow_the_torch_peer(arch):
     assert set(kilnx._prefill_graphs) == {(0, 32), (0, 16)}
 
 
+def test_a_prefill_padded_past_the_cache_end_follows_the_torch_peer():
+    """A cache of 24 positions and prompts padded to 32 tokens (kilnx generate sizes the cache as prompt +
+    new tokens + 1): the padding past the end sits at the last position; prefill and the steps after it keep
+    the peer's logits, the second prompt replayed."""
+    engines = engines_for("llama", 24)
+    for n, seed in ((20, 1), (18, 2)):
+        follow_the_peer(engines, random_prompt(n, seed), 3)
+    assert set(engines["kilnx"]._prefill_graphs) == {(0, 32)}
+
+
 def test_lazy_graphs_capture_at_the_first_decode_step_after_a_prefill(monkeypatch):
     """KILNX_LAZY_GRAPHS=1: no capture before the first token; the first decode step captures (its warm-up
     and capture write junk K/V only at the cache's last position) and every step keeps the peer's logits,

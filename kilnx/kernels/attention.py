@@ -24,13 +24,10 @@ import torch
 
 import kilnx.dsl as kd
 from kilnx.kernels._tuning import DTYPES
+from kilnx.kernels.sizes import pow2_at_least
 
 NO_WINDOW = 1 << 40   # a window wider than any cache: every key up to the query's position is seen
 MASKED_MAX = -1e30     # running max before any key: finite, so exp(m_old - m_new) is never nan
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def _attn_key(q, k_cache, v_cache, positions, **_):
@@ -45,7 +42,7 @@ def _attn_default(q, k_cache, v_cache, positions, **_):
     if q.device.type == "cpu" and T * (Hq // Hk) <= 16:
         # numba computes every row of the tile: just the rows a decode step has, and short K/V tiles
         # (SmolLM2's 3 query heads per KV head: 45-103 us against 79-197 us for 16 x 64, 2 cores)
-        return {"BLOCK_M": max(4, _next_pow2(T * (Hq // Hk))), "BLOCK_N": 32}
+        return {"BLOCK_M": max(4, pow2_at_least(T * (Hq // Hk))), "BLOCK_N": 32}
     if T * (Hq // Hk) <= 16:   # decode: the query heads of a token (or a few tokens) fill 16 rows
         if B * Hk < 132:       # fewer programs than SMs: long K/V tiles and deep pipelining per program
             return {"BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
@@ -80,7 +77,7 @@ def _attn_spec(q, k_cache, v_cache, positions, *, scale, cap=0.0, window=NO_WIND
 def _shape_derived_kwargs(q, k_cache, v_cache, positions) -> dict:
     """Compile-time head-dim tile (a power of two >= D) and the usual scale, so that the tuner can
     compile and check the kernel from its tensors alone; a caller's own keywords win."""
-    return {"BLOCK_D": max(_next_pow2(q.shape[3]), 16), "scale": q.shape[3] ** -0.5}
+    return {"BLOCK_D": max(pow2_at_least(q.shape[3]), 16), "scale": q.shape[3] ** -0.5}
 
 
 def query_rows(pid_m, kv_head, group, BLOCK_M: int):

@@ -18,9 +18,10 @@ import torch
 
 import kilnx.dsl as kd
 from kilnx.kernels import attention_split as AS
-from kilnx.kernels.attention import (NO_WINDOW, TUNE, _attn_default, _attn_key, _kernel_kwargs, _next_pow2,
-                                     attend_all, attention, attention_formula, query_rows)
+from kilnx.kernels.attention import (NO_WINDOW, TUNE, _attn_default, _attn_key, _kernel_kwargs, attend_all, attention,
+                                     attention_formula, query_rows)
 from kilnx.kernels.rope import _rope_cache_spec, rotated_tile
+from kilnx.kernels.sizes import pow2_at_least
 
 
 def enabled(device_type: str, split: bool) -> bool:
@@ -74,7 +75,7 @@ def _args_key(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, **_)
 
 
 def _specialize(q, *_):
-    return {"BLOCK_D": max(_next_pow2(q.shape[3]), 16), "scale": q.shape[3] ** -0.5}
+    return {"BLOCK_D": max(pow2_at_least(q.shape[3]), 16), "scale": q.shape[3] ** -0.5}
 
 
 @kd.kernel(tune=TUNE, key=_args_key, spec=_spec, specialize=_specialize,

@@ -17,8 +17,8 @@ import os
 import torch
 
 import kilnx.dsl as kd
-from kilnx.kernels.attention import (MASKED_MAX, NO_WINDOW, _attn_key, _next_pow2, attend,
-                                     query_tile, visible_keys)
+from kilnx.kernels.attention import MASKED_MAX, NO_WINDOW, _attn_key, attend, query_tile, visible_keys
+from kilnx.kernels.sizes import pow2_at_least
 
 
 def _split_spec(q, k_cache, v_cache, positions, *, scale, cap=0.0, window=NO_WINDOW, SOFTCAP=False,
@@ -48,7 +48,7 @@ def _split_spec(q, k_cache, v_cache, positions, *, scale, cap=0.0, window=NO_WIN
 
 
 def _split_default(q, k_cache, v_cache, positions, **_):
-    return {"BLOCK_M": max(16, _next_pow2(q.shape[1] * q.shape[2] // k_cache.shape[1])), "BLOCK_N": 64,
+    return {"BLOCK_M": max(16, pow2_at_least(q.shape[1] * q.shape[2] // k_cache.shape[1])), "BLOCK_N": 64,
             "KEYS_PER_SPLIT": keys_per_split(q, k_cache), "num_warps": 4, "num_stages": 3}
 
 
@@ -83,7 +83,7 @@ CONSTRAINTS = [lambda KEYS_PER_SPLIT, BLOCK_N: KEYS_PER_SPLIT >= BLOCK_N]
 @kd.kernel(
     tune=TUNE, constraints=CONSTRAINTS,
     key=_attn_key, default=_split_default, spec=_split_spec,
-    specialize=lambda q, k_cache, v_cache, positions: {"BLOCK_D": max(_next_pow2(q.shape[3]), 16),
+    specialize=lambda q, k_cache, v_cache, positions: {"BLOCK_D": max(pow2_at_least(q.shape[3]), 16),
                                                        "scale": q.shape[3] ** -0.5})
 def attention_split_kernel(q, k_cache, v_cache, positions, *, scale: float, cap: float = 0.0, window: int = NO_WINDOW,
                            BLOCK_D: kd.constexpr = 64, SOFTCAP: kd.constexpr = False, BLOCK_M, BLOCK_N,
@@ -132,8 +132,8 @@ def _merge_spec(part_acc, part_max, part_sum, q, **_):
 
 @kd.kernel(tune={"num_warps": kd.choice(1, 2, 4, default=2)},
            key=lambda part_acc, *_, **__: {"NS": part_acc.shape[0], "D": part_acc.shape[-1]}, spec=_merge_spec,
-           specialize=lambda part_acc, part_max, part_sum, q: {"BLOCK_S": _next_pow2(part_acc.shape[0]),
-                                                               "BLOCK_D": max(_next_pow2(part_acc.shape[4]), 16)})
+           specialize=lambda part_acc, part_max, part_sum, q: {"BLOCK_S": pow2_at_least(part_acc.shape[0]),
+                                                               "BLOCK_D": max(pow2_at_least(part_acc.shape[4]), 16)})
 def attention_merge(part_acc, part_max, part_sum, q, *, BLOCK_S: kd.constexpr, BLOCK_D: kd.constexpr):
     """out[b, t, h] = sum_s w_s acc_s / sum_s w_s l_s with w_s = exp(m_s - max_s m_s), in q.dtype."""
     B, T, Hq, D = q.shape
@@ -172,7 +172,7 @@ def _merge_prep_spec(part_acc, part_max, part_sum, q, *, PER, GROUP, **_):
 
 @kd.kernel(tune={"num_warps": kd.choice(1, 2, 4, default=2)},
            key=lambda part_acc, *_, **__: {"NS": part_acc.shape[0], "D": part_acc.shape[-1]}, spec=_merge_prep_spec,
-           specialize=lambda part_acc, part_max, part_sum, q: {"BLOCK_S": _next_pow2(part_acc.shape[0]),
+           specialize=lambda part_acc, part_max, part_sum, q: {"BLOCK_S": pow2_at_least(part_acc.shape[0]),
                                                                "HEAD_D": part_acc.shape[4]})
 def attention_merge_prep(part_acc, part_max, part_sum, q, *, PER: kd.constexpr, GROUP: kd.constexpr,
                          BLOCK_S: kd.constexpr, HEAD_D: kd.constexpr):

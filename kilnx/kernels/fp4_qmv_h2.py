@@ -20,8 +20,8 @@ from __future__ import annotations
 import kilnx.dsl as kd
 from kilnx.kernels import qmv_h2 as H
 from kilnx.kernels.qmatmul_fp4 import (CODES_PER_WORD, OUT_DTYPES, TORCH_DTYPE_OF, _dense_product, _group_of, _key,
-                                       _pow2_at_least, _pow2_dividing, _shift_left, _specialize, fp4_chunks,
-                                       fp4_frame, fp4_store, make_fp4_args)
+                                       _shift_left, _specialize, fp4_chunks, fp4_frame, fp4_store, make_fp4_args)
+from kilnx.kernels.sizes import pow2_at_least, pow2_dividing
 
 X_BIAS = 14                              # fp16 holds a code's value times 2^-14: x is prepared 2^14 larger
 CODE_UNSCALE = 2.0 ** X_BIAS
@@ -60,8 +60,8 @@ def _default(planes, xs, wq, *_, **__):
     key=lambda planes, xs, wq, scales, gscale, **_: _key(planes.shape[0], wq, scales),
     spec=_spec, default=_default,
     specialize=lambda planes, xs, wq, scales, gscale: {
-        **_specialize(wq, scales), "BLOCK_M": _pow2_at_least(planes.shape[0]),
-        "KW_DIV": _pow2_dividing(wq.shape[1])})
+        **_specialize(wq, scales), "BLOCK_M": pow2_at_least(planes.shape[0]),
+        "KW_DIV": pow2_dividing(wq.shape[1])})
 def fp4_qmv_h2(planes, xs, wq, scales, global_scale, *, GROUP: kd.constexpr, E4M3: kd.constexpr,
                BLOCK_M: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr, OUT: kd.constexpr = "f32",
                BLOCK_N, BLOCK_KW, SPLIT_K, STAGES, CHAIN):

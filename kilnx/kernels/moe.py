@@ -38,6 +38,7 @@ import torch
 import kilnx.dsl as kd
 from kilnx.kernels import bf16_decode
 from kilnx.kernels.moe_align import align, align_block_m, align_buffers
+from kilnx.kernels.sizes import pow2_at_least, pow2_dividing
 
 ACTIVATIONS = {"silu": kd.silu, "gelu_tanh": kd.gelu_tanh}
 # decode/prefill crossovers (tokens); later the tuner will store measured ones
@@ -206,14 +207,10 @@ def _format(x, wq, scales):
     return {"BITS": wq.shape[2] * 32 // k, "GROUP": k // scales.shape[2]}
 
 
-def _pow2_dividing(n: int, cap: int = 4096) -> int:
-    return min(n & -n, cap) if n > 0 else cap
-
-
 def _divs(x, wq):
     """Powers of two dividing N and K: blocks they divide need no masks. For N, the one dividing N / 2
     when N is even: it divides N too, so a GLU kernel (blocks over one half) and a plain one share it."""
-    return _pow2_dividing(wq.shape[1] // 2 if wq.shape[1] % 2 == 0 else wq.shape[1]), _pow2_dividing(x.shape[1])
+    return pow2_dividing(wq.shape[1] // 2 if wq.shape[1] % 2 == 0 else wq.shape[1]), pow2_dividing(x.shape[1])
 
 
 def _gemm_specialize(x, wq, scales, biases, sorted_ids, block_expert, routing):
@@ -223,11 +220,7 @@ def _gemm_specialize(x, wq, scales, biases, sorted_ids, block_expert, routing):
 
 def _gemv_specialize(x, wq, scales, biases, expert_ids, routing_weights=None):
     return {**_format(x, wq, scales), "X_BY_TOKEN": x.shape[0] != expert_ids.numel(), "DIVS": _divs(x, wq),
-            "SLOTS": _next_pow2(expert_ids.shape[1])}
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
+            "SLOTS": pow2_at_least(expert_ids.shape[1])}
 
 
 def _gemm_default(x, wq, scales, biases, sorted_ids, block_expert, routing, *, BLOCK_M, BITS, **_):
@@ -242,7 +235,7 @@ def _gemv_default(x, wq, scales, biases, expert_ids, *rest, SLOTS, **_):
     # about 8 rows x 128 words per program, as qmv's measured default (a program's rows are its
     # token's SLOTS slots times BLOCK_N); a short row (the down projection's K = F is often < 1024)
     # is one chunk. On the CPU backends a program costs far more than its arithmetic: wider ones.
-    return {"BLOCK_KW": min(max(_next_pow2(wq.shape[2]), 8), 128),
+    return {"BLOCK_KW": min(max(pow2_at_least(wq.shape[2]), 8), 128),
             "BLOCK_N": max(8 // SLOTS, 1) if x.is_cuda else 16}
 
 

@@ -33,6 +33,7 @@ import torch
 
 import kilnx.dsl as kd
 from kilnx.kernels.rope import InPlaceAsOutputs
+from kilnx.kernels.sizes import pow2_at_least
 
 # A grouped GEMM tile is at least 16 rows (tensor cores). Larger tiles pay off once experts see many
 # slots each; past 64 the padding of lightly-used experts dominates. Refined by measurement later.
@@ -118,10 +119,6 @@ def _align_key(expert_ids, chunk_counts, *rest, BLOCK_M=None, **_):
     return k if BLOCK_M is None else {**k, "BM": BLOCK_M}
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
 @InPlaceAsOutputs.of(mutated=(1,))
 @kd.kernel(tune={"BLOCK_E": kd.pow2(16, 256, default=64), "num_warps": kd.choice(1, 2, 4, 8, default=4)},
            key=_align_key, spec=_count_spec,
@@ -142,7 +139,7 @@ def moe_align_count(expert_ids, chunk_counts, *, CHUNK: kd.constexpr, BLOCK_E):
            key=_align_key, spec=_scatter_spec,
            specialize=lambda ids, counts, sorted_ids, block_expert, offsets: {
                "CHUNK": _chunk_of(ids, counts), "BLOCK_M": sorted_ids.shape[0] // block_expert.shape[0],
-               "BLOCK_E": _next_pow2(counts.shape[1])})
+               "BLOCK_E": pow2_at_least(counts.shape[1])})
 def moe_align_scatter(expert_ids, chunk_counts, sorted_ids, block_expert, expert_offsets, *, CHUNK: kd.constexpr,
                       BLOCK_M: kd.constexpr, BLOCK_E: kd.constexpr, BLOCK_C):
     T, TOP_K = expert_ids.shape

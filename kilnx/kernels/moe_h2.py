@@ -21,7 +21,8 @@ import os
 import kilnx.dsl as kd
 from kilnx.kernels import _gemv as gemv
 from kilnx.kernels import qmv_h2 as H
-from kilnx.kernels.moe import ACTIVATIONS, _next_pow2, _pow2_dividing
+from kilnx.kernels.moe import ACTIVATIONS
+from kilnx.kernels.sizes import pow2_at_least, pow2_dividing
 
 BITS_SERVED = H.BITS_SERVED
 
@@ -32,8 +33,8 @@ def _format(planes, scales):
 
 
 def _specialize(planes, sums, xs, wq, scales, biases, expert_ids, *_):
-    return {**_format(planes, scales), "SLOTS": _next_pow2(expert_ids.shape[1]),
-            "N_DIV": _pow2_dividing(wq.shape[1]), "KW_DIV": _pow2_dividing(wq.shape[2])}
+    return {**_format(planes, scales), "SLOTS": pow2_at_least(expert_ids.shape[1]),
+            "N_DIV": pow2_dividing(wq.shape[1]), "KW_DIV": pow2_dividing(wq.shape[2])}
 
 
 def _key(planes, sums, xs, wq, scales, biases, expert_ids, *_, **kw):

@@ -19,7 +19,7 @@ import torch
 import kilnx.dsl as kd
 from kilnx.dsl.kernel import PerObjectMemo
 from kilnx.kernels import qmv_h2 as H
-from kilnx.kernels.qmatmul import _pow2_at_least
+from kilnx.kernels.sizes import pow2_at_least
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def _norm_spec(x, res, w, *, eps, offset, PER, GROUP, **_):
 
 @kd.kernel(tune={"num_warps": kd.choice(1, 2, 4, 8, 16, default=8)},
            key=lambda x, res, w, **kw: {"M": x.shape[0], "K": x.shape[1]}, spec=_norm_spec,
-           specialize=lambda x, res, w: {"K_P2": _pow2_at_least(x.shape[1])})
+           specialize=lambda x, res, w: {"K_P2": pow2_at_least(x.shape[1])})
 def add_rms_norm_prep(x, res, w, *, eps: float, offset: float, PER: kd.constexpr, GROUP: kd.constexpr,
                       K_P2: kd.constexpr):
     """h = x + res (returned in x.dtype) and rms_norm(h) * (offset + w), prepared for qmv_h2: one

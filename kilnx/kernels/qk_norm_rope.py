@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 import kilnx.dsl as kd
-from kilnx.kernels.rope import (InPlaceAsOutputs, _next_pow2, _rope_cache_problem_args, _rope_cache_spec,
-                                _rotation)
+from kilnx.kernels.rope import InPlaceAsOutputs, _rope_cache_problem_args, _rope_cache_spec, _rotation
+from kilnx.kernels.sizes import pow2_at_least
 
 
 def _norm_spec(x, w, eps, offset):
@@ -41,7 +41,7 @@ def _default(q, k, *_, **__):
     +0.8%), blocks of heads for prefill. On the CPU (numba) every head in one program: a CPU tune of
     qwen3-0.6b's decode bucket took 16.3 us with 32 heads a program against 27.2 with one."""
     if not q.is_cuda:
-        return {"BLOCK_H": min(_next_pow2(q.shape[1] + k.shape[1]), 64)}
+        return {"BLOCK_H": min(pow2_at_least(q.shape[1] + k.shape[1]), 64)}
     return {"BLOCK_H": 1 if q.shape[0] <= 16 else 8, "num_warps": 1 if q.shape[0] <= 16 else 4}
 
 
@@ -49,7 +49,7 @@ def _default(q, k, *_, **__):
 @kd.kernel(tune={"BLOCK_H": kd.pow2(1, 64, default=8), "num_warps": kd.choice(1, 2, 4, 8, default=2)},
            key=_key, default=_default, spec=_spec,
            specialize=lambda q, k, v, qn, kn, positions, rows, inv_freq, kc, vc: {
-               "HALF": _next_pow2(inv_freq.shape[0]), "BLOCK_D": _next_pow2(q.shape[2])})
+               "HALF": pow2_at_least(inv_freq.shape[0]), "BLOCK_D": pow2_at_least(q.shape[2])})
 def qk_norm_rope_cache_kernel(q, k, v, q_norm, k_norm, positions, rows, inv_freq, k_cache, v_cache, *,
                               eps: float = 1e-6, offset: float = 0.0, INTERLEAVED: kd.constexpr = False,
                               HALF: kd.constexpr, BLOCK_D: kd.constexpr, BLOCK_H):

@@ -23,8 +23,9 @@ import torch
 import kilnx.dsl as kd
 from kilnx.kernels import _gemv as gemv
 from kilnx.kernels import qmv_h2 as H
-from kilnx.kernels.qmatmul import _pow2_at_least, _pow2_dividing
+
 from kilnx.kernels.rope import _rope_cache_spec
+from kilnx.kernels.sizes import pow2_at_least, pow2_dividing
 
 TUNE = {"BLOCK_N": kd.pow2(2, 64, default=8), "BLOCK_KW": kd.pow2(8, 512, default=128),
         "num_warps": kd.choice(1, 2, 4, 8, default=2), "STAGES": kd.choice(1, 2, 3, 4, default=3),
@@ -73,8 +74,8 @@ def _default(planes, sums, xs, wq, scales, biases, *_, **__):
 
 
 def _specialize(planes, sums, xs, wq, scales, biases, positions, rows, inv_freq, k_cache, v_cache):
-    return {**H._format(planes, sums, xs, wq, scales, biases), "BLOCK_M": _pow2_at_least(planes.shape[0]),
-            "N_DIV": _pow2_dividing(wq.shape[0]), "KW_DIV": _pow2_dividing(wq.shape[1]), "D": k_cache.shape[3],
+    return {**H._format(planes, sums, xs, wq, scales, biases), "BLOCK_M": pow2_at_least(planes.shape[0]),
+            "N_DIV": pow2_dividing(wq.shape[0]), "KW_DIV": pow2_dividing(wq.shape[1]), "D": k_cache.shape[3],
             "R": 2 * inv_freq.shape[0], "HQ": wq.shape[0] // k_cache.shape[3] - 2 * k_cache.shape[1]}
 
 

@@ -26,22 +26,14 @@ import kilnx.dsl as kd
 from kilnx.dsl.kernel import PerObjectMemo
 from kilnx.kernels import _gemv as gemv
 from kilnx.kernels import bf16_decode
+from kilnx.kernels.dense_mm import dot_tolerance, mm, sm_count, tma_ready  # noqa: F401 (re-exported)
+from kilnx.kernels.sizes import pow2_at_least, pow2_dividing
 
 
 def _format_of(x, wq, scales, biases):
     """Bit width and group size follow from the shapes: K*bits/32 words and K/group scales per row."""
     k = x.shape[1]
     return {"BITS": wq.shape[1] * 32 // k, "GROUP": k // scales.shape[1]}
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def _pow2_dividing(n: int, cap: int = 4096) -> int:
-    """The largest power of two dividing n (up to cap): lets a kernel drop bounds masks on dims whose
-    size its block divides, which also frees the compiler to vectorize and skip zero-filling."""
-    return min(n & -n, cap) if n > 0 else cap
 
 
 def _qmv_key(x, wq, scales, biases, **kw):
@@ -142,8 +134,8 @@ def _qmv_spec(planes, sums, wq, scales, biases, *, BITS, GROUP, **_):
           "SPLIT_K": kd.choice(1, 2, 4, 8, default=1), "MAGIC": kd.boolean(default=True),
           "num_warps": kd.choice(1, 2, 4, 8, default=4), "STAGES": kd.choice(1, 2, 3, 4, default=1)},
     key=_qmv_key_prepared, spec=_qmv_spec, default=_qmv_default,
-    specialize=lambda p, s, wq, sc, b: {**_qmv_format(p, s, wq, sc, b), "BLOCK_M": _pow2_at_least(p.shape[0]),
-                                         "N_DIV": _pow2_dividing(wq.shape[0]), "KW_DIV": _pow2_dividing(wq.shape[1])})
+    specialize=lambda p, s, wq, sc, b: {**_qmv_format(p, s, wq, sc, b), "BLOCK_M": pow2_at_least(p.shape[0]),
+                                         "N_DIV": pow2_dividing(wq.shape[0]), "KW_DIV": pow2_dividing(wq.shape[1])})
 def qmv(planes, sums, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr,
         BLOCK_M: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr, BLOCK_N, BLOCK_KW, SPLIT_K, MAGIC,
         STAGES):
@@ -179,16 +171,16 @@ def _qmm_default(x, wq, scales, biases, *, BITS, **_):
         # codes decoded in bf16 pairs, the weight the MMA's left operand: llama-3.1-8b gate_up on the H200,
         # M=64 93 us, 128 99, 256 188, against 133 / 131 / 243 on the fp32 decode's defaults
         # (bench/results/2026-12-04_h200_quant_s15_qmm.csv)
-        tile = _packed_tile(m, wq.shape[0], _programs(x))
+        tile = _packed_tile(m, wq.shape[0], sm_count(x))
         return {**tile, "SWAP": True, "MAGIC": True, "PACKED": True, "num_stages": 3}
     if m <= 16:   # few rows: the weight fills the wide side of the MMA (best measured on H200 at M=8)
         return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "SWAP": True, "num_warps": 4, "num_stages": 4}
     if m <= 64 and not x.is_cuda:
         # numba, 2 EPYC cores, SmolLM2-135M's four projections at 40 and 64 rows: 1.42-1.78x faster than the
         # swapped 64 x 128 tile below (0.92-4.5 ms against 1.41-8.0, alternated runs)
-        return {"BLOCK_M": max(16, _pow2_at_least(m)), "BLOCK_N": 64, "BLOCK_K": 64, "SWAP": False}
+        return {"BLOCK_M": max(16, pow2_at_least(m)), "BLOCK_N": 64, "BLOCK_K": 64, "SWAP": False}
     if m <= 64:
-        return {"BLOCK_M": max(16, _pow2_at_least(m)), "BLOCK_N": 64, "BLOCK_K": 128, "SWAP": True,
+        return {"BLOCK_M": max(16, pow2_at_least(m)), "BLOCK_N": 64, "BLOCK_K": 128, "SWAP": True,
                 "num_warps": 4}
     if x.is_cuda:   # the tuner's winner at M = 512 and 2048 on 8 of the 10 llama-3.1-8b buckets, 6-24% over
         # the space default (H200, bench/results/2026-12-03_h200_tune_s6_full.csv)
@@ -203,7 +195,7 @@ def _packed_tile(m: int, n: int, sms: int) -> dict:
     H200, session 16); else 128 x 128 x 64 over 8 warps."""
     from kilnx.kernels.routing import NARROW_TILE_MAX_ROWS, starved
     if m <= 64:
-        return {"BLOCK_M": max(16, _pow2_at_least(m)), "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4}
+        return {"BLOCK_M": max(16, pow2_at_least(m)), "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4}
     if m <= NARROW_TILE_MAX_ROWS and starved(m, n, sms):
         return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4}
     return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8}
@@ -219,8 +211,8 @@ def _qmm_spec(x, wq, scales, biases, *, BITS, GROUP, **_):
           "SWAP": kd.boolean(default=False), "num_warps": kd.choice(2, 4, 8, default=8),
           "num_stages": kd.choice(1, 2, 3, 4, default=3), "PACKED": kd.boolean(default=False)},
     key=_qmv_key, spec=_qmm_spec, default=_qmm_default,
-    specialize=lambda x, wq, s, b: {**_format_of(x, wq, s, b), "N_DIV": _pow2_dividing(wq.shape[0]),
-                                    "K_DIV": _pow2_dividing(x.shape[1])})
+    specialize=lambda x, wq, s, b: {**_format_of(x, wq, s, b), "N_DIV": pow2_dividing(wq.shape[0]),
+                                    "K_DIV": pow2_dividing(x.shape[1])})
 def qmm(x, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr, N_DIV: kd.constexpr,
         K_DIV: kd.constexpr, BLOCK_M, BLOCK_N, BLOCK_K, MAGIC, SWAP, PACKED):
     """PACKED: 4-bit codes with bf16 activations and scales decode two at a time into bf16 pairs
@@ -284,72 +276,6 @@ def qmm(x, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr, N_DIV
     if SWAP:
         kd.store(out, rm[None, :], rn[:, None], acc)
     else:
-        kd.store(out, rm[:, None], rn[None, :], acc)
-    return out
-
-
-def _mm_default(x, w, **_):
-    """Best of 14 configs on the H200 for llama-3.1-8b gate_up (bench/results/2026-12-04_h200_quant_s14_mm.csv):
-    persistent, one program per SM, at both sizes: M=4096 0.93x cuBLAS's time (the best 2-d grid 1.02x, a
-    256 x 128 tile), M=512 1.13x (the best 2-d grid 1.25x)."""
-    if x.shape[0] >= 2048:
-        return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "PERSISTENT": True}
-    if x.shape[0] >= 256:
-        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "PERSISTENT": True}
-    return {}
-
-
-def tma_ready(*tensors) -> bool:
-    """Whether kd.load_tile may read these tensors (the launcher's rule), on a GPU or Triton's interpreter:
-    such inputs take the TMA path, others kd.load."""
-    from kilnx.codegen.launch import interpreting, tma_readable
-    return all((t.is_cuda or interpreting()) and tma_readable(t) for t in tensors)
-
-
-def _programs(t: torch.Tensor) -> int:
-    """Programs a persistent kernel launches: one per SM (4 off the GPU, where only the interpreter runs it)."""
-    return torch.cuda.get_device_properties(t.device).multi_processor_count if t.is_cuda else 4
-
-
-@kd.kernel(
-    tune={"BLOCK_M": kd.pow2(16, 256, default=64), "BLOCK_N": kd.pow2(16, 256, default=64),
-          "BLOCK_K": kd.pow2(16, 256, default=64), "num_warps": kd.choice(2, 4, 8, default=4),
-          "num_stages": kd.choice(1, 2, 3, 4, default=3), "TMA": kd.boolean(default=True),
-          "PERSISTENT": kd.boolean(default=False)},
-    key=lambda x, w, **_: {"M": x.shape[0], "N": w.shape[0], "K": x.shape[1]}, default=_mm_default,
-    spec=lambda x, w, **_: (x.double() @ w.double().T).to(x.dtype),
-    specialize=lambda x, w: {"M_DIV": _pow2_dividing(x.shape[0]), "N_DIV": _pow2_dividing(w.shape[0]),
-                             "K_DIV": _pow2_dividing(x.shape[1]),
-                             "TMA_READY": tma_ready(x, w), "PROGRAMS": _programs(x)})
-def mm(x, w, *, M_DIV: kd.constexpr, N_DIV: kd.constexpr, K_DIV: kd.constexpr, TMA_READY: kd.constexpr,
-       PROGRAMS: kd.constexpr, BLOCK_M, BLOCK_N, BLOCK_K, TMA, PERSISTENT):
-    """x (M, K) @ w (N, K).T. PERSISTENT: one program per SM walks the output tiles (M-block fastest, as
-    the 2-d grid orders them), its tile loop and K loop pipelined as one, so a tile's first loads are in
-    flight while the previous tile's accumulator is stored."""
-    M, K = x.shape
-    N = w.shape[0]
-    # dims the blocks divide need no bounds masks (unmasked tiles load and pipeline better)
-    M_IN, N_IN, K_IN = M_DIV % BLOCK_M == 0, N_DIV % BLOCK_N == 0, K_DIV % BLOCK_K == 0
-    out = kd.output((M, N), x.dtype)
-    tiles_m = kd.cdiv(M, BLOCK_M)
-    # the program's tiles: the one its 2-d grid position names, or every PROGRAMS-th from its id
-    tiles = kd.range(kd.grid(PROGRAMS), tiles_m * kd.cdiv(N, BLOCK_N), PROGRAMS, flatten=True) if PERSISTENT \
-        else [kd.grid(tiles_m, kd.cdiv(N, BLOCK_N))]
-    for tile in tiles:
-        pm, pn = (tile % tiles_m, tile // tiles_m) if PERSISTENT else tile
-        rm = pm * BLOCK_M + kd.arange(0, BLOCK_M)
-        rn = pn * BLOCK_N + kd.arange(0, BLOCK_N)
-        acc = kd.zeros((BLOCK_M, BLOCK_N), kd.f32)
-        for k0 in kd.range(0, K, BLOCK_K):
-            if TMA and TMA_READY and w.dtype == x.dtype:
-                # boxes by TMA: no per-thread addresses, and the pipeliner waits on barriers, not on lanes
-                a = kd.load_tile(x, pm * BLOCK_M, k0, shape=(BLOCK_M, BLOCK_K))
-                b = kd.trans(kd.load_tile(w, pn * BLOCK_N, k0, shape=(BLOCK_N, BLOCK_K)))
-            else:
-                rk = k0 + kd.arange(0, BLOCK_K)
-                a = kd.load(x, rm[:, None], rk[None, :], check=(not M_IN, not K_IN))
-                b = kd.load(w, rn[None, :], rk[:, None], check=(not N_IN, not K_IN)).to(x.dtype)
-            acc += kd.dot(a, b)
         kd.store(out, rm[:, None], rn[None, :], acc)
     return out
 
@@ -511,32 +437,8 @@ def _matmul_tolerance(args):
         args = (_x_of(args[0]), *args[2:])
     x, wq, scales, biases = args
     bits = _format_of(*args)["BITS"]
-    return _dot_tolerance(x, scales.float().abs().max().item() * (2 ** bits - 1) + biases.float().abs().max().item())
-
-
-def _dot_tolerance(x, wmax: float):
-    xrms = x.float().pow(2).mean().sqrt().item()
-    return 2e-2, 4e-3 * (x.shape[1] ** 0.5) * xrms * wmax
+    return dot_tolerance(x, scales.float().abs().max().item() * (2 ** bits - 1) + biases.float().abs().max().item())
 
 
 qmv.tolerance = _matmul_tolerance
 qmm.tolerance = _matmul_tolerance
-
-
-# The dense GEMM of the two-kernel path (what qmatmul runs on the GPU from 320 rows, and wherever the fused
-# kernel's grid is starved), tuned on the bf16 weight's shape with cuBLAS as its peer.
-def make_mm_args(problem: dict, device: str):
-    m, n, k = problem["M"], problem["N"], problem["K"]
-    g = torch.Generator(device="cpu").manual_seed(m * 7919 + n * 31 + k)
-    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(device)
-    w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16).to(device)
-    return x, w
-
-
-mm.tuning(make_args=make_mm_args, problems=[{"M": 2048, "N": 4096, "K": 4096}], peer=lambda x, w: x @ w.T)
-mm.tolerance = lambda args: _dot_tolerance(args[0], args[1].float().abs().max().item())
-# the defaults and the best tiles of the session-14 sweep (bench/results/2026-12-04_h200_quant_s14_mm.csv)
-mm.seed_configs = lambda problem: [
-    {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "num_warps": nw, "num_stages": ns, "TMA": True, "PERSISTENT": p}
-    for bm, bn, nw, ns, p in [(128, 256, 8, 3, True), (128, 128, 4, 4, True), (128, 256, 8, 4, True),
-                              (256, 128, 8, 3, False), (128, 128, 8, 4, True)]]

@@ -31,6 +31,7 @@ import torch
 import kilnx.dsl as kd
 from kilnx.kernels import _gemv as gemv
 from kilnx.quant.mlx_formats import FP_MODES
+from kilnx.kernels.sizes import pow2_at_least, pow2_dividing
 
 # MLX's fp4 modes differ in group size, which is how kernels tell them apart from the shapes alone.
 FP4_MODE_OF_GROUP = {spec.group_size: name for name, spec in FP_MODES.items() if spec.bits == 4}
@@ -44,15 +45,6 @@ TORCH_DTYPE_OF = {v: k for k, v in OUT_DTYPES.items()}
 
 def _group_of(wq, scales) -> int:
     return wq.shape[1] * CODES_PER_WORD // scales.shape[1]
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def _pow2_dividing(n: int, cap: int = 4096) -> int:
-    """Largest power of two dividing n: a block that divides a dim needs no bounds mask on it."""
-    return min(n & -n, cap) if n > 0 else cap
 
 
 # ---- decoding, shared by both kernels ---------------------------------------------------------------
@@ -119,7 +111,7 @@ def _specialize(wq, scales):
     if group not in FP4_MODE_OF_GROUP:
         raise ValueError(f"fp4 weights have groups of {sorted(FP4_MODE_OF_GROUP)}; these have {group}")
     return {"GROUP": group, "E4M3": FP_MODES[FP4_MODE_OF_GROUP[group]].e4m3_scale,
-            "N_DIV": _pow2_dividing(wq.shape[0])}
+            "N_DIV": pow2_dividing(wq.shape[0])}
 
 
 def _key(rows, wq, scales):
@@ -146,8 +138,8 @@ _FP4_GPU_DEFAULT = {"BLOCK_N": 16, "BLOCK_KW": 64, "num_warps": 4, "STAGES": 3}
     spec=lambda planes, wq, scales, gscale, *, OUT="f32", **_: _dense_product(
         _x_of(planes), wq, scales, gscale, TORCH_DTYPE_OF[OUT]),
     specialize=lambda planes, wq, scales, gscale: {
-        **_specialize(wq, scales), "BLOCK_M": _pow2_at_least(planes.shape[0]),
-        "KW_DIV": _pow2_dividing(wq.shape[1])})
+        **_specialize(wq, scales), "BLOCK_M": pow2_at_least(planes.shape[0]),
+        "KW_DIV": pow2_dividing(wq.shape[1])})
 def fp4_qmv(planes, wq, scales, global_scale, *, GROUP: kd.constexpr, E4M3: kd.constexpr,
             BLOCK_M: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr, OUT: kd.constexpr = "f32",
             BLOCK_N, BLOCK_KW, SPLIT_K, STAGES):
@@ -204,7 +196,7 @@ def _qmm_default(x, wq, scales, gscale, **_):
     if m <= 16:
         return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "SWAP": True, "num_warps": 4, "num_stages": 4}
     if m <= 64:
-        return {"BLOCK_M": max(16, _pow2_at_least(m)), "BLOCK_N": 64, "BLOCK_K": 128, "SWAP": True,
+        return {"BLOCK_M": max(16, pow2_at_least(m)), "BLOCK_N": 64, "BLOCK_K": 128, "SWAP": True,
                 "num_warps": 4}
     return {}
 
@@ -216,7 +208,7 @@ def _qmm_default(x, wq, scales, gscale, **_):
     key=lambda x, wq, scales, gscale, **_: _key(x.shape[0], wq, scales),
     spec=lambda x, wq, scales, gscale, **_: _dense_product(x, wq, scales, gscale, x.dtype),
     default=_qmm_default,
-    specialize=lambda x, wq, scales, gscale: {**_specialize(wq, scales), "K_DIV": _pow2_dividing(x.shape[1])})
+    specialize=lambda x, wq, scales, gscale: {**_specialize(wq, scales), "K_DIV": pow2_dividing(x.shape[1])})
 def fp4_qmm(x, wq, scales, global_scale, *, GROUP: kd.constexpr, E4M3: kd.constexpr, N_DIV: kd.constexpr,
             K_DIV: kd.constexpr, BLOCK_M, BLOCK_N, BLOCK_K, SWAP):
     """x (M, K), wq (N, K/8) words, scales (N, K/GROUP) uint8 codes, global_scale (1,) fp32 or None

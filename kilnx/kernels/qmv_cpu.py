@@ -29,7 +29,8 @@ import torch
 
 import kilnx.dsl as kd
 from kilnx.dsl.kernel import PerObjectMemo
-from kilnx.kernels.qmatmul import _dense_spec, _matmul_tolerance, _pow2_dividing, make_qmatmul_args
+from kilnx.kernels.qmatmul import _dense_spec, _matmul_tolerance, make_qmatmul_args
+from kilnx.kernels.sizes import pow2_dividing
 
 IL = 16          # weight rows per interleaved block: one AVX-512 register of fp32 (two AVX2 ones)
 
@@ -75,7 +76,7 @@ def _tree_sum(terms):
 
 @kd.kernel(tune={"R": kd.pow2(1, 8, default=4), "num_warps": kd.choice(1, 2, 4, default=4)},
            key=_key, spec=_spec,
-           specialize=lambda x, wq, s, b: {**_format(x, wq, s, b), "NB_DIV": _pow2_dividing(wq.shape[0])})
+           specialize=lambda x, wq, s, b: {**_format(x, wq, s, b), "NB_DIV": pow2_dividing(wq.shape[0])})
 def qmv_il(x, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr,
            NB_DIV: kd.constexpr, R):
     """x (M, K) @ W.T -> (M, NB * IL) in x.dtype (padded rows give 0), W interleaved (see `interleave`)."""

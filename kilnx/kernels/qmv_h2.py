@@ -25,8 +25,8 @@ import torch
 
 import kilnx.dsl as kd
 from kilnx.kernels import _gemv as gemv
-from kilnx.kernels.qmatmul import (_dense_peer, _dense_spec, _format_of, _matmul_tolerance, _pow2_at_least,
-                                   _pow2_dividing, make_qmatmul_args)
+from kilnx.kernels.qmatmul import _dense_peer, _dense_spec, _format_of, _matmul_tolerance, make_qmatmul_args
+from kilnx.kernels.sizes import pow2_at_least, pow2_dividing
 
 MAGIC = 0x64006400            # fp16 1024.0 in both halves
 ONE, NEG_1024 = 0x3C003C00, 0xE400E400
@@ -196,9 +196,9 @@ def _default(planes, sums, xs, wq, scales, biases, **_):
           "num_warps": kd.choice(1, 2, 4, 8, default=4), "STAGES": kd.choice(1, 2, 3, 4, default=1),
           "CHAIN": kd.choice(1, 2, 4, default=1)},
     key=_key, spec=_spec, default=_default,
-    specialize=lambda p, su, xs, wq, sc, b: {**_format(p, su, xs, wq, sc, b), "BLOCK_M": _pow2_at_least(p.shape[0]),
-                                             "N_DIV": _pow2_dividing(wq.shape[0]),
-                                             "KW_DIV": _pow2_dividing(wq.shape[1]),
+    specialize=lambda p, su, xs, wq, sc, b: {**_format(p, su, xs, wq, sc, b), "BLOCK_M": pow2_at_least(p.shape[0]),
+                                             "N_DIV": pow2_dividing(wq.shape[0]),
+                                             "KW_DIV": pow2_dividing(wq.shape[1]),
                                              "PREFETCH": wq.is_cuda and gemv.prefetching()})
 def qmv_h2(planes, sums, xs, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr,
            BLOCK_M: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr, PREFETCH: kd.constexpr = False,

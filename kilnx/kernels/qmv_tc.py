@@ -27,8 +27,8 @@ import torch
 
 import kilnx.dsl as kd
 from kilnx.kernels import _gemv as gemv
-from kilnx.kernels.qmatmul import (_dense_peer, _format_of, _matmul_tolerance, _pow2_at_least, _pow2_dividing,
-                                   _qmm_spec, _qmv_key, make_qmatmul_args)
+from kilnx.kernels.qmatmul import _dense_peer, _format_of, _matmul_tolerance, _qmm_spec, _qmv_key, make_qmatmul_args
+from kilnx.kernels.sizes import pow2_at_least, pow2_dividing
 
 MAX_ROWS = 64                       # a (BLOCK_M <= 64, GROUP) x tile per group: past that qmm's tiles win
 DTYPES_SERVED = (torch.bfloat16, torch.float16)
@@ -73,8 +73,8 @@ def _default(x, wq, scales, biases, **_):
           "num_warps": kd.choice(1, 2, 4, 8, default=4), "STAGES": kd.choice(1, 2, 3, 4, 6, default=3),
           "SWAP": kd.boolean(default=True)},
     key=_qmv_key, spec=_qmm_spec, default=_default,
-    specialize=lambda x, wq, s, b: {**_format_of(x, wq, s, b), "BLOCK_M": max(16, _pow2_at_least(x.shape[0])),
-                                    "N_DIV": _pow2_dividing(wq.shape[0]), "KW_DIV": _pow2_dividing(wq.shape[1])})
+    specialize=lambda x, wq, s, b: {**_format_of(x, wq, s, b), "BLOCK_M": max(16, pow2_at_least(x.shape[0])),
+                                    "N_DIV": pow2_dividing(wq.shape[0]), "KW_DIV": pow2_dividing(wq.shape[1])})
 def qmv_tc(x, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr, BLOCK_M: kd.constexpr,
            N_DIV: kd.constexpr, KW_DIV: kd.constexpr, BLOCK_N, SPLIT_K, STAGES, SWAP):
     """x (M <= 64, K) bf16/fp16 @ dequantize(w).T -> (M, N) in x's dtype (fp32 with split-K)."""

@@ -13,10 +13,7 @@ import torch
 
 import kilnx.dsl as kd
 from kilnx.kernels._tuning import DTYPES
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
+from kilnx.kernels.sizes import pow2_at_least
 
 
 def _rope_key(q, k, positions, inv_freq, **_):
@@ -26,8 +23,8 @@ def _rope_key(q, k, positions, inv_freq, **_):
 def _rope_default(q, k, positions, inv_freq, **_):
     # all pairs of a head in one block, and enough heads per block that a decode step (T=1) is not a
     # long serial loop
-    return {"BLOCK_R": min(max(_next_pow2(inv_freq.shape[0]), 8), 256),
-            "BLOCK_H": min(_next_pow2(max(q.shape[1], k.shape[1])), 16)}
+    return {"BLOCK_R": min(max(pow2_at_least(inv_freq.shape[0]), 8), 256),
+            "BLOCK_H": min(pow2_at_least(max(q.shape[1], k.shape[1])), 16)}
 
 
 def rotated(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -182,9 +179,9 @@ def _rope_cache_key(q, k, v, positions, rows, inv_freq, k_cache, v_cache, **_):
 
 
 def _rope_cache_default(q, k, v, positions, rows, inv_freq, k_cache, v_cache, **_):
-    return {"BLOCK_R": min(max(_next_pow2(inv_freq.shape[0]), 8), 256),
-            "BLOCK_D": min(max(_next_pow2(q.shape[2]), 16), 256),
-            "BLOCK_H": min(_next_pow2(max(q.shape[1], k.shape[1])), 16)}
+    return {"BLOCK_R": min(max(pow2_at_least(inv_freq.shape[0]), 8), 256),
+            "BLOCK_D": min(max(pow2_at_least(q.shape[2]), 16), 256),
+            "BLOCK_H": min(pow2_at_least(max(q.shape[1], k.shape[1])), 16)}
 
 
 def _rope_cache_spec(q, k, v, positions, rows, inv_freq, k_cache, v_cache, *, INTERLEAVED=False, **_):

@@ -71,7 +71,7 @@ def takes_dequant_mm(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, bi
     bits = qm._format_of(x, wq, scales, biases)["BITS"]
     narrow = NARROW_TILE_MAX_ROWS if bf16_decode.serves(bits, x.dtype, scales.dtype) else 64
     return two_kernels_win(x.shape[0], wq.shape[0], dequant_mm_min_rows(x, wq, scales, biases), narrow,
-                           qm._programs(x))
+                           qm.sm_count(x))
 
 
 def two_kernels_win(m: int, n: int, min_rows: int, narrow_max_rows: int, sms: int) -> bool:

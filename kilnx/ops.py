@@ -9,9 +9,13 @@ from __future__ import annotations
 import torch
 
 
-def embedding(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows of `table` (V, H) at integer `ids` (any shape, flattened) -> (n, H)."""
+def embedding(table, ids: torch.Tensor) -> torch.Tensor:
+    """Rows of `table` (V, H) at integer `ids` (any shape, flattened) -> (n, H); a QuantEmbedding's rows
+    dequantized and scaled in its dtype."""
     from kilnx.kernels import embedding as e
+    from kilnx.models.weights import QuantEmbedding
+    if isinstance(table, QuantEmbedding):
+        return e.embedding_quant(table.weight, ids, table.scale, table.dtype)
     return e.embedding(table, ids)
 
 

@@ -38,9 +38,48 @@ class LayerWeights:
     experts_down: "QWeight | None" = None  # noqa: F821
 
 
+@dataclass(frozen=True)
+class QuantEmbedding:
+    """The embedding table kept as the checkpoint's affine codes, where a dense copy would cost more memory
+    than the codes (Gemma-3-270M: 671 MB of fp32 against ~180 MB) and most of the load: a lookup dequantizes
+    only the rows it reads (kernels/embedding.py). With tied embeddings this is the lm_head's own weight."""
+    weight: object                 # QWeight (V, H): affine, 2/4/8-bit codes
+    scale: float                   # config.embed_scale, applied in `dtype` after rounding (as the dense table)
+    dtype: torch.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    @property
+    def shape(self) -> tuple:
+        return self.weight.shape
+
+    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows' meaning (the torch peer's lookup): dequantized in fp32, rounded, times the scale."""
+        from kilnx.kernels.qmatmul import dequantize_on_device
+        w = self.weight
+        rows = ids.reshape(-1).long()
+        table = dequantize_on_device(w.packed[rows], w.scales[rows], w.biases[rows], w.bits, w.group_size)
+        return table.to(self.dtype) * torch.tensor(self.scale, dtype=self.dtype)
+
+
+def quant_embedding(w, scale: float, dtype: torch.dtype) -> QuantEmbedding | None:
+    """A QuantEmbedding over `w` where the lookup kernel reads its format (affine, 2/4/8 bits, one matrix),
+    on the CPU; else None and the table is made dense. The GPU keeps the dense table until the kernel has
+    run there (written and tested under Triton's interpreter and numba; KILNX_QUANT_EMBED=1 turns it on)."""
+    import os
+    QWeight = qweight_class()
+    on = os.environ.get("KILNX_QUANT_EMBED", "1" if w is not None and w.device.type == "cpu" else "0") != "0"
+    if (not on or QWeight is None or not isinstance(w, QWeight) or w.mode != "affine" or w.bits not in (2, 4, 8)
+            or w.packed.dim() != 2):
+        return None
+    return QuantEmbedding(w, float(scale), dtype)
+
+
 @dataclass
 class ModelWeights:
-    embed: torch.Tensor            # dense (V, H) lookup table, pre-multiplied by config.embed_scale
+    embed: "torch.Tensor | QuantEmbedding"   # (V, H) lookup table, pre-multiplied by config.embed_scale
     layers: list[LayerWeights]
     final_norm: torch.Tensor
     lm_head: list                  # [Linear (V, H)]
@@ -185,17 +224,18 @@ def build_weights(cfg: ModelConfig, src: WeightSource, *, device="cpu", dtype=to
             layer.post_mlp_norm = dense(a("post_feedforward_layernorm.weight"))
         layers.append(layer)
 
-    embed = src.dense(need("model.embed_tokens.weight"))
-    if cfg.embed_scale != 1.0:
-        # gemma scales embeddings by sqrt(hidden) in the model dtype; baking it into the lookup table
-        # costs nothing per token and leaves the tied lm_head unscaled.
-        embed = embed.to(dtype) * torch.tensor(cfg.embed_scale, dtype=dtype)
-    if cfg.tie_embeddings or not src.has("lm_head.weight"):
-        lm_head = lin(["model.embed_tokens.weight"])
-    else:
-        lm_head = lin(["lm_head.weight"])
+    tied = cfg.tie_embeddings or not src.has("lm_head.weight")
+    lm_head = lin(["model.embed_tokens.weight" if tied else "lm_head.weight"])
+    embed = quant_embedding(lm_head[0] if tied and len(lm_head) == 1 else None, cfg.embed_scale, dtype)
+    if embed is None:
+        embed = src.dense(need("model.embed_tokens.weight"))
+        if cfg.embed_scale != 1.0:
+            # gemma scales embeddings by sqrt(hidden) in the model dtype; baking it into the lookup table
+            # costs nothing per token and leaves the tied lm_head unscaled.
+            embed = embed.to(dtype) * torch.tensor(cfg.embed_scale, dtype=dtype)
+        embed = embed.to(device=device, dtype=dtype)
     freq = src.dense("rope_freqs") if src.has("rope_freqs") else None
-    return ModelWeights(embed=embed.to(device=device, dtype=dtype), layers=layers,
+    return ModelWeights(embed=embed, layers=layers,
                         final_norm=dense("model.norm.weight"), lm_head=lm_head, rope_freq_factors=freq)
 
 

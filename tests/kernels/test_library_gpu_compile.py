@@ -32,6 +32,10 @@ for bits in (3, 4, 8):
             assert "fma.rn.bf16x2" in ptx and "wgmma" in ptx, "packed qmm off the bf16x2 decode or the wgmma"
     if 32 % bits == 0:
         compile_for_target(Q.dequant, args[1:], {}, kw={"BITS": bits, "GROUP": 64})
+        from kilnx.kernels.embedding import embedding_q_kernel
+        for out in ("bf16", "f32"):   # the quantized embedding lookup (not yet run on a GPU)
+            compile_for_target(embedding_q_kernel, (*args[1:], torch.tensor([3, 0, 63])), {},
+                               kw={"scale": 25.3, "BITS": bits, "GROUP": 64, "OUT": out})
         compile_for_target(Q.mm, (x, torch.randn(64, 256).bfloat16()), {"BLOCK_M": 64, "BLOCK_N": 64})
         planes, sums = Q.qmv_prep(x.float(), PER=32 // bits, GROUP=64, backend="reference")
         compile_for_target(Q.qmv_prep, (x,), {}, kw={"PER": 32 // bits, "GROUP": 64})

@@ -60,6 +60,35 @@ def test_a_prompt_padded_after_its_end_keeps_its_last_tokens_logits(arch, cache_
         torch.testing.assert_close(caches[1].v[layer][:, :, :11], caches[0].v[layer][:, :, :11])
 
 
+@pytest.mark.parametrize("arch", ["gemma3"])    # the tiny tied config whose widths 4-bit groups divide
+def test_a_tied_quantized_embedding_is_looked_up_from_its_codes(arch, backend):
+    """A tied 4-bit checkpoint keeps its embedding as the lm_head's codes (no dense table): the logits
+    equal those of the same model over the dense table those codes make, gemma's scale included."""
+    import dataclasses
+
+    from kilnx.models.llama import LlamaModel
+    from kilnx.models.weights import QuantEmbedding
+    model = tiny_model(arch, ops=backend.ops, fmt="q4", device=backend.device)
+    embed = model.weights.embed
+    assert isinstance(embed, QuantEmbedding) and embed.weight is model.weights.lm_head[0]
+    dense = dataclasses.replace(model.weights, embed=embed[torch.arange(model.config.vocab_size)])
+    twin = LlamaModel(model.config, dense, ops=backend.ops)
+    ids = torch.randint(0, 256, (7,), generator=torch.Generator().manual_seed(5)).tolist()
+    torch.testing.assert_close(_full_logits(model, ids), _full_logits(twin, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_the_gpu_keeps_a_dense_embedding_table_unless_asked(monkeypatch):
+    """The lookup kernel has not yet run on a GPU: there the table stays dense by default."""
+    from kilnx.models.weights import quant_embedding
+    from kilnx.quant import QWeight
+    w = QWeight.quantize(torch.randn(8, 64))
+    assert quant_embedding(w, 1.0, torch.float32) is not None
+    monkeypatch.setattr(QWeight, "device", property(lambda self: torch.device("cuda")))
+    assert quant_embedding(w, 1.0, torch.float32) is None
+    monkeypatch.setenv("KILNX_QUANT_EMBED", "1")
+    assert quant_embedding(w, 1.0, torch.float32) is not None
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_batched_decode_matches_single(arch, backend):
     model = tiny_model(arch, ops=backend.ops, device=backend.device)

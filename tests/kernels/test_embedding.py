@@ -1,0 +1,36 @@
+"""The quantized embedding lookup: rows of an affine table dequantized on the fly, equal to the rows of
+QWeight.dequantize (the format's numpy reference) rounded to the model dtype, times the embedding scale,
+on every backend."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kilnx.kernels.embedding import embedding_quant
+from kilnx.quant import QWeight
+
+
+def _backends():
+    return ["reference", "numba"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(bits=st.sampled_from([2, 4, 8]), gs=st.sampled_from([32, 64, 128]), groups=st.integers(1, 5),
+       tokens=st.integers(1, 9), scale=st.sampled_from([1.0, 25.298221281347036]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_quantized_rows_are_the_dequantized_tables_rows(bits, gs, groups, tokens, scale, dtype):
+    g = torch.Generator().manual_seed(bits * 1000 + gs + groups)
+    w = QWeight.quantize(torch.randn(37, gs * groups, generator=g), bits=bits, group_size=gs)
+    ids = torch.randint(0, 37, (tokens,), generator=g)
+    want = (w.dequantize(torch.float32)[ids].to(dtype) * torch.tensor(scale, dtype=dtype)).double()
+    for backend in _backends():
+        got = embedding_quant(w, ids, scale, dtype, backend=backend)
+        assert got.dtype == dtype and got.shape == want.shape, backend
+        # a rounding of the output dtype apart at most; two on Triton's interpreter, which truncates the bf16
+        # casts (after the dequantization and at the store)
+        ulp = 2.0 ** -6 if dtype == torch.bfloat16 else 2.0 ** -20
+        assert (got.double() - want).abs().max().item() <= ulp * (want.abs().max().item() + 1), backend

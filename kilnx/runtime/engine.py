@@ -82,6 +82,7 @@ class Engine:
         self.prefill_graph_max = int(os.environ.get("KILNX_PREFILL_GRAPH_MAX", "512")) if self.cuda_graphs else 0
         self._prefill_graphs: dict[tuple[int, int], _Graph] = {}   # (row, padded length) -> graph
         self.prefill_graph_refused: dict[tuple[int, int], str] = {}  # (row, padded length) -> why it stays eager
+        self._aranged = torch.arange(0, device=self.device)           # 0, 1, ...: a prefill graph's positions
         if cpu_replay is None:
             cpu_replay = self.device.type == "cpu" and os.environ.get("KILNX_CPU_REPLAY", "1") != "0"
         self.cpu_replay = bool(cpu_replay) and self.device.type == "cpu"
@@ -184,7 +185,7 @@ class Engine:
         return logits[0, -1]
 
     def _arange(self, t: int) -> torch.Tensor:
-        if getattr(self, "_aranged", None) is None or self._aranged.numel() < t:
+        if self._aranged.numel() < t:
             self._aranged = torch.arange(max(t, 512), device=self.device)
         return self._aranged[:t]
 

@@ -66,7 +66,9 @@ def embedding_q_kernel(packed, scales, biases, ids, *, scale: float, BITS: kd.co
     words = kd.load(packed, row, w, check=(False, True))
     q = ((words[:, None] >> (kd.arange(0, PER) * BITS)[None, :]) & ((1 << BITS) - 1)).f32()   # (BW, PER)
     g = (w * PER) // GROUP                   # a word's codes share its group (GROUP is a multiple of PER)
-    v = q * kd.load(scales, row, g, check=(False, True)).f32()[:, None] + kd.load(biases, row, g, check=(False, True)).f32()[:, None]
+    s = kd.load(scales, row, g, check=(False, True)).f32()
+    b = kd.load(biases, row, g, check=(False, True)).f32()
+    v = q * s[:, None] + b[:, None]
     v = v.astype(OUT).f32() * scale          # as the dense table was made: rounded, then scaled (x 1.0: exact)
     out = kd.output((T, KW * PER), OUT)
     kd.store(out, t, w[:, None] * PER + kd.arange(0, PER)[None, :], v)

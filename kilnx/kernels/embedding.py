@@ -76,9 +76,10 @@ def embedding_q_kernel(packed, scales, biases, ids, *, scale: float, BITS: kd.co
 
 
 def embedding_quant(weight, ids: torch.Tensor, scale: float, dtype: torch.dtype, *, backend=None) -> torch.Tensor:
-    """Rows ids (any shape, flattened) of the affine QWeight `weight` (V, H) times `scale`, in dtype."""
+    """Rows ids (any shape, flattened) of the affine QWeight `weight` (V, H) times `scale` (a value dtype
+    holds: rounded once by the caller, not per lookup, which would be a torch op and a host read in every
+    step), in dtype."""
     from kilnx.dsl.ir import dtype_of
-    scale = float(torch.tensor(scale, dtype=dtype))        # the factor as the dtype holds it
     return embedding_q_kernel(weight.packed, weight.scales, weight.biases, ids.reshape(-1), scale=scale,
                               BITS=weight.bits, GROUP=weight.group_size, OUT=dtype_of(dtype), backend=backend)
 

@@ -44,7 +44,7 @@ class QuantEmbedding:
     than the codes (Gemma-3-270M: 671 MB of fp32 against ~180 MB) and most of the load: a lookup dequantizes
     only the rows it reads (kernels/embedding.py). With tied embeddings this is the lm_head's own weight."""
     weight: object                 # QWeight (V, H): affine, 2/4/8-bit codes
-    scale: float                   # config.embed_scale, applied in `dtype` after rounding (as the dense table)
+    scale: float                   # config.embed_scale as `dtype` holds it, applied after rounding
     dtype: torch.dtype
 
     @property
@@ -64,17 +64,22 @@ class QuantEmbedding:
         return table.to(self.dtype) * torch.tensor(self.scale, dtype=self.dtype)
 
 
-def quant_embedding(w, scale: float, dtype: torch.dtype) -> QuantEmbedding | None:
-    """A QuantEmbedding over `w` where the lookup kernel reads its format (affine, 2/4/8 bits, one matrix),
-    on the CPU; else None and the table is made dense. The GPU keeps the dense table until the kernel has
-    run there (written and tested under Triton's interpreter and numba; KILNX_QUANT_EMBED=1 turns it on)."""
+def quant_embedding_on(device) -> bool:
+    """Whether embeddings stay quantized on `device`: on the CPU by default. The GPU keeps the dense table
+    until the lookup kernel has run there (written and tested under Triton's interpreter and numba, compiled
+    for sm_90 offline); KILNX_QUANT_EMBED=1 / 0 turns it on / off anywhere."""
     import os
+    return os.environ.get("KILNX_QUANT_EMBED", "1" if torch.device(device).type == "cpu" else "0") != "0"
+
+
+def quant_embedding(w, scale: float, dtype: torch.dtype) -> QuantEmbedding | None:
+    """A QuantEmbedding over `w` where the lookup kernel reads its format (affine, 2/4/8 bits, one matrix)
+    and embeddings stay quantized on its device; else None (the table is made dense)."""
     QWeight = qweight_class()
-    on = os.environ.get("KILNX_QUANT_EMBED", "1" if w is not None and w.device.type == "cpu" else "0") != "0"
-    if (not on or QWeight is None or not isinstance(w, QWeight) or w.mode != "affine" or w.bits not in (2, 4, 8)
-            or w.packed.dim() != 2):
+    if (QWeight is None or not isinstance(w, QWeight) or not quant_embedding_on(w.device) or w.mode != "affine"
+            or w.bits not in (2, 4, 8) or w.packed.dim() != 2):
         return None
-    return QuantEmbedding(w, float(scale), dtype)
+    return QuantEmbedding(w, float(torch.tensor(scale, dtype=dtype)), dtype)
 
 
 @dataclass
@@ -226,9 +231,16 @@ def build_weights(cfg: ModelConfig, src: WeightSource, *, device="cpu", dtype=to
 
     tied = cfg.tie_embeddings or not src.has("lm_head.weight")
     lm_head = lin(["model.embed_tokens.weight" if tied else "lm_head.weight"])
-    embed = quant_embedding(lm_head[0] if tied and len(lm_head) == 1 else None, cfg.embed_scale, dtype)
+    # the embedding as the checkpoint stores it, where it may stay quantized: tied, the lm_head's own weight
+    codes = None
+    if tied:
+        codes = lm_head[0] if len(lm_head) == 1 else None
+    elif quant_embedding_on(device):
+        codes = lin(["model.embed_tokens.weight"])[0]
+    embed = quant_embedding(codes, cfg.embed_scale, dtype)
     if embed is None:
-        embed = src.dense(need("model.embed_tokens.weight"))
+        dense_codes = isinstance(codes, torch.Tensor) and not tied      # an unquantized checkpoint's table
+        embed = codes if dense_codes else src.dense(need("model.embed_tokens.weight"))
         if cfg.embed_scale != 1.0:
             # gemma scales embeddings by sqrt(hidden) in the model dtype; baking it into the lookup table
             # costs nothing per token and leaves the tied lm_head unscaled.

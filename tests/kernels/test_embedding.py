@@ -26,9 +26,10 @@ def test_quantized_rows_are_the_dequantized_tables_rows(bits, gs, groups, tokens
     g = torch.Generator().manual_seed(bits * 1000 + gs + groups)
     w = QWeight.quantize(torch.randn(37, gs * groups, generator=g), bits=bits, group_size=gs)
     ids = torch.randint(0, 37, (tokens,), generator=g)
-    want = (w.dequantize(torch.float32)[ids].to(dtype) * torch.tensor(scale, dtype=dtype)).double()
+    held = float(torch.tensor(scale, dtype=dtype))      # the factor as dtype holds it (the caller rounds it)
+    want = (w.dequantize(torch.float32)[ids].to(dtype) * torch.tensor(held, dtype=dtype)).double()
     for backend in _backends():
-        got = embedding_quant(w, ids, scale, dtype, backend=backend)
+        got = embedding_quant(w, ids, held, dtype, backend=backend)
         assert got.dtype == dtype and got.shape == want.shape, backend
         # a rounding of the output dtype apart at most; two on Triton's interpreter, which truncates the bf16
         # casts (after the dequantization and at the store)

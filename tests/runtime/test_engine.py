@@ -60,17 +60,18 @@ def test_a_prompt_padded_after_its_end_keeps_its_last_tokens_logits(arch, cache_
         torch.testing.assert_close(caches[1].v[layer][:, :, :11], caches[0].v[layer][:, :, :11])
 
 
-@pytest.mark.parametrize("arch", ["gemma3"])    # the tiny tied config whose widths 4-bit groups divide
-def test_a_tied_quantized_embedding_is_looked_up_from_its_codes(arch, backend):
-    """A tied 4-bit checkpoint keeps its embedding as the lm_head's codes (no dense table): the logits
-    equal those of the same model over the dense table those codes make, gemma's scale included."""
+@pytest.mark.parametrize("arch", ["gemma3", "llama"])   # tied (with gemma's scale) and untied, 4-bit
+def test_a_quantized_embedding_is_looked_up_from_its_codes(arch, backend):
+    """A 4-bit checkpoint keeps its embedding as codes (no dense table; tied, the lm_head's own): the logits
+    equal those of the same model over the dense table those codes make."""
     import dataclasses
 
     from kilnx.models.llama import LlamaModel
     from kilnx.models.weights import QuantEmbedding
     model = tiny_model(arch, ops=backend.ops, fmt="q4", device=backend.device)
     embed = model.weights.embed
-    assert isinstance(embed, QuantEmbedding) and embed.weight is model.weights.lm_head[0]
+    assert isinstance(embed, QuantEmbedding)
+    assert (embed.weight is model.weights.lm_head[0]) is model.config.tie_embeddings
     dense = dataclasses.replace(model.weights, embed=embed[torch.arange(model.config.vocab_size)])
     twin = LlamaModel(model.config, dense, ops=backend.ops)
     ids = torch.randint(0, 256, (7,), generator=torch.Generator().manual_seed(5)).tolist()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -35,3 +36,20 @@ def test_quantized_rows_are_the_dequantized_tables_rows(bits, gs, groups, tokens
         # casts (after the dequantization and at the store)
         ulp = 2.0 ** -6 if dtype == torch.bfloat16 else 2.0 ** -20
         assert (got.double() - want).abs().max().item() <= ulp * (want.abs().max().item() + 1), backend
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantized_rows_on_the_gpu(bits, dtype):
+    """The lookup's Triton kernel compiled for the GPU gives the reference's rows to one rounding of the
+    output dtype (the GPU may fuse q * s + b into one FMA)."""
+    w = QWeight.quantize(torch.randn(300, 640), bits=bits, group_size=32)
+    w = QWeight.from_mlx(w.packed, w.scales.to(dtype), w.biases.to(dtype), bits=bits, group_size=32).to("cuda")
+    ids = torch.tensor([0, 299, 17, 17, 150], device="cuda")
+    held = float(torch.tensor(25.298221281347036, dtype=dtype))
+    want = embedding_quant(w, ids, held, dtype, backend="reference")
+    got = embedding_quant(w, ids, held, dtype)
+    assert got.is_cuda and got.dtype == dtype
+    torch.testing.assert_close(got, want, rtol=2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -21, atol=1e-6)

@@ -81,8 +81,9 @@ def dot_tolerance(x, wmax: float):
     return 2e-2, 4e-3 * (x.shape[1] ** 0.5) * xrms * wmax
 
 
-# The dense GEMM of the two-kernel path (what qmatmul runs on the GPU from 320 rows, and wherever the fused
-# kernel's grid is starved), tuned on the bf16 weight's shape with cuBLAS as its peer.
+# The dense GEMM of the two-kernel path (what qmatmul runs on the GPU from 320 rows, and above 128 wherever
+# 128-wide fused tiles would starve the grid: kernels/routing.py), tuned on the bf16 weight's shape with
+# cuBLAS as its peer.
 def make_mm_args(problem: dict, device: str):
     m, n, k = problem["M"], problem["N"], problem["K"]
     g = torch.Generator(device="cpu").manual_seed(m * 7919 + n * 31 + k)

@@ -5,9 +5,9 @@ the CPU engine can record a step's launches once and replay them (kilnx/runtime/
 gather in the middle of the step would not be replayed.
 
 Why a quantized table: a dense copy of a quantized checkpoint's embedding costs more memory than the
-checkpoint's own (Gemma-3-270M: 671 MB of fp32 for a 262k x 640 table of 8-bit codes, ~180 MB), and
-its making dominated loading; where the lm_head is the same tensor (tied embeddings) the lookup reads
-the lm_head's own codes (models/weights.py QuantEmbedding).
+codes (Gemma-3-270M: 671 MB of fp32 for a 262k x 640 table whose 8-bit codes, with their fp32 scales and
+biases, take 210 MB), and making it dominated loading; where the lm_head is the same tensor (tied
+embeddings) the lookup reads the lm_head's own codes (models/weights.py QuantEmbedding).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import kilnx.dsl as kd
 from kilnx.dsl.kernel import PerObjectMemo
 from kilnx.kernels import _gemv as gemv
 from kilnx.kernels import bf16_decode
-from kilnx.kernels.dense_mm import dot_tolerance, mm, sm_count, tma_ready  # noqa: F401 (re-exported)
+from kilnx.kernels.dense_mm import dot_tolerance, mm, sm_count
 from kilnx.kernels.sizes import pow2_at_least, pow2_dividing
 
 

@@ -75,8 +75,8 @@ def problems_for_model(model: str, gpu: bool = True) -> list[tuple[str, dict]]:
         out += moe_problems(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
                             gpu=gpu)
     for g in problems(cfg):
-        # the GPU multiplies from 320 rows (and where the fused kernel's grid is starved) by dequantizing
-        # once and running the dense `mm` (kernels/routing.py): prompts there tune `mm`, not the fused qmm
+        # the GPU multiplies from 320 rows (and above 128 where the fused kernel's grid is starved) by
+        # dequantizing once and running the dense `mm` (kernels/routing.py): prompts there tune `mm`
         fused_rows, dense_rows = ((16, 128), (512, 2048)) if gpu else ((16, 512, 2048), ())
         out += [("qmm", {"M": m, "N": g["N"], "K": g["K"], "bits": 4, "gs": 64}) for m in fused_rows]
         out += [("mm", {"M": m, "N": g["N"], "K": g["K"]}) for m in dense_rows]

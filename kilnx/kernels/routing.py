@@ -35,14 +35,6 @@ DEQUANT_MM_MIN_ROWS = 256
 DEQUANT_MM_MIN_ROWS_PACKED = 320
 
 
-def dequant_mm_min_rows(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, biases) -> int:
-    """Rows from which qmatmul on the GPU takes the two-kernel path (dequantize once, then `mm`)."""
-    from kilnx.kernels import bf16_decode
-    from kilnx.kernels import qmatmul as qm
-    bits = qm._format_of(x, wq, scales, biases)["BITS"]
-    return DEQUANT_MM_MIN_ROWS_PACKED if bf16_decode.serves(bits, x.dtype, scales.dtype) else DEQUANT_MM_MIN_ROWS
-
-
 # Up to these rows a fused grid that 128-wide tiles would starve takes 64 x 64 x 128 tiles instead (packed
 # bf16 decode), and above them the two kernels. Alone (bench/results/2026-12-04_h200_qmm_rows_s16.csv,
 # H200), llama-3.1-8b's o / qkv / down took 27-28 / 41 / 112-116 us fused against 42-43 / 57-58 / 149-150 for
@@ -61,17 +53,16 @@ def starved(m: int, n: int, sms: int) -> bool:
 
 
 def takes_dequant_mm(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, biases) -> bool:
-    """Whether qmatmul on the GPU takes the two-kernel path: from `dequant_mm_min_rows` rows, and above the
-    narrow tiles' rows (64 for the fp32 decode's kernel, NARROW_TILE_MAX_ROWS for the packed one) wherever
+    """Whether qmatmul on the GPU takes the two-kernel path: from DEQUANT_MM_MIN_ROWS(_PACKED) rows, and above
+    the narrow tiles' rows (64 for the fp32 decode's kernel, NARROW_TILE_MAX_ROWS for the packed one) wherever
     128-wide fused tiles would starve the grid."""
     from kilnx.kernels import bf16_decode
     from kilnx.kernels import qmatmul as qm
     if not x.is_cuda:
         return False
-    bits = qm._format_of(x, wq, scales, biases)["BITS"]
-    narrow = NARROW_TILE_MAX_ROWS if bf16_decode.serves(bits, x.dtype, scales.dtype) else 64
-    return two_kernels_win(x.shape[0], wq.shape[0], dequant_mm_min_rows(x, wq, scales, biases), narrow,
-                           qm.sm_count(x))
+    packed = bf16_decode.serves(qm._format_of(x, wq, scales, biases)["BITS"], x.dtype, scales.dtype)
+    min_rows, narrow = (DEQUANT_MM_MIN_ROWS_PACKED, NARROW_TILE_MAX_ROWS) if packed else (DEQUANT_MM_MIN_ROWS, 64)
+    return two_kernels_win(x.shape[0], wq.shape[0], min_rows, narrow, qm.sm_count(x))
 
 
 def two_kernels_win(m: int, n: int, min_rows: int, narrow_max_rows: int, sms: int) -> bool:

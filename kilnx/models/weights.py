@@ -41,7 +41,7 @@ class LayerWeights:
 @dataclass(frozen=True)
 class QuantEmbedding:
     """The embedding table kept as the checkpoint's affine codes, where a dense copy would cost more memory
-    than the codes (Gemma-3-270M: 671 MB of fp32 against ~180 MB) and most of the load: a lookup dequantizes
+    than the codes (Gemma-3-270M: 671 MB of fp32 against 210 MB) and most of the load: a lookup dequantizes
     only the rows it reads (kernels/embedding.py). With tied embeddings this is the lm_head's own weight."""
     weight: object                 # QWeight (V, H): affine, 2/4/8-bit codes
     scale: float                   # config.embed_scale as `dtype` holds it, applied after rounding
@@ -50,10 +50,6 @@ class QuantEmbedding:
     @property
     def device(self) -> torch.device:
         return self.weight.device
-
-    @property
-    def shape(self) -> tuple:
-        return self.weight.shape
 
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows' meaning (the torch peer's lookup): dequantized in fp32, rounded, times the scale."""
@@ -238,9 +234,8 @@ def build_weights(cfg: ModelConfig, src: WeightSource, *, device="cpu", dtype=to
     elif quant_embedding_on(device):
         codes = lin(["model.embed_tokens.weight"])[0]
     embed = quant_embedding(codes, cfg.embed_scale, dtype)
-    if embed is None:
-        dense_codes = isinstance(codes, torch.Tensor) and not tied      # an unquantized checkpoint's table
-        embed = codes if dense_codes else src.dense(need("model.embed_tokens.weight"))
+    if embed is None:   # an unquantized checkpoint's table is the linear itself (the tied lm_head's too)
+        embed = codes if isinstance(codes, torch.Tensor) else src.dense(need("model.embed_tokens.weight"))
         if cfg.embed_scale != 1.0:
             # gemma scales embeddings by sqrt(hidden) in the model dtype; baking it into the lookup table
             # costs nothing per token and leaves the tied lm_head unscaled.

@@ -159,15 +159,12 @@ class Engine:
         n, key = ids.numel(), (row, t)
         g = self._prefill_graphs.get(key)
         if g is None:
-            dev = self.device
-            g = _Graph(None, torch.zeros(1, t, dtype=torch.long, device=dev),
-                       torch.zeros(1, t, dtype=torch.long, device=dev), None,
-                       torch.full((1,), n - 1, dtype=torch.long, device=dev))
-        else:
-            g.last.fill_(n - 1)
-        # padding past the cache's end all sits at its last position (the prompt ends before it)
+            z = {"dtype": torch.long, "device": self.device}
+            g = _Graph(None, torch.zeros(1, t, **z), torch.zeros(1, t, **z), None, torch.zeros(1, **z))
+        g.last.fill_(n - 1)
         torch.add(self._arange(t), start, out=g.positions[0])
-        g.positions.clamp_(max=self.max_seq - 1)
+        if start + t > self.max_seq:   # padding past the cache's end all sits at its last position
+            g.positions.clamp_(max=self.max_seq - 1)
         g.ids[0, n:].zero_()
         g.ids[0, :n].copy_(ids)
         if g.graph is not None:

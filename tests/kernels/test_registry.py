@@ -27,8 +27,8 @@ def test_an_moe_preset_tunes_the_decode_moe_the_runtime_runs():
 
 
 def test_a_gpu_tune_times_the_gemm_each_prompt_size_runs():
-    """From 320 rows the GPU dequantizes once and runs the dense `mm` (kernels/routing.py): a GPU tune
-    times `mm` at the prefill sizes and the fused qmm below them; the CPU, which has no two-kernel path,
+    """From 320 rows (above 128 on starved grids) the GPU dequantizes once and runs the dense `mm`
+    (kernels/routing.py): a GPU tune times `mm` at the prefill sizes and the fused qmm below them; the CPU, which has no two-kernel path,
     tunes the fused qmm at every size."""
     gpu = registry.problems_for_model("llama-3.1-8b", gpu=True)
     cpu = registry.problems_for_model("llama-3.1-8b", gpu=False)

@@ -78,6 +78,13 @@ def test_a_quantized_embedding_is_looked_up_from_its_codes(arch, backend):
     torch.testing.assert_close(_full_logits(model, ids), _full_logits(twin, ids), rtol=1e-5, atol=1e-5)
 
 
+def test_a_tied_dense_embedding_is_the_lm_heads_own_table():
+    """An unquantized tied checkpoint's embedding and lm_head are one tensor in memory (unscaled: gemma's
+    scale makes the lookup table a scaled copy)."""
+    model = tiny_model("qwen3")
+    assert model.weights.embed is model.weights.lm_head[0]
+
+
 def test_the_gpu_keeps_a_dense_embedding_table_unless_asked(monkeypatch):
     """The lookup kernel has not yet run on a GPU: there the table stays dense by default."""
     from kilnx.models.weights import quant_embedding

@@ -60,19 +60,20 @@ class QuantEmbedding:
         return table.to(self.dtype) * torch.tensor(self.scale, dtype=self.dtype)
 
 
-def quant_embedding_on(device) -> bool:
-    """Whether embeddings stay quantized on `device`: on the CPU by default. The GPU keeps the dense table
-    until the lookup kernel has run there (written and tested under Triton's interpreter and numba, compiled
-    for sm_90 offline); KILNX_QUANT_EMBED=1 / 0 turns it on / off anywhere."""
+def quant_embedding_on() -> bool:
+    """Whether embeddings stay quantized (on every device unless KILNX_QUANT_EMBED=0). On the H200 the
+    lookup kernel left decode and first-token times as they were (llama-3.1-8b 535.3 / 535.5 tok/s against
+    535.1 / 537.1 with the dense table, llama-3.2-1b 1750 / 1746 against 1746 / 1736, session 17) and
+    llama-3.1-8b no longer holds a 1 GB bf16 copy of its embedding."""
     import os
-    return os.environ.get("KILNX_QUANT_EMBED", "1" if torch.device(device).type == "cpu" else "0") != "0"
+    return os.environ.get("KILNX_QUANT_EMBED", "1") != "0"
 
 
 def quant_embedding(w, scale: float, dtype: torch.dtype) -> QuantEmbedding | None:
     """A QuantEmbedding over `w` where the lookup kernel reads its format (affine, 2/4/8 bits, one matrix)
     and embeddings stay quantized on its device; else None (the table is made dense)."""
     QWeight = qweight_class()
-    if (QWeight is None or not isinstance(w, QWeight) or not quant_embedding_on(w.device) or w.mode != "affine"
+    if (QWeight is None or not isinstance(w, QWeight) or not quant_embedding_on() or w.mode != "affine"
             or w.bits not in (2, 4, 8) or w.packed.dim() != 2):
         return None
     return QuantEmbedding(w, float(torch.tensor(scale, dtype=dtype)), dtype)
@@ -231,7 +232,7 @@ def build_weights(cfg: ModelConfig, src: WeightSource, *, device="cpu", dtype=to
     codes = None
     if tied:
         codes = lm_head[0] if len(lm_head) == 1 else None
-    elif quant_embedding_on(device):
+    elif quant_embedding_on():
         codes = lin(["model.embed_tokens.weight"])[0]
     embed = quant_embedding(codes, cfg.embed_scale, dtype)
     if embed is None:   # an unquantized checkpoint's table is the linear itself (the tied lm_head's too)

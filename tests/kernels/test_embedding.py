@@ -44,7 +44,8 @@ def test_quantized_rows_are_the_dequantized_tables_rows(bits, gs, groups, tokens
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_quantized_rows_on_the_gpu(bits, dtype):
     """The lookup's Triton kernel compiled for the GPU gives the reference's rows to one rounding of the
-    output dtype (the GPU may fuse q * s + b into one FMA)."""
+    output dtype. The GPU fuses q * s + b into one FMA, skipping the product's rounding: in fp32 the two
+    differ by up to an ulp of |q * s| + |b| (3e-6 at the first run on the H200), times the scale."""
     w = QWeight.quantize(torch.randn(300, 640), bits=bits, group_size=32)
     w = QWeight.from_mlx(w.packed, w.scales.to(dtype), w.biases.to(dtype), bits=bits, group_size=32).to("cuda")
     ids = torch.tensor([0, 299, 17, 17, 150], device="cuda")
@@ -52,4 +53,8 @@ def test_quantized_rows_on_the_gpu(bits, dtype):
     want = embedding_quant(w, ids, held, dtype, backend="reference")
     got = embedding_quant(w, ids, held, dtype)
     assert got.is_cuda and got.dtype == dtype
-    torch.testing.assert_close(got, want, rtol=2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -21, atol=1e-6)
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(got, want, rtol=2.0 ** -7, atol=1e-6)
+    else:
+        largest = (w.scales.abs().max() * (2 ** bits - 1) + w.biases.abs().max()).item()
+        assert (got - want).abs().max().item() <= 2.0 ** -22 * largest * held

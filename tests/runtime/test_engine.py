@@ -85,16 +85,16 @@ def test_a_tied_dense_embedding_is_the_lm_heads_own_table():
     assert model.weights.embed is model.weights.lm_head[0]
 
 
-def test_the_gpu_keeps_a_dense_embedding_table_unless_asked(monkeypatch):
-    """The lookup kernel has not yet run on a GPU: there the table stays dense by default."""
+def test_embeddings_stay_quantized_unless_asked_not_to(monkeypatch):
+    """A quantized table stays quantized on every device; KILNX_QUANT_EMBED=0 makes it dense."""
     from kilnx.models.weights import quant_embedding
     from kilnx.quant import QWeight
     w = QWeight.quantize(torch.randn(8, 64))
     assert quant_embedding(w, 1.0, torch.float32) is not None
     monkeypatch.setattr(QWeight, "device", property(lambda self: torch.device("cuda")))
-    assert quant_embedding(w, 1.0, torch.float32) is None
-    monkeypatch.setenv("KILNX_QUANT_EMBED", "1")
     assert quant_embedding(w, 1.0, torch.float32) is not None
+    monkeypatch.setenv("KILNX_QUANT_EMBED", "0")
+    assert quant_embedding(w, 1.0, torch.float32) is None
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

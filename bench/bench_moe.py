@@ -227,6 +227,7 @@ def _bench_decode(rec, case, T, shape, gu, dn, dense, configs, dev, copy_bw, smo
     rec.add("moe", case, "us_f32_gate_up_swiglu", t_gu * 1e6, "best_config", str(cfg_gu))
     rec.add("moe", case, "us_f32_down_combine", t_dn * 1e6, "best_config", str(cfg_dn))
     t_h2, t_h2_kernels = _bench_decode_h2(rec, case, sets, gu, dn, h_ref, y_ref, smoke)
+    _safe(rec, case + " onepass", lambda: _bench_decode_onepass(rec, case, sets, gu, dn, y_ref, nbytes, copy_bw, smoke))
     rec.add("moe", case, "GBps", nbytes / t_h2 / 1e9, "cublas_bf16_GBps", peer_bytes / t_cublas / 1e9)
     rec.add("moe", case, "pct_of_copy", 100 * nbytes / t_h2 / 1e9 / copy_bw, "copy_GBps", copy_bw)
     rec.add("moe", case, "pct_of_copy_without_preps", 100 * nbytes / t_h2_kernels / 1e9 / copy_bw)
@@ -271,3 +272,29 @@ def _bench_decode_h2(rec, case, sets, gu, dn, h_ref, y_ref, smoke):
     rec.add("moe", case, "us_h2_down_combine", t_dn * 1e6, "best_config", str(cfg_dn))
     rec.add("moe", case, "us_h2_prep_x", t_prep_x * 1e6)
     return t_step, t_gu + t_dn
+
+
+# the one-pass decode MoE's sweep (kernels/moe_onepass.py): features per program, chunk words, output rows
+# per down step, warps
+ONEPASS_CONFIGS = [{"BLOCK_F": f, "BLOCK_KW": kw, "BLOCK_H": bh, "num_warps": nw, "STAGES": 3}
+                   for f, kw, bh, nw in [(32, 64, 64, 4), (16, 64, 64, 4), (64, 64, 64, 4), (32, 128, 128, 4),
+                                         (16, 128, 64, 2), (32, 64, 256, 8), (64, 32, 128, 8), (8, 64, 64, 2),
+                                         (16, 32, 128, 4), (32, 32, 64, 2)]]
+
+
+def _bench_decode_onepass(rec, case, sets, gu, dn, y_ref, nbytes, copy_bw, smoke):
+    """The decode MoE in one launch (kernels/moe_onepass.py) on prepared x, as an MoE layer's norm hands
+    it over: its default and swept configs (each with the zeroing of its fp32 output), then with the
+    cast to bf16 that the two-kernel path's output does not need."""
+    from kilnx.kernels import moe_onepass as MO
+    from kilnx.kernels import qmv_h2 as QH
+    preps = [(QH.qmv_h2_prep(x, PER=8, GROUP=GS), ids, rw) for x, ids, rw in sets]
+    args_of = lambda p, ids, rw: (*p, gu.packed, gu.scales, gu.biases, dn.packed, dn.scales, dn.biases, ids, rw)  # noqa: E731
+    t_best, cfg = _best(f"{case} onepass", MO.moe_onepass_h2, args_of, ONEPASS_CONFIGS[: (1 if smoke else None)],
+                        preps, lambda y: _rel_err(y, y_ref))
+    t_default = time_calls(lambda p, ids, rw: MO.moe_onepass_h2(*args_of(p, ids, rw)), preps)
+    t_cast = time_calls(lambda p, ids, rw: MO.moe_onepass_h2(*args_of(p, ids, rw), config=cfg).bfloat16(), preps)
+    rec.add("moe", case, "us_onepass", t_best * 1e6, "best_config", str(cfg))
+    rec.add("moe", case, "pct_of_copy_onepass", 100 * nbytes / t_best / 1e9 / copy_bw, "copy_GBps", copy_bw)
+    rec.add("moe", case, "us_onepass_default_config", t_default * 1e6)
+    rec.add("moe", case, "us_onepass_with_bf16_cast", t_cast * 1e6)

@@ -141,8 +141,8 @@ class _Gen(StatementEmitter):
             if n.srcs[0].op == "const":
                 val = r[0]
             m = f", mask={mask}" if mask else ""
-            if op == "atomic_add":   # acquire-release at GPU scope (kd.atomic_add's contract), the old value kept
-                return f"{name} = tl.atomic_add({ptr}, {val}{m}, sem='acq_rel', scope='gpu')"
+            if op == "atomic_add":   # acquire-release at GPU scope unless asked relaxed (kd.atomic_add's contract)
+                return f"{name} = tl.atomic_add({ptr}, {val}{m}, sem='{n.arg[3]}', scope='gpu')"
             return f"tl.store({ptr}, {val}{m})"
         raise NotImplementedError(f"no Triton lowering for op {op!r}")
 

@@ -79,19 +79,21 @@ def store(t: TensorArg, *idx_and_value, mask=None, check=True):
     builder().emit("store", t.dtype, shape, (value.node, *srcs), arg=(t.param.name, checks, has_mask))
 
 
-def atomic_add(t: TensorArg, *idx_and_value, mask=None, check=True) -> Value:
+def atomic_add(t: TensorArg, *idx_and_value, mask=None, check=True, relaxed: bool = False) -> Value:
     """t[idx...] += value, atomically per element; returns what each lane found there before its add
     (masked lanes: 0). On the GPU the add is acquire-release at device scope, so a program that writes
     results, passes kd.barrier() and then adds to a counter publishes those results to any program that
-    later reads the counter's new value and then loads them (the "last program finishes" pattern). The
-    numba backend returns the old value of scalar atomics only."""
+    later reads the counter's new value and then loads them (the "last program finishes" pattern).
+    relaxed=True orders nothing: for sums that only later kernels read (a split reduction), where the
+    add's result is unused and the GPU can issue it as a fire-and-forget reduction. The numba backend
+    returns the old value of scalar atomics only."""
     *idx, value = idx_and_value
     srcs, shape, has_mask = _mem_index(t, idx, mask, "atomic_add")
     value = lift(value)
     checks = tuple(check) if isinstance(check, (tuple, list)) else (bool(check),) * t.ndim
     builder().ir.uses_atomics = True
     return Value(builder().emit("atomic_add", t.dtype, broadcast_shapes(shape, value.shape), (value.node, *srcs),
-                                arg=(t.param.name, checks, has_mask)))
+                                arg=(t.param.name, checks, has_mask, "relaxed" if relaxed else "acq_rel")))
 
 
 def prefetch(t: TensorArg, *idx):

@@ -2,7 +2,7 @@
 
 The Triton interpreter accepts programs the compiler rejects (scalar/tile mixes in loop-carried
 values, dot shapes), so the align step and each gather kernel (GLU, weighted, combine; both
-dequantizations; 2/4/8-bit; the packed-fp16 decode pair) are compiled ahead of time in a process
+dequantizations; 2/4/8-bit; the packed-fp16 decode pair and the one-pass decode MoE) are compiled ahead of time in a process
 without TRITON_INTERPRET.
 """
 
@@ -49,6 +49,12 @@ for bits in (2, 4, 8):
                 ck = compile_for_target(kernel, args, cfg, aligned=True)
                 assert ck.asm["ptx"].count("fma.rn.f16x2") >= 2, kernel.name
                 assert ("cp.async" in ck.asm["ptx"]) == (cfg["STAGES"] > 1), kernel.name
+        # the one-pass decode MoE: its down partials reach the output as relaxed reductions (no acq_rel)
+        from kilnx.kernels import moe_onepass as MO
+        for cfg in ({"STAGES": 1, "BLOCK_F": 16}, {"STAGES": 3, "BLOCK_F": 32, "BLOCK_KW": 16, "BLOCK_H": 64}):
+            ck = compile_for_target(MO.moe_onepass_h2, (*px, *gu, *dn, ids, rw), cfg, aligned=True)
+            ptx = ck.asm["ptx"]
+            assert ptx.count("fma.rn.f16x2") >= 4 and "red.global.gpu.relaxed.add.f32" in ptx and "atom." not in ptx, cfg
 from kilnx.kernels.moe_route import moe_topk
 for logits in (torch.randn(3, 128).bfloat16(), torch.randn(5, 60)):
     compile_for_target(moe_topk, (logits,), {"ROWS": 2}, kw={"TOP_K": 8, "NORM": True})

@@ -277,9 +277,9 @@ def _bench_decode_h2(rec, case, sets, gu, dn, h_ref, y_ref, smoke):
 # the one-pass decode MoE's sweep (kernels/moe_onepass.py): features per program, chunk words, output rows
 # per down step, warps
 ONEPASS_CONFIGS = [{"BLOCK_F": f, "BLOCK_KW": kw, "BLOCK_H": bh, "num_warps": nw, "STAGES": 3}
-                   for f, kw, bh, nw in [(32, 64, 64, 4), (16, 64, 64, 4), (64, 64, 64, 4), (32, 128, 128, 4),
-                                         (16, 128, 64, 2), (32, 64, 256, 8), (64, 32, 128, 8), (8, 64, 64, 2),
-                                         (16, 32, 128, 4), (32, 32, 64, 2)]]
+                   for f, kw, bh, nw in [(32, 64, 2048, 8), (16, 64, 2048, 4), (32, 32, 2048, 8), (64, 64, 2048, 8),
+                                         (16, 128, 2048, 8), (32, 128, 2048, 8), (16, 64, 2048, 8), (32, 64, 2048, 4),
+                                         (32, 64, 256, 8), (32, 64, 512, 8), (64, 32, 128, 8)]]
 
 
 def _bench_decode_onepass(rec, case, sets, gu, dn, y_ref, nbytes, copy_bw, smoke):

@@ -39,7 +39,7 @@ def _formats(planes, scales, wq, d_packed, d_scales):
 def _specialize(planes, sums, xs, wq, scales, biases, d_packed, d_scales, d_biases, expert_ids, *_):
     return {**_formats(planes, scales, wq, d_packed, d_scales), "SLOTS": pow2_at_least(expert_ids.shape[1]),
             "N_DIV": pow2_dividing(wq.shape[1]), "KW_DIV": pow2_dividing(wq.shape[2]),
-            "H_DIV": pow2_dividing(d_packed.shape[1])}
+            "H_DIV": pow2_dividing(d_packed.shape[1]), "H_PAD": pow2_at_least(d_packed.shape[1])}
 
 
 def _key(planes, sums, xs, wq, scales, biases, d_packed, d_scales, d_biases, expert_ids, *_, **kw):
@@ -47,15 +47,19 @@ def _key(planes, sums, xs, wq, scales, biases, d_packed, d_scales, d_biases, exp
             "bits": kw["BITS"], "gs": kw["GROUP"]}
 
 
-def _default(planes, *args, GROUP_D, N_DIV, **__):
-    """Untuned: 32 features (64 gate_up rows) per program, 64 words per chunk, 4 warps, loads 3 deep, down in
-    blocks of 64 output rows; fewer features where down's group or the width needs it."""
-    return {"BLOCK_F": max(8, min(32, GROUP_D, N_DIV // 2)), "BLOCK_KW": 64, "BLOCK_H": 64, "num_warps": 4,
+def _default(planes, *args, BITS_D, GROUP_D, N_DIV, H_PAD, **__):
+    """Untuned: 32 features (64 gate_up rows) per program, 64 words per chunk, 8 warps, loads 3 deep; all of
+    down's output rows in one block loaded ahead where that block is at most 16k words (qwen3-30b-a3b:
+    2048 rows x 4 words), else blocks of 256 rows. Fewer features where down's group or the width needs it.
+    On the H200 (qwen3-30b-a3b, one token, before the block ahead) 8 warps and 256-row blocks took 17.1 us
+    against 31.0 for 4 warps and 64 rows (bench/results/2026-12-04_h200_moe_s17_onepass_v1.csv)."""
+    bf = max(8, min(32, GROUP_D, N_DIV // 2))
+    return {"BLOCK_F": bf, "BLOCK_KW": 64, "BLOCK_H": H_PAD if H_PAD * bf * BITS_D // 32 <= 16384 else 256, "num_warps": 8,
             "STAGES": 3, "CHAIN": 1}
 
 
 TUNE = {"BLOCK_F": kd.pow2(8, 128, default=32), "BLOCK_KW": kd.pow2(8, 512, default=64),
-        "BLOCK_H": kd.pow2(16, 512, default=64), "num_warps": kd.choice(1, 2, 4, 8, default=4),
+        "BLOCK_H": kd.pow2(16, 4096, default=64), "num_warps": kd.choice(1, 2, 4, 8, default=4),
         "STAGES": kd.choice(1, 2, 3, 4, default=3), "CHAIN": kd.choice(1, 2, 4, default=1)}
 
 
@@ -76,7 +80,7 @@ def _spec(planes, sums, xs, wq, scales, biases, d_packed, d_scales, d_biases, ex
 @kd.kernel(tune=TUNE, key=_key, spec=_spec, default=_default, specialize=_specialize)
 def moe_onepass_h2(planes, sums, xs, wq, scales, biases, d_packed, d_scales, d_biases, expert_ids, routing_weights, *,
                    BITS: kd.constexpr, GROUP: kd.constexpr, BITS_D: kd.constexpr, GROUP_D: kd.constexpr,
-                   SLOTS: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr, H_DIV: kd.constexpr,
+                   SLOTS: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr, H_DIV: kd.constexpr, H_PAD: kd.constexpr,
                    ACT: kd.constexpr = "silu", BLOCK_F, BLOCK_KW, BLOCK_H, STAGES, CHAIN):
     """Prepared x (T rows), a [gate | up] stack wq (E, 2F, K) and a down stack (E, H, F) -> (T, H) fp32:
     sum_k routing_weights[t, k] * down_e(act(gate_e x_t) * up_e x_t), e = expert_ids[t, k]."""
@@ -95,6 +99,22 @@ def moe_onepass_h2(planes, sums, xs, wq, scales, biases, d_packed, d_scales, d_b
     token, k = slot // TOP_K, slot % TOP_K
     rows = blk * HB + kd.arange(0, HB)[None, :] + kd.arange(0, 2)[:, None] * F     # [gate rows; up rows]
     expert = kd.load(expert_ids, token, k)
+    wcol = blk * HBW + kd.arange(0, HBW)
+    g = (blk * HB) // GROUP_D
+    check = H_DIV % BLOCK_H != 0
+
+    def down_block(n):
+        """(words, scales, biases) of output rows n in the program's column block of the expert's down."""
+        words = kd.load(d_packed, expert, n[:, None], wcol[None, :], hint="stream", check=(False, check, False))
+        return (words, kd.load(d_scales, expert, n, g, check=(False, check, False)).f32(),
+                kd.load(d_biases, expert, n, g, check=(False, check, False)).f32())
+
+    # one block covering every output row is loaded before the gate_up loop: down does not depend on h, so
+    # its loads wait out their latency behind gate_up's stream (a loop of blocks after it measured 1.8-2x
+    # slower than the two-kernel path on the H200, each block a round trip to memory)
+    AHEAD = BLOCK_H >= H_PAD
+    if AHEAD:
+        block = down_block(kd.arange(0, BLOCK_H))
     acc = _gather_accumulate(f, planes, sums, xs, wq, scales, biases, expert, rows, token, BITS=BITS, CHAIN=CHAIN)
     gate, up = kd.halves(acc, axis=0)
     h = ACTIVATIONS[ACT](gate) * up * kd.load(routing_weights, token, k).f32()       # (HB,) fp32
@@ -104,22 +124,23 @@ def moe_onepass_h2(planes, sums, xs, wq, scales, biases, d_packed, d_scales, d_b
     hscale, inv = H._group_scale(amax)                                            # (1,) tiles
     hp = kd.h2_pack(lo * inv, hi * inv)                                            # (HBW, PER_D / 2) u32
     hsum = kd.sum(h, axis=0)
-    wcol = blk * HBW + kd.arange(0, HBW)
-    g = (blk * HB) // GROUP_D
     out = kd.output((T, HD), kd.f32, zero=True)
-    check = H_DIV % BLOCK_H != 0
-    for n0 in kd.range(0, HD, BLOCK_H):
-        n = n0 + kd.arange(0, BLOCK_H)
-        words = kd.load(d_packed, expert, n[:, None], wcol[None, :], hint="stream", check=(False, check, False))
+
+    def add_partials(n, words, s, b):
         d = None
         for p in kd.static_range(PER_D // 2):
             xp = kd.broadcast_to(kd.pick(hp, p, axis=1)[None, :], (BLOCK_H, HBW))
-            d = kd.h2_fma(H._exact_pair(words, BITS_D, p), xp, 0) if d is None else kd.h2_fma(
-                H._exact_pair(words, BITS_D, p), xp, d)
+            pair = H._exact_pair(words, BITS_D, p)
+            d = kd.h2_fma(pair, xp, 0) if d is None else kd.h2_fma(pair, xp, d)
         dot = kd.sum(kd.h2_sum(d), axis=1)                                         # (BLOCK_H,) fp32
-        s = kd.load(d_scales, expert, n, g, check=(False, check, False)).f32()
-        b = kd.load(d_biases, expert, n, g, check=(False, check, False)).f32()
         kd.atomic_add(out, token, n, s * hscale * dot + b * hsum, check=(False, check), relaxed=True)
+
+    if AHEAD:
+        add_partials(kd.arange(0, BLOCK_H), *block)
+    else:
+        for n0 in kd.range(0, HD, BLOCK_H, stages=STAGES if STAGES > 1 else None):
+            n = n0 + kd.arange(0, BLOCK_H)
+            add_partials(n, *down_block(n))
     return out
 
 

@@ -180,8 +180,9 @@ def takes_prepared(x, w_gate_up) -> bool:
 def moe_decode(x, w_gate_up, w_down, expert_ids, routing_weights, activation: str = "silu", configs=(None, None)):
     """x (T, H) -> (T, H): prep x, gate_up + activation, prep h, down + weighted sum (four launches; three
     when x comes prepared, a kernels.prepared.PreparedX in gate_up's format). configs: the two GEMVs'
-    (None: their tuned or default ones). Where kernels/moe_onepass.py serves the stacks (and no configs are
-    given), the whole MoE after the prep is its one launch instead (with its output's zeroing and cast)."""
+    (None: their tuned or default ones). Where kernels/moe_onepass.py serves the stacks, no configs are given
+    and the stored path for them (kernels/moe_decode_route.py) is the one pass, the whole MoE after the prep
+    is that one launch instead (with its output's zeroing and cast)."""
     from kilnx.kernels.prepared import PreparedX
     gu, dn = w_gate_up, w_down
     if isinstance(x, PreparedX):
@@ -190,8 +191,11 @@ def moe_decode(x, w_gate_up, w_down, expert_ids, routing_weights, activation: st
         planes, sums, xs = H.qmv_h2_prep(x, PER=32 // gu.bits, GROUP=gu.group_size)
     from kilnx.kernels import moe_onepass
     if configs == (None, None) and moe_onepass.serves(gu, dn):
-        y = moe_onepass.moe_onepass(planes, sums, xs, gu, dn, expert_ids, routing_weights, activation)
-        return y.to(x.dtype)
+        from kilnx.kernels.moe_decode_route import moe_decode_path
+        args = (planes, sums, xs, gu.packed, gu.scales, gu.biases, dn.packed, dn.scales, dn.biases, expert_ids,
+                routing_weights)
+        if moe_decode_path.path_for(args) == "onepass":
+            return moe_onepass.moe_onepass(*args[:3], gu, dn, expert_ids, routing_weights, activation).to(x.dtype)
     h = gather_qmv_h2_glu(planes, sums, xs, gu.packed, gu.scales, gu.biases, expert_ids, ACT=activation,
                           config=configs[0])
     planes, sums, xs = H.qmv_h2_prep(h, PER=32 // dn.bits, GROUP=dn.group_size)

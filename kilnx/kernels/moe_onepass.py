@@ -20,6 +20,8 @@ run (fp32, then rounded once by the caller).
 
 from __future__ import annotations
 
+import torch
+
 import kilnx.dsl as kd
 from kilnx.kernels import qmv_h2 as H
 from kilnx.kernels.moe import ACTIVATIONS
@@ -66,8 +68,6 @@ TUNE = {"BLOCK_F": kd.pow2(8, 128, default=32), "BLOCK_KW": kd.pow2(8, 512, defa
 def _spec(planes, sums, xs, wq, scales, biases, d_packed, d_scales, d_biases, expert_ids, routing_weights, *, BITS,
           GROUP, BITS_D, GROUP_D, ACT="silu", **_):
     """float64 eager torch: sum_k w[t, k] * down_e(act(gate_e x_t) * up_e x_t), e = expert_ids[t, k]; fp32."""
-    import torch
-
     from kilnx.kernels.moe_specs import TORCH_ACTIVATIONS, gather_formula
     x = H._x_of(planes, xs)
     T, top_k = expert_ids.shape
@@ -145,11 +145,9 @@ def moe_onepass_h2(planes, sums, xs, wq, scales, biases, d_packed, d_scales, d_b
 
 
 def serves(w_gate_up, w_down) -> bool:
-    """4/8-bit affine stacks on the GPU with widths in whole 8-feature blocks (down's groups are: 32 / 64 / 128),
-    unless KILNX_MOE_ONEPASS=0."""
-    import os
-    return (os.environ.get("KILNX_MOE_ONEPASS", "1") != "0" and w_down.shape[-1] % 8 == 0
-            and all(w.mode == "affine" and w.bits in BITS_SERVED and w.packed.is_cuda for w in (w_gate_up, w_down)))
+    """4/8-bit affine stacks on the GPU with widths in whole 8-feature blocks."""
+    return w_down.shape[-1] % 8 == 0 and all(w.mode == "affine" and w.bits in BITS_SERVED and w.packed.is_cuda
+                                             for w in (w_gate_up, w_down))
 
 
 def moe_onepass(planes, sums, xs, w_gate_up, w_down, expert_ids, routing_weights, activation: str = "silu",
@@ -159,6 +157,32 @@ def moe_onepass(planes, sums, xs, w_gate_up, w_down, expert_ids, routing_weights
     gu, dn = w_gate_up, w_down
     return moe_onepass_h2(planes, sums, xs, gu.packed, gu.scales, gu.biases, dn.packed, dn.scales, dn.biases,
                           expert_ids, routing_weights, ACT=activation, config=config)
+
+
+def make_args(problem: dict, device: str):
+    """{T, top_k, E, N (= 2F), K (= H), bits, gs} -> moe_onepass_h2's inputs: prepared x, random stacks."""
+    from kilnx.kernels.moe_specs import random_expert_weights, routed_experts
+    T, k, E, N, K = (problem[n] for n in ("T", "top_k", "E", "N", "K"))
+    bits, gs = problem.get("bits", 4), problem.get("gs", 64)
+    x = torch.randn(T, K).to(torch.bfloat16)
+    ids = routed_experts(T, k, E)
+    rw = torch.softmax(torch.randn(T, k), dim=-1).to(torch.bfloat16)
+    prepared = H._prep_spec(x, PER=32 // bits, GROUP=gs)
+    args = (*prepared, *random_expert_weights(E, N, K, bits, gs), *random_expert_weights(E, K, N // 2, bits, gs),
+            ids, rw)
+    return tuple(a.to(device) for a in args)
+
+
+def tolerance(args):
+    """(rtol, atol): fp16 products through two GEMVs and the GLU, and the two-kernel path's bf16 h, held to
+    2^-6 of the largest output (the CPU tests see ~2^-9 for the one pass)."""
+    want = moe_onepass_h2.reference(*args)
+    return 2e-2, 2 ** -6 * want.abs().max().item() + 1e-6
+
+
+moe_onepass_h2.tuning(make_args=make_args, problems=[{"T": 1, "top_k": 8, "E": 128, "N": 1536, "K": 2048, "bits": 4,
+                                                      "gs": 64}])
+moe_onepass_h2.tolerance = tolerance
 
 
 __all__ = ["moe_onepass_h2", "moe_onepass", "serves"]

@@ -79,3 +79,32 @@ def test_blocks_that_straddle_a_down_group_are_refused():
     prep, gu, dn, ids, weights, _, _ = case(1, 2, 3, 128, 64, 16, 4, 4, seed=2)    # down's groups: 64 features
     with pytest.raises(Exception, match="BLOCK_F 128 must divide"):
         MO.moe_onepass(*prep, gu, dn, ids, weights, config={"BLOCK_F": 128, "BLOCK_KW": 8, "BLOCK_H": 16})
+
+
+def test_the_decode_route_serves_either_path_and_defaults_to_the_two_kernels(monkeypatch):
+    """kernels/moe_decode_route.py: both paths give the one pass's meaning within the tuner's tolerance (what
+    `kilnx tune` checks before timing them); untuned, the two kernels; KILNX_MOE_PATH overrides."""
+    from kilnx.kernels.moe_decode_route import moe_decode_path as route
+    problem = {**route.sample_problems()[0], "E": 4, "top_k": 2, "N": 128, "K": 64, "T": 2}
+    torch.manual_seed(0)
+    args = route.make_args(problem, "cpu")
+    want = route.reference(*args)
+    rtol, atol = route.tolerance(args)
+    for path in ("two_kernels", "onepass"):
+        got = route.compile({"PATH": path}, *args)(*args)
+        assert got.dtype == torch.bfloat16 and torch.allclose(got.float(), want, rtol=rtol, atol=atol), path
+    assert route.path_for(args) == "two_kernels"
+    monkeypatch.setenv("KILNX_MOE_PATH", "onepass")
+    assert route.path_for(args) == "onepass"
+    monkeypatch.setenv("KILNX_MOE_PATH", "fused")
+    with pytest.raises(ValueError, match="KILNX_MOE_PATH must be one of"):
+        route.path_for(args)
+
+
+def test_tuning_inputs_pass_the_kernels_own_gate():
+    """What the tuner builds for the one pass (scaled down): the spec and tolerance accept its output."""
+    problem = {**MO.moe_onepass_h2.sample_problems()[0], "E": 4, "top_k": 2, "N": 128, "K": 64}
+    args = MO.make_args(problem, "cpu")
+    got = MO.moe_onepass_h2(*args, config={"BLOCK_F": 16, "BLOCK_KW": 8, "BLOCK_H": 64, "STAGES": 1})
+    rtol, atol = MO.moe_onepass_h2.tolerance(args)
+    assert torch.allclose(got, MO.moe_onepass_h2.reference(*args), rtol=rtol, atol=atol)

@@ -16,6 +16,11 @@ Here a program owns HB features of one slot's expert:
 A program reads 2 HB rows of gate_up and an (H, HB) column block of down; HB divides down's group, so each
 output row's partial uses one scale and one bias. The atomic adds make the sum's order vary from run to
 run (fp32, then rounded once by the caller).
+
+Measured on the H200 (session 17, bench/results/2026-12-04_h200_moe_onepass_s17.csv): slower than the two
+kernels at every width tried (qwen3-30b-a3b 16.1 against 13.8 us at one token, mixtral-8x7b 112 against 92,
+llama-3.1-8b's dense MLP as one expert 62 against 35 for its GEMV chain). So it is a path the tuner weighs
+per stack and device (kernels/moe_decode_route.py), not the default.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ def _formats(planes, scales, wq, d_packed, d_scales):
 def _specialize(planes, sums, xs, wq, scales, biases, d_packed, d_scales, d_biases, expert_ids, *_):
     return {**_formats(planes, scales, wq, d_packed, d_scales), "SLOTS": pow2_at_least(expert_ids.shape[1]),
             "N_DIV": pow2_dividing(wq.shape[1]), "KW_DIV": pow2_dividing(wq.shape[2]),
-            "H_DIV": pow2_dividing(d_packed.shape[1]), "H_PAD": pow2_at_least(d_packed.shape[1])}
+            "H_DIV": pow2_dividing(d_packed.shape[1])}
 
 
 def _key(planes, sums, xs, wq, scales, biases, d_packed, d_scales, d_biases, expert_ids, *_, **kw):
@@ -49,15 +54,14 @@ def _key(planes, sums, xs, wq, scales, biases, d_packed, d_scales, d_biases, exp
             "bits": kw["BITS"], "gs": kw["GROUP"]}
 
 
-def _default(planes, *args, BITS_D, GROUP_D, N_DIV, H_PAD, **__):
-    """Untuned: 32 features (64 gate_up rows) per program, 64 words per chunk, 8 warps, loads 3 deep; all of
-    down's output rows in one block loaded ahead where that block is at most 16k words (qwen3-30b-a3b:
-    2048 rows x 4 words), else blocks of 256 rows. Fewer features where down's group or the width needs it.
-    On the H200 (qwen3-30b-a3b, one token, before the block ahead) 8 warps and 256-row blocks took 17.1 us
-    against 31.0 for 4 warps and 64 rows (bench/results/2026-12-04_h200_moe_s17_onepass_v1.csv)."""
-    bf = max(8, min(32, GROUP_D, N_DIV // 2))
-    return {"BLOCK_F": bf, "BLOCK_KW": 64, "BLOCK_H": H_PAD if H_PAD * bf * BITS_D // 32 <= 16384 else 256, "num_warps": 8,
-            "STAGES": 3, "CHAIN": 1}
+def _default(planes, *args, GROUP_D, N_DIV, **__):
+    """Untuned: 32 features (64 gate_up rows) per program, 64 words per chunk, down in blocks of 512 output
+    rows, 8 warps, loads 3 deep (fewer features where down's group or the width needs it). The best of the
+    configs swept on the H200 at qwen3-30b-a3b, mixtral-8x7b and llama-3.1-8b's MLP widths, and what a
+    33-trial tune found at qwen3-30b-a3b's (21.4 us against 25.3 for the first default; bench/results/
+    2026-12-04_h200_moe_onepass_s17.csv, 2026-12-04_h200_tune_s17_moe.csv)."""
+    return {"BLOCK_F": max(8, min(32, GROUP_D, N_DIV // 2)), "BLOCK_KW": 64, "BLOCK_H": 512 if planes.is_cuda else 64,
+            "num_warps": 8, "STAGES": 3, "CHAIN": 1}
 
 
 TUNE = {"BLOCK_F": kd.pow2(8, 128, default=32), "BLOCK_KW": kd.pow2(8, 512, default=64),
@@ -80,7 +84,7 @@ def _spec(planes, sums, xs, wq, scales, biases, d_packed, d_scales, d_biases, ex
 @kd.kernel(tune=TUNE, key=_key, spec=_spec, default=_default, specialize=_specialize)
 def moe_onepass_h2(planes, sums, xs, wq, scales, biases, d_packed, d_scales, d_biases, expert_ids, routing_weights, *,
                    BITS: kd.constexpr, GROUP: kd.constexpr, BITS_D: kd.constexpr, GROUP_D: kd.constexpr,
-                   SLOTS: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr, H_DIV: kd.constexpr, H_PAD: kd.constexpr,
+                   SLOTS: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr, H_DIV: kd.constexpr,
                    ACT: kd.constexpr = "silu", BLOCK_F, BLOCK_KW, BLOCK_H, STAGES, CHAIN):
     """Prepared x (T rows), a [gate | up] stack wq (E, 2F, K) and a down stack (E, H, F) -> (T, H) fp32:
     sum_k routing_weights[t, k] * down_e(act(gate_e x_t) * up_e x_t), e = expert_ids[t, k]."""
@@ -109,12 +113,6 @@ def moe_onepass_h2(planes, sums, xs, wq, scales, biases, d_packed, d_scales, d_b
         return (words, kd.load(d_scales, expert, n, g, check=(False, check, False)).f32(),
                 kd.load(d_biases, expert, n, g, check=(False, check, False)).f32())
 
-    # one block covering every output row is loaded before the gate_up loop: down does not depend on h, so
-    # its loads wait out their latency behind gate_up's stream (a loop of blocks after it measured 1.8-2x
-    # slower than the two-kernel path on the H200, each block a round trip to memory)
-    AHEAD = BLOCK_H >= H_PAD
-    if AHEAD:
-        block = down_block(kd.arange(0, BLOCK_H))
     acc = _gather_accumulate(f, planes, sums, xs, wq, scales, biases, expert, rows, token, BITS=BITS, CHAIN=CHAIN)
     gate, up = kd.halves(acc, axis=0)
     h = ACTIVATIONS[ACT](gate) * up * kd.load(routing_weights, token, k).f32()       # (HB,) fp32
@@ -135,12 +133,12 @@ def moe_onepass_h2(planes, sums, xs, wq, scales, biases, d_packed, d_scales, d_b
         dot = kd.sum(kd.h2_sum(d), axis=1)                                         # (BLOCK_H,) fp32
         kd.atomic_add(out, token, n, s * hscale * dot + b * hsum, check=(False, check), relaxed=True)
 
-    if AHEAD:
-        add_partials(kd.arange(0, BLOCK_H), *block)
-    else:
-        for n0 in kd.range(0, HD, BLOCK_H, stages=STAGES if STAGES > 1 else None):
-            n = n0 + kd.arange(0, BLOCK_H)
-            add_partials(n, *down_block(n))
+    # down's row blocks in a pipelined loop: a block of every row loaded ahead of the gate_up loop measured
+    # slower on the H200 (18.8-21.1 us against 16.7 for 512-row blocks, qwen3-30b-a3b at one token,
+    # bench/results/2026-12-04_h200_moe_s17_onepass_v2.csv)
+    for n0 in kd.range(0, HD, BLOCK_H, stages=STAGES if STAGES > 1 else None):
+        n = n0 + kd.arange(0, BLOCK_H)
+        add_partials(n, *down_block(n))
     return out
 
 

@@ -53,7 +53,7 @@ for bits in (2, 4, 8):
         # the one-pass decode MoE: its down partials reach the output as relaxed reductions (no acq_rel)
         from kilnx.kernels import moe_onepass as MO
         for cfg in ({"STAGES": 1, "BLOCK_F": 16}, {"STAGES": 3, "BLOCK_F": 32, "BLOCK_KW": 16, "BLOCK_H": 64},
-                    {"STAGES": 3, "BLOCK_F": 32, "BLOCK_KW": 16, "BLOCK_H": 256}):   # blocks in a loop; one ahead
+                    {"STAGES": 3, "BLOCK_F": 32, "BLOCK_KW": 16, "BLOCK_H": 256}):
             ck = compile_for_target(MO.moe_onepass_h2, (*px, *gu, *dn, ids, rw), cfg, aligned=True)
             ptx = ck.asm["ptx"]
             assert ptx.count("fma.rn.f16x2") >= 4 and "atom." not in ptx, cfg

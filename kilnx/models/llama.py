@@ -43,9 +43,10 @@ class LlamaModel:
         return self.config.num_layers
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache, *,
-                last_only: bool = False, last_index: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, T, V); (B, 1, V) of the last token with `last_only`, or of token `last_index` (a (1,)
-        device tensor: a prompt padded to a captured prefill graph's length, runtime/engine.py)."""
+                last: int | torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, V), or (B, 1, V) of token `last` alone: an index (-1, the last token) or a (1,) device
+        tensor, read when a captured graph replays (a prompt padded to a prefill graph's length, runtime/
+        engine.py)."""
         cfg, ops, w = self.config, self.ops, self.weights
         B, T = input_ids.shape
         eps, off = cfg.rms_norm_eps, self._norm_offset
@@ -69,10 +70,10 @@ class LlamaModel:
                 h = ops.rms_norm(h, layer.post_mlp_norm, eps, weight_offset=off)
         _, x = ops.add_rms_norm(h, residual, w.final_norm, eps, weight_offset=off)
         x = x.view(B, T, -1)
-        if last_index is not None:
-            x = x.index_select(1, last_index)
-        elif last_only:
-            x = x[:, -1:].contiguous()
+        if isinstance(last, torch.Tensor):
+            x = x.index_select(1, last)
+        elif last is not None:
+            x = x[:, last:last + 1 if last != -1 else None].contiguous()
         logits = _linear(ops, x, w.lm_head)
         if cfg.final_logit_softcap:
             logits = ops.softcap(logits, cfg.final_logit_softcap)

@@ -120,7 +120,7 @@ class Engine:
         for s in range(0, n, self.prefill_chunk):
             e = min(n, s + self.prefill_chunk)
             pos = torch.arange(start + s, start + e, device=self.device).unsqueeze(0)
-            logits = self.model.forward(ids[s:e].unsqueeze(0), pos, cache, last_only=True)
+            logits = self.model.forward(ids[s:e].unsqueeze(0), pos, cache, last=-1)
         return logits[0, -1]
 
     @torch.no_grad()
@@ -149,7 +149,7 @@ class Engine:
                 return self._record(tokens, positions)
         cache = self.cache.rows(0, B) if B != self.max_batch else self.cache
         logits = self.model.forward(tokens.view(B, 1).to(self.device), positions.view(B, 1).to(self.device),
-                                    cache, last_only=True)
+                                    cache, last=-1)
         return logits[:, 0]
 
     def _prefill_graphed(self, ids: torch.Tensor, row: int, start: int, t: int, cache) -> torch.Tensor:
@@ -170,11 +170,11 @@ class Engine:
         if g.graph is not None:
             g.graph.replay()
             return g.logits[0, -1].clone()   # the buffer is the next replay's output
-        logits = self.model.forward(g.ids, g.positions, cache, last_index=g.last)
+        logits = self.model.forward(g.ids, g.positions, cache, last=g.last)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._pool):
-                out = self.model.forward(g.ids, g.positions, cache, last_index=g.last)
+                out = self.model.forward(g.ids, g.positions, cache, last=g.last)
         except RuntimeError as e:          # a host read or sync in some op: this length stays eager
             self.prefill_graph_refused[key] = str(e).splitlines()[0]
             return logits[0, -1]
@@ -210,10 +210,10 @@ class Engine:
         ids = tokens.view(B, 1).to(self.device).clone()
         pos = positions.view(B, 1).to(self.device).clone()
         cache = self.cache.rows(0, B) if B != self.max_batch else self.cache
-        self.model.forward(ids, pos, cache, last_only=True)
+        self.model.forward(ids, pos, cache, last=-1)
         rec, guard = Recorder(), _TorchGuard()
         with rec, guard:
-            logits = self.model.forward(ids, pos, cache, last_only=True)
+            logits = self.model.forward(ids, pos, cache, last=-1)
         why = rec.refused + guard.unsafe
         self._replays[B] = _Graph(rec, ids, pos, logits) if not why else None
         self.replay_refused = why
@@ -238,11 +238,11 @@ class Engine:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):   # warm-up: lazy kernel compilation and allocator growth happen here
-                self.model.forward(ids, pos, cache, last_only=True)
+                self.model.forward(ids, pos, cache, last=-1)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            logits = self.model.forward(ids, pos, cache, last_only=True)
+            logits = self.model.forward(ids, pos, cache, last=-1)
         return _Graph(graph, ids, pos, logits)
 
     def synchronize(self) -> None:

@@ -114,7 +114,7 @@ def test_llama_forward_with_prepared_producers_matches_plain(monkeypatch):
 
     def forward():
         cache = KVCache.for_model(model.config, 1, 8)
-        return model.forward(ids, pos, cache, last_only=True)
+        return model.forward(ids, pos, cache, last=-1)
 
     plain = forward()
     monkeypatch.setattr(qmatmul_rows, "choice_for", lambda *a: {"QMV_MAX_ROWS": 8, "GEMV": "qmv_h2"})

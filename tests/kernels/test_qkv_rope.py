@@ -112,7 +112,7 @@ def test_a_llama_whose_qkv_projection_rotates_and_caches_matches_the_plain_path(
 
     def run():
         cache = KVCache.for_model(cfg, 1, 8)
-        first = model.forward(torch.tensor([[1, 5, 9]]), torch.arange(3)[None], cache, last_only=True)
+        first = model.forward(torch.tensor([[1, 5, 9]]), torch.arange(3)[None], cache, last=-1)
         second = model.forward(torch.tensor([[7]]), torch.tensor([[3]]), cache)
         return first, second, cache.k[0][:, :, :4], cache.v[1][:, :, :4]
 
@@ -188,7 +188,7 @@ def test_a_llama_on_the_gpu_gives_the_same_logits_with_the_fused_projection(monk
     def run():
         cache = KVCache.for_model(cfg, 1, 32, device="cuda", dtype=torch.bfloat16)
         out = [model.forward(torch.tensor([[1, 5, 9]], device="cuda"), torch.arange(3, device="cuda")[None], cache,
-                             last_only=True)]
+                             last=-1)]
         for t in range(3):
             out.append(model.forward(torch.tensor([[7 + t]], device="cuda"), torch.tensor([[3 + t]], device="cuda"),
                                      cache))

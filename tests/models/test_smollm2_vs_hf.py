@@ -52,7 +52,7 @@ def greedy(lm, ids: list[int], n: int) -> list[int]:
     out = []
     with torch.no_grad():
         for _ in range(n):
-            logits = lm.model.forward(x, pos, cache, last_only=True)
+            logits = lm.model.forward(x, pos, cache, last=-1)
             nxt = int(lm.model.ops.argmax(logits[0, -1]))
             out.append(nxt)
             x = torch.tensor([[nxt]], device=dev)

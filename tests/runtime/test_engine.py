@@ -46,14 +46,14 @@ def test_prefill_buckets_pad_to_16_32_64_then_multiples_of_64():
 def test_a_prompt_padded_after_its_end_keeps_its_last_tokens_logits(arch, cache_len):
     """What a graph-replayed prefill relies on: tokens padded after the prompt (at the following positions,
     those past the cache's end all at its last one) change neither the logits of the prompt's last token,
-    read through `last_index`, nor the cache below the prompt's end."""
+    read through `last`, nor the cache below the prompt's end."""
     model = tiny_model(arch)
     ids = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(4))
     caches = [KVCache.for_model(model.config, 1, cache_len) for _ in range(2)]
-    want = model.forward(ids[None], torch.arange(11)[None], caches[0], last_only=True)
+    want = model.forward(ids[None], torch.arange(11)[None], caches[0], last=-1)
     padded = torch.cat([ids, torch.zeros(5, dtype=torch.long)])
     positions = torch.arange(16).clamp(max=cache_len - 1)
-    got = model.forward(padded[None], positions[None], caches[1], last_index=torch.tensor([10]))
+    got = model.forward(padded[None], positions[None], caches[1], last=torch.tensor([10]))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for layer in range(model.config.num_layers):
         torch.testing.assert_close(caches[1].k[layer][:, :, :11], caches[0].k[layer][:, :, :11])

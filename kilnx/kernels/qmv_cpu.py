@@ -10,7 +10,10 @@ row b*IL + l (IL = 16 rows, one 512-bit vector of fp32), with scales and biases 
 program owns R such blocks; for each quantization group it loads the group's words as (R, IL) tiles,
 and every code becomes one and + one int->float convert + one fma against a scalar x broadcast to all
 lanes. Scale and bias apply once per group as two more fmas; no reduction crosses lanes. x is read in
-its own layout (no prep kernel, no prep launch): each program forms the group sums of x itself.
+its own layout (no prep kernel, no prep launch): each program forms the group sums of x itself. With
+more than 4 activation rows a program serves 16 of them (`block_m`), each decoded code multiplied into
+every row: SmolLM2-135M's first token after 16 / 32 prompt tokens took 124-127 / 185-220 ms against
+162-169 / 273-276 with a program per row (2 EPYC cores, alternated runs; 4 tokens and decode unchanged).
 
 - Codes are decoded without a shift: `word & (MASK << s)` converts to code * 2^s exactly, and x is
   pre-multiplied by 2^-s (a scalar, exact: a power of two). The top code of a word would be negative
@@ -33,6 +36,13 @@ from kilnx.kernels.qmatmul import _dense_spec, _matmul_tolerance, make_qmatmul_a
 from kilnx.kernels.sizes import pow2_dividing
 
 IL = 16          # weight rows per interleaved block: one AVX-512 register of fp32 (two AVX2 ones)
+
+
+def block_m(rows: int) -> int:
+    """Activation rows per program (each decoded code serves them all): 16 from 5 rows, else 1 (a program per
+    row). One multi-row size: it is a numba compilation of ~18 s per weight format on a cold cache (the
+    one-row kernel: ~2 s), and 4 rows per program measured no faster than a program per row (4 tokens)."""
+    return 16 if rows > 4 else 1
 
 
 def interleave(wq: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, il: int = IL):
@@ -76,21 +86,29 @@ def _tree_sum(terms):
 
 @kd.kernel(tune={"R": kd.pow2(1, 8, default=4), "num_warps": kd.choice(1, 2, 4, default=4)},
            key=_key, spec=_spec,
-           specialize=lambda x, wq, s, b: {**_format(x, wq, s, b), "NB_DIV": pow2_dividing(wq.shape[0])})
+           specialize=lambda x, wq, s, b: {**_format(x, wq, s, b), "NB_DIV": pow2_dividing(wq.shape[0]),
+                                           "BLOCK_M": block_m(x.shape[0])})
 def qmv_il(x, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr,
-           NB_DIV: kd.constexpr, R):
-    """x (M, K) @ W.T -> (M, NB * IL) in x.dtype (padded rows give 0), W interleaved (see `interleave`)."""
+           NB_DIV: kd.constexpr, BLOCK_M: kd.constexpr, R):
+    """x (M, K) @ W.T -> (M, NB * IL) in x.dtype (padded rows give 0), W interleaved (see `interleave`).
+    A program serves BLOCK_M activation rows: each code is decoded once and multiplied into every row."""
     M, K = x.shape
     NB = wq.shape[0]
     PER = 32 // BITS                 # codes per word
     WPG = GROUP // PER               # words per group
     MASK = (1 << BITS) - 1
     B_IN = NB_DIV % R == 0           # whole block ranges: no bounds checks on the block index
-    m, pb = kd.grid(M, kd.cdiv(NB, R))
+    pm, pb = kd.grid(kd.cdiv(M, BLOCK_M), kd.cdiv(NB, R))
     blk = (pb * R + kd.arange(0, R))[:, None]        # (R, 1)
     lane = kd.arange(0, IL)[None, :]                 # (1, IL)
     chk = (not B_IN, False, False)
-    acc = kd.zeros((R, IL), kd.f32)
+    if BLOCK_M == 1:
+        m = pm
+        shape, xrow = (R, IL), lambda v: v
+    else:
+        m = pm * BLOCK_M + kd.arange(0, BLOCK_M)     # (BLOCK_M,) rows; past M: x reads 0, nothing stored
+        shape, xrow = (BLOCK_M, R, IL), lambda v: v[:, None, None]
+    acc = kd.zeros(shape, kd.f32)
     for g in kd.range(0, K // GROUP):
         chains, xs = [], []
         for wi in kd.static_range(WPG):
@@ -98,20 +116,23 @@ def qmv_il(x, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr,
             words = kd.load(wq, blk, w, lane, check=chk)
             chain = None
             for j in kd.static_range(PER):
-                xv = kd.load(x, m, w * PER + j, check=False).f32()
+                xv = kd.load(x, m, w * PER + j, check=(BLOCK_M > 1, False)).f32()
                 xs.append(xv)
                 if j == PER - 1:    # the top code: as a masked i32 it would be negative
-                    t = ((words >> (j * BITS)) & MASK).f32() * xv
+                    t = ((words >> (j * BITS)) & MASK).f32() * xrow(xv)
                 else:               # code * 2^(j*BITS), exactly; x carries the 2^-(j*BITS)
-                    t = (words & (MASK << (j * BITS))).f32() * (xv * (2.0 ** (-j * BITS)))
+                    t = (words & (MASK << (j * BITS))).f32() * xrow(xv * (2.0 ** (-j * BITS)))
                 chain = t if chain is None else chain + t
             chains.append(chain)
         dot = _tree_sum(chains)
         s = kd.load(scales, blk, g, lane, check=chk).f32()
         b = kd.load(biases, blk, g, lane, check=chk).f32()
-        acc += dot * s + b * _tree_sum(xs)
+        acc += dot * s + b * xrow(_tree_sum(xs))
     out = kd.output((M, NB * IL), x.dtype)
-    kd.store(out, m, blk * IL + lane, acc, check=(False, not B_IN))
+    if BLOCK_M == 1:
+        kd.store(out, m, blk * IL + lane, acc, check=(False, not B_IN))
+    else:
+        kd.store(out, m[:, None, None], (blk * IL + lane)[None, :, :], acc, check=(True, not B_IN))
     return out
 
 

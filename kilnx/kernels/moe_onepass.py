@@ -19,8 +19,10 @@ run (fp32, then rounded once by the caller).
 
 Measured on the H200 (session 17, bench/results/2026-12-04_h200_moe_onepass_s17.csv): slower than the two
 kernels at every width tried (qwen3-30b-a3b 16.1 against 13.8 us at one token, mixtral-8x7b 112 against 92,
-llama-3.1-8b's dense MLP as one expert 62 against 35 for its GEMV chain). So it is a path the tuner weighs
-per stack and device (kernels/moe_decode_route.py), not the default.
+llama-3.1-8b's dense MLP as one expert 62 against 35 for its GEMV chain). ncu at qwen3-30b-a3b's shapes
+(bench/results/profiles/2026-12-04_h200_ncu_moe_onepass_s17.txt): 56% of its global sectors are excess
+(down's 16-byte pieces of each row) and 18% of the warps it could hold are active. So it is a path the
+tuner weighs per stack and device (kernels/moe_decode_route.py), not the default.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ BITS_SERVED = H.BITS_SERVED
 
 
 def _formats(planes, scales, wq, d_packed, d_scales):
-    """The codes and groups of gate_up (from the prepared planes) and of down (whose K is F = 2F / 2)."""
+    """The codes and groups of gate_up (from the prepared planes) and of down (whose K is F, half of gate_up's
+    2F rows)."""
     per, F = 2 * planes.shape[1], wq.shape[1] // 2
     return {"BITS": 32 // per, "GROUP": per * planes.shape[2] // scales.shape[2],
             "BITS_D": 32 * d_packed.shape[2] // F, "GROUP_D": F // d_scales.shape[2]}

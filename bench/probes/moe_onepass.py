@@ -65,13 +65,8 @@ def main(out_csv: str, rounds: int = 2):
             sets.append((QH.qmv_h2_prep(x, PER=8, GROUP=64), ids, rw))
         paths = {}
         if E > 1:
-            def two_kernels(p, ids, rw):
-                os.environ["KILNX_MOE_ONEPASS"] = "0"
-                try:
-                    return MH.moe_decode(P.PreparedX(*p, torch.bfloat16), gu, dn, ids, rw)
-                finally:
-                    os.environ.pop("KILNX_MOE_ONEPASS")
-            paths["two_kernels"] = two_kernels
+            paths["two_kernels"] = lambda p, ids, rw: MH.two_kernels(*p, gu.packed, gu.scales, gu.biases, dn.packed,
+                                                                     dn.scales, dn.biases, ids, rw)
         else:
             g2, d2 = QWeight.from_mlx(gu.packed[0], gu.scales[0], gu.biases[0], bits=4, group_size=64), \
                 QWeight.from_mlx(dn.packed[0], dn.scales[0], dn.biases[0], bits=4, group_size=64)

@@ -38,14 +38,18 @@ def embedding(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return embedding_kernel(table, ids.reshape(-1))
 
 
-def _q_spec(packed, scales, biases, ids, *, scale, BITS, GROUP, OUT, **_):
-    """Rows ids of the dequantized table (q * s + b in fp32), rounded to OUT, times `scale` in OUT."""
-    from kilnx.dsl.ir import torch_dtype
+def dequantized_rows(packed, scales, biases, ids, bits: int, group: int, scale: float, dtype: torch.dtype):
+    """The lookup's meaning in torch: rows ids of the dequantized table (q * s + b in fp32), rounded to dtype,
+    times `scale` in dtype."""
     from kilnx.kernels.qmatmul import dequantize_on_device
-    rows = ids.long()
-    out = torch_dtype(OUT)
-    w = dequantize_on_device(packed[rows], scales[rows], biases[rows], BITS, GROUP).to(out)
-    return w if scale == 1.0 else (w.float() * scale).to(out)
+    rows = ids.reshape(-1).long()
+    w = dequantize_on_device(packed[rows], scales[rows], biases[rows], bits, group).to(dtype)
+    return w if scale == 1.0 else w * torch.tensor(scale, dtype=dtype)
+
+
+def _q_spec(packed, scales, biases, ids, *, scale, BITS, GROUP, OUT, **_):
+    from kilnx.dsl.ir import torch_dtype
+    return dequantized_rows(packed, scales, biases, ids, BITS, GROUP, scale, torch_dtype(OUT))
 
 
 @kd.kernel(tune={"BLOCK_W": kd.pow2(8, 512, default=64), "num_warps": kd.choice(1, 2, 4, default=2)},

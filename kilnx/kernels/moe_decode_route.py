@@ -63,19 +63,12 @@ class MoeDecodeRoute:
         return self._one.tolerance(args)
 
     # -- the choice itself ----------------------------------------------------------------------------
-    def run(self, path: str, planes, sums, xs, wq, scales, biases, d_packed, d_scales, d_biases, expert_ids,
-            routing_weights, *, activation: str = "silu", backend: str | None = None):
-        """(T, H) in scales' dtype by `path` (the one pass's fp32 sum rounded once)."""
+    def run(self, path: str, *args, activation: str = "silu", configs=(None, None), backend: str | None = None):
+        """(T, H) in scales' dtype by `path` (the one pass's fp32 sum rounded once) from moe_onepass_h2's
+        arguments; configs: the two kernels' (None: tuned or default)."""
         if path == "onepass":
-            y = self._one.moe_onepass_h2(planes, sums, xs, wq, scales, biases, d_packed, d_scales, d_biases,
-                                         expert_ids, routing_weights, ACT=activation, backend=backend)
-            return y.to(scales.dtype)
-        h2 = self._h2
-        h = h2.gather_qmv_h2_glu(planes, sums, xs, wq, scales, biases, expert_ids, ACT=activation, backend=backend)
-        per_d = h.shape[1] // d_packed.shape[2]                 # codes per word of down
-        hp = h2.H.qmv_h2_prep(h, PER=per_d, GROUP=h.shape[1] // d_scales.shape[2], backend=backend)
-        return h2.gather_qmv_h2_combine(*hp, d_packed, d_scales, d_biases, expert_ids, routing_weights,
-                                        backend=backend)
+            return self._one.moe_onepass_h2(*args, ACT=activation, backend=backend).to(args[4].dtype)
+        return self._h2.two_kernels(*args, activation=activation, configs=configs, backend=backend)
 
     def path_for(self, args: tuple) -> str:
         """The stored path for this device and stack pair (the default where none was tuned);

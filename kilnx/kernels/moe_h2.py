@@ -190,18 +190,24 @@ def moe_decode(x, w_gate_up, w_down, expert_ids, routing_weights, activation: st
     else:
         planes, sums, xs = H.qmv_h2_prep(x, PER=32 // gu.bits, GROUP=gu.group_size)
     from kilnx.kernels import moe_onepass
-    if configs == (None, None) and moe_onepass.serves(gu, dn):
-        from kilnx.kernels.moe_decode_route import moe_decode_path
-        args = (planes, sums, xs, gu.packed, gu.scales, gu.biases, dn.packed, dn.scales, dn.biases, expert_ids,
-                routing_weights)
-        if moe_decode_path.path_for(args) == "onepass":
-            return moe_onepass.moe_onepass(*args[:3], gu, dn, expert_ids, routing_weights, activation).to(x.dtype)
-    h = gather_qmv_h2_glu(planes, sums, xs, gu.packed, gu.scales, gu.biases, expert_ids, ACT=activation,
-                          config=configs[0])
-    planes, sums, xs = H.qmv_h2_prep(h, PER=32 // dn.bits, GROUP=dn.group_size)
-    y = gather_qmv_h2_combine(planes, sums, xs, dn.packed, dn.scales, dn.biases, expert_ids, routing_weights,
-                              config=configs[1])
+    from kilnx.kernels.moe_decode_route import moe_decode_path
+    args = (planes, sums, xs, gu.packed, gu.scales, gu.biases, dn.packed, dn.scales, dn.biases, expert_ids,
+            routing_weights)
+    served = configs == (None, None) and moe_onepass.serves(gu, dn)
+    y = moe_decode_path.run(moe_decode_path.path_for(args) if served else "two_kernels", *args,
+                            activation=activation, configs=configs)
     return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def two_kernels(planes, sums, xs, wq, scales, biases, d_packed, d_scales, d_biases, expert_ids, routing_weights, *,
+                activation: str = "silu", configs=(None, None), backend=None):
+    """Prepared x -> (T, H) in scales' dtype: gate_up + activation, the prep of h, down + the weighted sum."""
+    h = gather_qmv_h2_glu(planes, sums, xs, wq, scales, biases, expert_ids, ACT=activation, config=configs[0],
+                          backend=backend)
+    f = h.shape[1]                                           # down's K
+    hp = H.qmv_h2_prep(h, PER=f // d_packed.shape[2], GROUP=f // d_scales.shape[2], backend=backend)
+    return gather_qmv_h2_combine(*hp, d_packed, d_scales, d_biases, expert_ids, routing_weights, config=configs[1],
+                                 backend=backend)
 
 
 def make_args(problem: dict, device: str):
@@ -236,4 +242,4 @@ def register_tuning():
 
 register_tuning()
 
-__all__ = ["gather_qmv_h2_glu", "gather_qmv_h2_combine", "moe_decode", "serves"]
+__all__ = ["gather_qmv_h2_glu", "gather_qmv_h2_combine", "moe_decode", "serves", "two_kernels"]

@@ -146,9 +146,9 @@ def moe_onepass_h2(planes, sums, xs, wq, scales, biases, d_packed, d_scales, d_b
 
 
 def serves(w_gate_up, w_down) -> bool:
-    """4/8-bit affine stacks on the GPU with widths in whole 8-feature blocks."""
-    return w_down.shape[-1] % 8 == 0 and all(w.mode == "affine" and w.bits in BITS_SERVED and w.packed.is_cuda
-                                             for w in (w_gate_up, w_down))
+    """The stacks the two-kernel decode serves (moe_h2.serves), with widths in whole 8-feature blocks."""
+    from kilnx.kernels import moe_h2
+    return w_down.shape[-1] % 8 == 0 and moe_h2.serves(w_gate_up, w_down)
 
 
 def moe_onepass(planes, sums, xs, w_gate_up, w_down, expert_ids, routing_weights, activation: str = "silu",
@@ -161,16 +161,13 @@ def moe_onepass(planes, sums, xs, w_gate_up, w_down, expert_ids, routing_weights
 
 
 def make_args(problem: dict, device: str):
-    """{T, top_k, E, N (= 2F), K (= H), bits, gs} -> moe_onepass_h2's inputs: prepared x, random stacks."""
-    from kilnx.kernels.moe_specs import random_expert_weights, routed_experts
-    T, k, E, N, K = (problem[n] for n in ("T", "top_k", "E", "N", "K"))
+    """{T, top_k, E, N (= 2F), K (= H), bits, gs} -> moe_onepass_h2's inputs: the gate_up GLU's problem
+    (moe_specs), x prepared, and a random down stack."""
+    from kilnx.kernels.moe_specs import make_args_for, random_expert_weights
     bits, gs = problem.get("bits", 4), problem.get("gs", 64)
-    x = torch.randn(T, K).to(torch.bfloat16)
-    ids = routed_experts(T, k, E)
-    rw = torch.softmax(torch.randn(T, k), dim=-1).to(torch.bfloat16)
-    prepared = H._prep_spec(x, PER=32 // bits, GROUP=gs)
-    args = (*prepared, *random_expert_weights(E, N, K, bits, gs), *random_expert_weights(E, K, N // 2, bits, gs),
-            ids, rw)
+    x, wq, scales, biases, ids, rw = make_args_for(False, True)({**problem, "x": "token"}, "cpu")
+    down = random_expert_weights(problem["E"], problem["K"], problem["N"] // 2, bits, gs)
+    args = (*H._prep_spec(x, PER=32 // bits, GROUP=gs), wq, scales, biases, *down, ids, rw)
     return tuple(a.to(device) for a in args)
 
 

@@ -73,7 +73,7 @@ class LlamaModel:
         if isinstance(last, torch.Tensor):
             x = x.index_select(1, last)
         elif last is not None:
-            x = x[:, last:last + 1 if last != -1 else None].contiguous()
+            x = x.narrow(1, last % T, 1).contiguous()
         logits = _linear(ops, x, w.lm_head)
         if cfg.final_logit_softcap:
             logits = ops.softcap(logits, cfg.final_logit_softcap)

@@ -53,11 +53,9 @@ class QuantEmbedding:
 
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows' meaning (the torch peer's lookup): dequantized in fp32, rounded, times the scale."""
-        from kilnx.kernels.qmatmul import dequantize_on_device
+        from kilnx.kernels.embedding import dequantized_rows
         w = self.weight
-        rows = ids.reshape(-1).long()
-        table = dequantize_on_device(w.packed[rows], w.scales[rows], w.biases[rows], w.bits, w.group_size)
-        return table.to(self.dtype) * torch.tensor(self.scale, dtype=self.dtype)
+        return dequantized_rows(w.packed, w.scales, w.biases, ids, w.bits, w.group_size, self.scale, self.dtype)
 
 
 def quant_embedding_on() -> bool:

@@ -9,16 +9,18 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import TYPE_CHECKING, Iterator, List, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kilnx.cache.db import TuningDB
 from kilnx.cache.errors import DBError, display_url
 from kilnx.runtime.device import DeviceError, DeviceInfo, detect
+
+if TYPE_CHECKING:   # imported when a command runs: `kilnx generate` never opens the DB through SQLAlchemy
+    from kilnx.cache.db import TuningDB
 
 db_app = typer.Typer(name="db", help="Inspect, export, import, prune and plot the tuning DB.",
                      no_args_is_help=True, add_completion=False)
@@ -32,9 +34,10 @@ DB_OPTION = typer.Option(None, "--db", metavar="URL",
 
 
 @contextmanager
-def _opened(url: Optional[str]) -> Iterator[TuningDB]:
+def _opened(url: Optional[str]) -> Iterator["TuningDB"]:
     """Open the DB; turn DBError (and a bad --device) into one red line and exit 1."""
     try:
+        from kilnx.cache.db import TuningDB
         with TuningDB(url) as db:
             yield db
     except (DBError, DeviceError) as e:

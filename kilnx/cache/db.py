@@ -23,6 +23,7 @@ from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import Connection, Engine, make_url
 
 from kilnx.cache.errors import DBError, display_url, explain
+from kilnx.cache.location import default_url
 from kilnx.cache.models import SCHEMA_VERSION, Base, DeviceRow, KernelRow, ResultRow, SchemaVersionRow
 from kilnx.cache.result import TunedResult, check_time, current_versions, installed_triton_version, utcnow
 from kilnx.runtime.device import DeviceInfo
@@ -37,21 +38,6 @@ PG_CONNECT_TIMEOUT_S = 10
 _SCHEMA_LOCK_KEY = 0x6B696C6E78  # "kilnx"
 
 _URL_EXAMPLES = "sqlite:////path/to/tuning.db or postgresql+psycopg://user:password@host:5432/dbname"
-
-
-def default_url() -> str:
-    """KILNX_DB if set, else a SQLite file in the user's cache dir (created if missing)."""
-    env = os.environ.get("KILNX_DB", "").strip()
-    if env:
-        return env
-    import platformdirs
-    cache_dir = Path(platformdirs.user_cache_dir("kilnx"))
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DBError(f"cannot create the tuning DB directory {cache_dir} ({e.strerror or e}); "
-                      "set KILNX_DB or pass --db to use another location.") from None
-    return f"sqlite:///{cache_dir}/tuning.db"
 
 
 class TuningDB:

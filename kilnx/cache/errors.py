@@ -6,8 +6,8 @@ what went wrong *and* what to do about it; driver tracebacks never reach the use
 
 from __future__ import annotations
 
-from sqlalchemy import exc as sa_exc
-from sqlalchemy.engine import make_url
+# SQLAlchemy is imported where an error is explained, not here: the runtime imports DBError at start-up
+# and reads its tuned configs without SQLAlchemy (kilnx/cache/snapshot.py).
 
 
 class DBError(RuntimeError):
@@ -16,6 +16,7 @@ class DBError(RuntimeError):
 
 def display_url(url: str) -> str:
     """The URL with its password masked, for messages."""
+    from sqlalchemy.engine import make_url
     try:
         return make_url(url).render_as_string(hide_password=True)
     except Exception:  # noqa: BLE001 - an unparsable URL is shown as given
@@ -27,6 +28,8 @@ _FIX_URL = "pass another --db URL or set KILNX_DB"
 
 def explain(error: BaseException, url: str, action: str) -> DBError:
     """Turn a SQLAlchemy/driver error raised while doing `action` on `url` into one actionable DBError."""
+    from sqlalchemy import exc as sa_exc
+    from sqlalchemy.engine import make_url
     shown = display_url(url)
     detail = _first_line(getattr(error, "orig", None) or error)
     low = detail.lower()

@@ -29,13 +29,8 @@ _modules: dict[str, object] = {}
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("KILNX_CACHE_DIR")
-    if root:
-        p = Path(root)
-    else:
-        import platformdirs
-        p = Path(platformdirs.user_cache_dir("kilnx"))
-    p = p / "kernels"
+    from kilnx.cache.location import cache_root
+    p = cache_root() / "kernels"
     p.mkdir(parents=True, exist_ok=True)
     return p
 
@@ -86,10 +81,11 @@ _warm_thread: threading.Thread | None = None
 
 def warm_up_in_background(device) -> None:
     """Start, on a daemon thread, the one-time work of a GPU process's first kernel calls, so that it
-    overlaps loading the weights: Triton's own cache key (a hash of its sources and its ~100 MB shared
-    library, 0.4 s on an H200 host, mostly in hashlib, which releases the GIL) and the tuned configs
-    for this device (the tuning DB's modules and query). Errors are left for the first real call to
-    raise, where they are reported."""
+    overlaps loading the weights: Triton's own cache key (remembered on disk, kilnx/codegen/triton_key.py;
+    hashing it took 0.4 s on an H200 host) and the tuned configs for this device (from their snapshot,
+    kilnx/cache/snapshot.py, or the DB). On the H200 the thread took 0.9 s before both were remembered,
+    and the first launch waited for it (bench/probes/cold_phases.py). Errors are left for the first real
+    call to raise, where they are reported."""
     if torch.device(device).type != "cuda" or _warming.is_set():
         return
     global _warm_thread
@@ -110,8 +106,8 @@ def _join_warm_up() -> None:
 
 def _warm(index: int) -> None:
     try:
-        from triton.runtime.cache import triton_key
-        triton_key()
+        from kilnx.codegen import triton_key
+        triton_key.install()
         from kilnx.runtime.dispatch import _device_info, get_tuned
         get_tuned(_device_info("cuda", index))
     except Exception:  # noqa: BLE001 - the first kernel call repeats this and reports what failed

@@ -13,8 +13,15 @@ import math
 import threading
 import warnings
 
-from kilnx.cache import DBError, TunedResult, TuningDB
+from typing import TYPE_CHECKING
+
+from kilnx.cache import DBError, TunedResult, snapshot
+from kilnx.cache.location import default_url
+from kilnx.cache.result import installed_triton_version
 from kilnx.runtime.device import DeviceInfo
+
+if TYPE_CHECKING:
+    from kilnx.cache.db import TuningDB
 
 BucketFields = dict[str, "float | str"]
 
@@ -57,13 +64,13 @@ def bucket_distance(a: BucketFields, b: BucketFields) -> float:
 class TunedConfigs:
     """The valid tuned configs of one device, in memory."""
 
-    def __init__(self, device: DeviceInfo, results: list[TunedResult]):
+    def __init__(self, device: DeviceInfo, entries: list[snapshot.Entry]):
+        """entries: (kernel, source hash, bucket, config) of results valid on `device`."""
         self.device = device
         # (kernel, source_hash) -> bucket -> config
         self._configs: dict[tuple[str, str], dict[str, dict]] = {}
-        for r in results:
-            if r.device_key == device.key:  # belt and braces: load() already filters by device
-                self._configs.setdefault((r.kernel, r.source_hash), {})[r.bucket] = r.config
+        for kernel, source_hash, bucket, config in entries:
+            self._configs.setdefault((kernel, source_hash), {})[bucket] = config
         self._parsed: dict[tuple[str, str], list[tuple[str, BucketFields]]] = {
             ident: [(b, f) for b in sorted(buckets) if (f := parse_bucket(b)) is not None]
             for ident, buckets in self._configs.items()}
@@ -72,21 +79,33 @@ class TunedConfigs:
         self._lock = threading.Lock()
 
     @classmethod
-    def load(cls, device: DeviceInfo, db: TuningDB | None = None) -> "TunedConfigs":
+    def load(cls, device: DeviceInfo, db: "TuningDB | None" = None) -> "TunedConfigs":
         """Read the device's valid results once. An unusable DB warns (once) and yields no configs,
-        so the runtime still runs, on default configs."""
-        opened_here = db is None
+        so the runtime still runs, on default configs. Without a `db`, the default DB's snapshot
+        serves where it still matches a SQLite file (no SQLAlchemy import), else the DB is read
+        and the snapshot rewritten."""
+        if db is not None:
+            return cls(device, _entries(db.valid_results(device)))
         try:
-            if db is None:
-                db = TuningDB()
-            results = db.valid_results(device)
+            url = default_url()
         except DBError as e:
             _warn_once(f"kilnx: tuning DB unavailable, using default kernel configs: {e}")
-            results = []
-        finally:
-            if opened_here and db is not None:
-                db.close()
-        return cls(device, results)
+            return cls(device, [])
+        triton = installed_triton_version()
+        entries = snapshot.read(url, device.key, triton)
+        if entries is not None:
+            return cls(device, entries)
+        db_file = snapshot.sqlite_file(url)
+        before = snapshot.stamp(db_file) if db_file is not None else None
+        from kilnx.cache.db import TuningDB
+        try:
+            with TuningDB(url) as opened:
+                entries = _entries(opened.valid_results(device, triton_version=triton))
+        except DBError as e:
+            _warn_once(f"kilnx: tuning DB unavailable, using default kernel configs: {e}")
+            return cls(device, [])
+        snapshot.write(url, device.key, triton, before, entries)
+        return cls(device, entries)
 
     def config_for(self, kernel_name: str, source_hash: str, bucket: str, default: dict) -> dict:
         ident = (kernel_name, source_hash)
@@ -126,12 +145,16 @@ class TunedConfigs:
         return sum(len(b) for b in self._configs.values())
 
 
+def _entries(results: list[TunedResult]) -> list[snapshot.Entry]:
+    return [(r.kernel, r.source_hash, r.bucket, r.config) for r in results]
+
+
 _cache: dict[str, TunedConfigs] = {}
 _cache_lock = threading.Lock()
 _warned: set[str] = set()
 
 
-def get_tuned(device: DeviceInfo | None = None, db: TuningDB | None = None) -> TunedConfigs:
+def get_tuned(device: DeviceInfo | None = None, db: "TuningDB | None" = None) -> TunedConfigs:
     """The process-wide TunedConfigs of `device` (default: this machine's), loaded on first use."""
     if device is None:
         from kilnx.runtime.device import detect

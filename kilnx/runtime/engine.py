@@ -237,8 +237,9 @@ class Engine:
         side = torch.cuda.Stream(device=self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            for _ in range(2):   # warm-up: lazy kernel compilation and allocator growth happen here
-                self.model.forward(ids, pos, cache, last=-1)
+            # warm-up: kernels compile or load, every launch memo fills, the allocator grows (one step does
+            # it all; a second cost a cold start ~50 ms of launches)
+            self.model.forward(ids, pos, cache, last=-1)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):

@@ -7,7 +7,7 @@ budget or an unusable DB print one red line and exit non-zero; no traceback.
 from __future__ import annotations
 
 import math
-from typing import Annotated, List, Optional
+from typing import TYPE_CHECKING, Annotated, List, Optional
 
 import typer
 from rich.console import Console
@@ -16,7 +16,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kilnx.tuner.budget import Budget, parse_duration
-from kilnx.tuner.study import Target, TargetResult, TuneSettings
+
+if TYPE_CHECKING:   # the study's module imports Optuna: loaded when `kilnx tune` runs, not for every command
+    from kilnx.tuner.study import Target, TargetResult
 
 _out = Console()
 _err = Console(stderr=True)
@@ -175,6 +177,7 @@ def tune(
     if not specs:
         _fail("nothing to tune: no kernels or shapes matched --model/--kernel")
 
+    from kilnx.tuner.study import TuneSettings
     settings = TuneSettings(trials=trials, trial_timeout_s=trial_timeout, seed=seed)
     _out.print(f"tuning {len(specs)} problem(s) on {escape(dev.key)} with {workers} worker(s), "
                f"budget {budget}" + (f", ≤{trials} trials each" if trials else ""), highlight=False)

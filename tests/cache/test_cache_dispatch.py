@@ -123,11 +123,8 @@ def test_nearest_bucket_is_a_closest_comparable_one(stored, query):
     def name(m, n, dtype):
         return f"M={m},N={n},dtype={dtype}"
 
-    results = [TunedResult(kernel="k", source_hash="h", device_key=h200.key, bucket=name(*b), config={"b": name(*b)},
-                           time_s=1.0, default_time_s=None, peer_time_s=None, trials=0, triton_version="t",
-                           torch_version="t", kilnx_version="t", created=datetime.now(timezone.utc))
-               for b in stored]
-    chosen = TunedConfigs(h200, results).config_for("k", "h", name(*query), {"b": None})["b"]
+    entries = [("k", "h", name(*b), {"b": name(*b)}) for b in stored]
+    chosen = TunedConfigs(h200, entries).config_for("k", "h", name(*query), {"b": None})["b"]
     same_dtype = [b for b in stored if b[2] == query[2]]
     if not same_dtype:
         assert chosen is None

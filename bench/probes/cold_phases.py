@@ -23,16 +23,21 @@ import sys  # noqa: E402
 ACC: dict[str, list] = collections.defaultdict(lambda: [0, 0.0, None])   # label -> calls, seconds, first start
 
 
-def timed(owner, name: str, label: str) -> None:
+def timed(owner, name: str, label: str, split_first: bool = False) -> None:
+    """Wrap owner.name; with split_first, a method's first call on each object counts apart (label + " first")."""
     f = getattr(owner, name)
+    seen: set[int] = set()
 
     @functools.wraps(f)
     def wrapper(*a, **k):
         t = time.perf_counter()
+        first = split_first and a and id(a[0]) not in seen
+        if first:
+            seen.add(id(a[0]))
         try:
             return f(*a, **k)
         finally:
-            d = ACC[label]
+            d = ACC[label + (" first" if first else "")]
             d[0] += 1
             d[1] += time.perf_counter() - t
             if d[2] is None:
@@ -53,7 +58,7 @@ def main():
     timed(G.graph, "__enter__", "graph.__enter__")
     timed(G.graph, "__exit__", "graph.__exit__")
     timed(G.CUDAGraph, "capture_end", "CUDAGraph.capture_end")
-    timed(jit.JITFunction, "run", "triton.JITFunction.run")
+    timed(jit.JITFunction, "run", "triton.JITFunction.run", split_first=True)
     timed(jit.JITFunction, "_do_compile", "triton.JITFunction._do_compile")
     from kilnx.codegen import launch as L
     import importlib
@@ -61,7 +66,7 @@ def main():
     timed(L, "_join_warm_up", "kilnx.join_warm_up (main thread waits)")
     timed(L, "_warm", "kilnx.warm_up thread")
     timed(L, "load_module", "kilnx.load_module")
-    timed(L.Launch, "__call__", "kilnx.Launch.__call__")
+    timed(L.Launch, "__call__", "kilnx.Launch.__call__", split_first=True)
     timed(K.TileKernel, "_build", "kilnx.TileKernel._build")
     timed(K.KernelBase, "_tuned_config", "kilnx._tuned_config")
     from kilnx.models.loaders import load_model

@@ -70,13 +70,3 @@ def test_runtime_scalars_are_kept_by_type_only(fresh):
 
 def test_no_manifest_builds_nothing(fresh):
     assert startup.prebuild("never-saved") == 0
-
-
-def test_load_model_warms_up_and_tags_the_model_with_one_key(monkeypatch):
-    # the engine saves under model.startup_key what the warm-up thread will read back under its key
-    from kilnx.codegen import launch
-    from kilnx.models.loaders import load_model
-    seen = []
-    monkeypatch.setattr(launch, "warm_up_in_background", lambda device, key=None: seen.append(key))
-    lm = load_model("smollm2-135m", random=True, random_format="q4")
-    assert seen == [lm.model.startup_key] and len(seen[0]) == 24

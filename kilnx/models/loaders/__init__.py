@@ -113,9 +113,9 @@ def load_model(spec: str, *, device: str = "cpu", dtype: torch.dtype | None = No
     from kilnx.runtime import startup
     dtype = dtype or default_dtype(device)
     # the kernels this model's last start-up launched are built while the weights load (GPU only)
-    startup_key = startup.model_key(spec, random, random_format, str(dtype), str(device),
-                                    None if ops is None else repr(ops))
-    warm_up_in_background(device, startup_key)
+    key = startup.model_key(spec, random, random_format, str(dtype), str(device),
+                            None if ops is None else repr(ops))
+    warm_up_in_background(device, key)
     if random:
         from kilnx.models.loaders.random_init import RandomSource
         from kilnx.models.presets import PRESETS, get_preset
@@ -134,14 +134,14 @@ def load_model(spec: str, *, device: str = "cpu", dtype: torch.dtype | None = No
                 tok = None
         with torch.no_grad():
             weights = build_weights(cfg, src, device=device, dtype=dtype)
-        return LoadedModel(_model(cfg, weights, ops, startup_key), tok, cfg, src.path)
+        return LoadedModel(_model(cfg, weights, ops, key), tok, cfg, src.path)
     path = resolve_path(spec)
     cfg, src, tok = open_source(path)
     with torch.no_grad():
         weights = build_weights(cfg, src, device=device, dtype=dtype)
     if tok is not None and not cfg.eos_token_ids and tok.eos_token_ids:
         cfg = cfg.with_(eos_token_ids=tok.eos_token_ids)
-    return LoadedModel(_model(cfg, weights, ops, startup_key), tok, cfg, path)
+    return LoadedModel(_model(cfg, weights, ops, key), tok, cfg, path)
 
 
 def _model(cfg, weights, ops, startup_key: str):

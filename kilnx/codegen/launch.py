@@ -79,19 +79,18 @@ _warming = threading.Event()
 _warm_thread: threading.Thread | None = None
 
 
-def warm_up_in_background(device, startup_key: str | None = None) -> None:
+def warm_up_in_background(device) -> None:
     """Start, on a daemon thread, the one-time work of a GPU process's first kernel calls, so that it
     overlaps loading the weights: Triton's own cache key (remembered on disk, kilnx/codegen/triton_key.py;
     hashing it took 0.4 s on an H200 host) and the tuned configs for this device (from their snapshot,
     kilnx/cache/snapshot.py, or the DB). On the H200 the thread took 0.9 s before both were remembered,
     and the first launch waited for it (bench/probes/cold_phases.py). Errors are left for the first real
-    call to raise, where they are reported. With a `startup_key`, it then builds the kernels that key's
-    last start-up launched (kilnx/runtime/startup.py)."""
+    call to raise, where they are reported."""
     if torch.device(device).type != "cuda" or _warming.is_set():
         return
     global _warm_thread
     _warming.set()
-    _warm_thread = threading.Thread(target=_warm, args=(torch.device(device).index or 0, startup_key), daemon=True,
+    _warm_thread = threading.Thread(target=_warm, args=(torch.device(device).index or 0,), daemon=True,
                                     name="kilnx-warm-up")
     _warm_thread.start()
 
@@ -105,21 +104,12 @@ def _join_warm_up() -> None:
         t.join()
 
 
-def wait_for_warm_up() -> None:
-    """A build on another thread first lets the warm-up finish: it may be building the same kernel."""
-    if _warm_thread is not None and threading.current_thread() is not _warm_thread:
-        _join_warm_up()
-
-
-def _warm(index: int, startup_key: str | None = None) -> None:
+def _warm(index: int) -> None:
     try:
         from kilnx.codegen import triton_key
         triton_key.install()
         from kilnx.runtime.dispatch import _device_info, get_tuned
         get_tuned(_device_info("cuda", index))
-        if startup_key:
-            from kilnx.runtime import startup
-            startup.prebuild(startup_key)
     except Exception:  # noqa: BLE001 - the first kernel call repeats this and reports what failed
         pass
 
@@ -210,7 +200,7 @@ class Launch:
 
     def _run_triton(self, allt, scalars, grid):
         if _warm_thread is not None:
-            wait_for_warm_up()
+            _join_warm_up()
         if self.ir.tile_tensors:
             _ready_for_tma(self.ir, allt)
         args = self._flat_args(allt, scalars, lambda t: t)

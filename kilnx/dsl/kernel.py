@@ -61,11 +61,6 @@ class PerObjectMemo:
         return value
 
 
-# Called as hook(kernel, launch, config, args, kw) when a call with new shapes picks its launch
-# (kilnx/runtime/startup.py notes what a model's start-up launches).
-FIRST_USE_HOOKS: list = []
-
-
 def _call_key(args, backend, kw):
     """What decides a call's config and specialization, or None when an argument is not hashable."""
     # the default backend follows TRITON_INTERPRET, which tests flip at run time
@@ -187,10 +182,7 @@ class KernelBase:
         backend = backend or default_backend(args)
         spec = self._spec(config, args, kw, backend)
         if spec not in self._compiled:
-            from kilnx.codegen.launch import wait_for_warm_up
-            wait_for_warm_up()      # it may be building this very spec (runtime/startup.py)
-            if spec not in self._compiled:
-                self._compiled[spec] = self._build(config, args, kw, backend)
+            self._compiled[spec] = self._build(config, args, kw, backend)
         return self._compiled[spec]
 
     def __call__(self, *args, backend: str | None = None, config: dict | None = None, **kw):
@@ -203,10 +195,7 @@ class KernelBase:
         key = _call_key(args, backend, kw)
         hit = self._calls.get(key) if key is not None else None
         if hit is None or hit[0] != _tuning_generation[0]:
-            config = self._tuned_config(args, kw)
-            launch = self._launch(config, args, kw, backend)
-            for hook in FIRST_USE_HOOKS:
-                hook(self, launch, config, args, kw)
+            launch = self._launch(self._tuned_config(args, kw), args, kw, backend)
             spec = self._specialize(*args) if self._specialize else {}
             fast = self._prepared(launch, args, {**spec, **kw}) if key is not None else None
             hit = (_tuning_generation[0], launch, spec, fast)

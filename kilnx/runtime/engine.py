@@ -94,17 +94,6 @@ class Engine:
         # loads most of the same kernels, and the second token then waits ~1 s for the capture
         if self.cuda_graphs and os.environ.get("KILNX_LAZY_GRAPHS", "0") != "1":
             self._capture_all()
-        self._startup_key = getattr(model, "startup_key", None) if self.device.type == "cuda" else None
-        self._startup_saves = 0
-        self._note_startup()
-
-    def _note_startup(self) -> None:
-        """The kernels launched so far, for the next process's warm-up to build (runtime/startup.py): after
-        the decode capture and after the first prefill."""
-        if self._startup_key is not None and self._startup_saves < 2:
-            from kilnx.runtime import startup
-            startup.save(self._startup_key)
-            self._startup_saves += 1
 
     # ------------------------------------------------------------------ limits
     def check_fits(self, prompt_len: int) -> None:
@@ -126,15 +115,13 @@ class Engine:
         cache = self.cache.rows(row, row + 1)
         t = prefill_bucket(n, self.prefill_graph_max) if self.prefill_graph_max else None
         if t is not None and (row, t) not in self.prefill_graph_refused:
-            logits = self._prefill_graphed(ids, row, start, t, cache)
-        else:
-            for s in range(0, n, self.prefill_chunk):
-                e = min(n, s + self.prefill_chunk)
-                pos = torch.arange(start + s, start + e, device=self.device).unsqueeze(0)
-                logits = self.model.forward(ids[s:e].unsqueeze(0), pos, cache, last=-1)
-            logits = logits[0, -1]
-        self._note_startup()
-        return logits
+            return self._prefill_graphed(ids, row, start, t, cache)
+        logits = None
+        for s in range(0, n, self.prefill_chunk):
+            e = min(n, s + self.prefill_chunk)
+            pos = torch.arange(start + s, start + e, device=self.device).unsqueeze(0)
+            logits = self.model.forward(ids[s:e].unsqueeze(0), pos, cache, last=-1)
+        return logits[0, -1]
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, *, max_position: int | None = None) -> torch.Tensor:

@@ -109,13 +109,10 @@ def _looks_gguf(path: str) -> bool:
 def load_model(spec: str, *, device: str = "cpu", dtype: torch.dtype | None = None, ops=None,
                random: bool = False, random_format: str = "q4", seed: int = 0) -> LoadedModel:
     from kilnx.codegen.launch import warm_up_in_background
+    from kilnx.models.llama import LlamaModel
     from kilnx.models.weights import build_weights
-    from kilnx.runtime import startup
     dtype = dtype or default_dtype(device)
-    # the kernels this model's last start-up launched are built while the weights load (GPU only)
-    key = startup.model_key(spec, random, random_format, str(dtype), str(device),
-                            None if ops is None else repr(ops))
-    warm_up_in_background(device, key)
+    warm_up_in_background(device)     # overlaps the weights' loading (GPU only)
     if random:
         from kilnx.models.loaders.random_init import RandomSource
         from kilnx.models.presets import PRESETS, get_preset
@@ -134,18 +131,11 @@ def load_model(spec: str, *, device: str = "cpu", dtype: torch.dtype | None = No
                 tok = None
         with torch.no_grad():
             weights = build_weights(cfg, src, device=device, dtype=dtype)
-        return LoadedModel(_model(cfg, weights, ops, key), tok, cfg, src.path)
+        return LoadedModel(LlamaModel(cfg, weights, ops=ops), tok, cfg, src.path)
     path = resolve_path(spec)
     cfg, src, tok = open_source(path)
     with torch.no_grad():
         weights = build_weights(cfg, src, device=device, dtype=dtype)
     if tok is not None and not cfg.eos_token_ids and tok.eos_token_ids:
         cfg = cfg.with_(eos_token_ids=tok.eos_token_ids)
-    return LoadedModel(_model(cfg, weights, ops, key), tok, cfg, path)
-
-
-def _model(cfg, weights, ops, startup_key: str):
-    from kilnx.models.llama import LlamaModel
-    model = LlamaModel(cfg, weights, ops=ops)
-    model.startup_key = startup_key     # the engine writes its start-up's kernels under it
-    return model
+    return LoadedModel(LlamaModel(cfg, weights, ops=ops), tok, cfg, path)

@@ -8,7 +8,8 @@ token, alternated over `rounds`:
     moe_h2's two kernels (gate_up + SwiGLU, prep of h, down + combine) against the one pass;
   - llama-3.1-8b's dense MLP as one expert (H 4096, F 14336): qmv_h2 gate_up, silu_mul_prep, qmv_h2 down
     (the model's decode path) against the one pass.
-One-pass configs: the default and a few around it.
+One-pass configs: the default and a few around it, each with down in MLX's layout and transposed
+(`onepass_t_*`: moe_onepass.down_transposed, read along output rows).
 
   GPU:  python bench/probes/moe_onepass.py OUT_CSV [rounds]
 Timing: bench_kernels.time_calls (a CUDA graph over input copies, median of replays); MoE copies route
@@ -75,9 +76,12 @@ def main(out_csv: str, rounds: int = 2):
                 h = QH.qmv_h2(*p, g2.packed, g2.scales, g2.biases)
                 return P.qmatmul_prepared(P.silu_mul_prepared(h, (8, 64)), d2)
             paths["dense_mlp"] = dense_mlp
-        paths["onepass_default"] = lambda p, ids, rw: MO.moe_onepass(*p, gu, dn, ids, rw)
-        for cname, cfg in CONFIGS.items():
-            paths["onepass_" + cname] = lambda p, ids, rw, cfg=cfg: MO.moe_onepass(*p, gu, dn, ids, rw, config=cfg)
+        dn_t = MO.down_transposed(dn)       # down read along its output rows (session 18)
+        for tag, down in (("", dn), ("t_", dn_t)):
+            paths[f"onepass_{tag}default"] = lambda p, ids, rw, down=down: MO.moe_onepass(*p, gu, down, ids, rw)
+            for cname, cfg in CONFIGS.items():
+                paths[f"onepass_{tag}{cname}"] = lambda p, ids, rw, cfg=cfg, down=down: MO.moe_onepass(
+                    *p, gu, down, ids, rw, config=cfg)
         ref = paths["two_kernels" if E > 1 else "dense_mlp"](*sets[0]).float()
         scale = ref.abs().max().item() + 1e-9
         for r in range(rounds):

@@ -38,23 +38,34 @@ from kilnx.kernels.sizes import pow2_at_least, pow2_dividing
 BITS_SERVED = H.BITS_SERVED
 
 
+def _down_transposed(d_packed, d_scales) -> bool:
+    """Whether down comes transposed, (E, F / codes per word, H) words and (E, F / group, H) scales (see
+    down_transposed), rather than as MLX stores it, (E, H, F / codes per word) and (E, H, F / group): in
+    MLX's layout the words and the scales share their middle dim (H), transposed their last; a group is
+    never as small as a word's codes, so the two cannot be confused."""
+    return d_packed.shape[1] != d_scales.shape[1]
+
+
 def _formats(planes, scales, wq, d_packed, d_scales):
     """The codes and groups of gate_up (from the prepared planes) and of down (whose K is F, half of gate_up's
-    2F rows)."""
+    2F rows), and down's layout."""
     per, F = 2 * planes.shape[1], wq.shape[1] // 2
+    t = _down_transposed(d_packed, d_scales)
     return {"BITS": 32 // per, "GROUP": per * planes.shape[2] // scales.shape[2],
-            "BITS_D": 32 * d_packed.shape[2] // F, "GROUP_D": F // d_scales.shape[2]}
+            "BITS_D": 32 * d_packed.shape[1 if t else 2] // F, "GROUP_D": F // d_scales.shape[1 if t else 2],
+            "DOWN_T": t}
 
 
 def _specialize(planes, sums, xs, wq, scales, biases, d_packed, d_scales, d_biases, expert_ids, *_):
-    return {**_formats(planes, scales, wq, d_packed, d_scales), "SLOTS": pow2_at_least(expert_ids.shape[1]),
+    fmt = _formats(planes, scales, wq, d_packed, d_scales)
+    return {**fmt, "SLOTS": pow2_at_least(expert_ids.shape[1]),
             "N_DIV": pow2_dividing(wq.shape[1]), "KW_DIV": pow2_dividing(wq.shape[2]),
-            "H_DIV": pow2_dividing(d_packed.shape[1])}
+            "H_DIV": pow2_dividing(d_packed.shape[2 if fmt["DOWN_T"] else 1])}
 
 
 def _key(planes, sums, xs, wq, scales, biases, d_packed, d_scales, d_biases, expert_ids, *_, **kw):
     return {"M": expert_ids.numel(), "N": wq.shape[1], "K": 2 * planes.shape[1] * planes.shape[2], "E": wq.shape[0],
-            "bits": kw["BITS"], "gs": kw["GROUP"]}
+            "bits": kw["BITS"], "gs": kw["GROUP"], "down": "t" if kw["DOWN_T"] else "n"}
 
 
 def _default(planes, *args, GROUP_D, N_DIV, **__):
@@ -73,9 +84,11 @@ TUNE = {"BLOCK_F": kd.pow2(8, 128, default=32), "BLOCK_KW": kd.pow2(8, 512, defa
 
 
 def _spec(planes, sums, xs, wq, scales, biases, d_packed, d_scales, d_biases, expert_ids, routing_weights, *, BITS,
-          GROUP, BITS_D, GROUP_D, ACT="silu", **_):
+          GROUP, BITS_D, GROUP_D, DOWN_T=False, ACT="silu", **_):
     """float64 eager torch: sum_k w[t, k] * down_e(act(gate_e x_t) * up_e x_t), e = expert_ids[t, k]; fp32."""
     from kilnx.kernels.moe_specs import TORCH_ACTIVATIONS, gather_formula
+    if DOWN_T:
+        d_packed, d_scales, d_biases = (t.transpose(1, 2) for t in (d_packed, d_scales, d_biases))
     x = H._x_of(planes, xs)
     T, top_k = expert_ids.shape
     gate, up = gather_formula(x, wq, scales, biases, expert_ids, BITS, GROUP, True).chunk(2, dim=-1)
@@ -88,12 +101,14 @@ def _spec(planes, sums, xs, wq, scales, biases, d_packed, d_scales, d_biases, ex
 def moe_onepass_h2(planes, sums, xs, wq, scales, biases, d_packed, d_scales, d_biases, expert_ids, routing_weights, *,
                    BITS: kd.constexpr, GROUP: kd.constexpr, BITS_D: kd.constexpr, GROUP_D: kd.constexpr,
                    SLOTS: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr, H_DIV: kd.constexpr,
-                   ACT: kd.constexpr = "silu", BLOCK_F, BLOCK_KW, BLOCK_H, STAGES, CHAIN):
-    """Prepared x (T rows), a [gate | up] stack wq (E, 2F, K) and a down stack (E, H, F) -> (T, H) fp32:
-    sum_k routing_weights[t, k] * down_e(act(gate_e x_t) * up_e x_t), e = expert_ids[t, k]."""
+                   DOWN_T: kd.constexpr = False, ACT: kd.constexpr = "silu", BLOCK_F, BLOCK_KW, BLOCK_H, STAGES,
+                   CHAIN):
+    """Prepared x (T rows), a [gate | up] stack wq (E, 2F, K) and a down stack (E, H, F) (or transposed,
+    DOWN_T) -> (T, H) fp32: sum_k routing_weights[t, k] * down_e(act(gate_e x_t) * up_e x_t), e =
+    expert_ids[t, k]."""
     T, TOP_K = expert_ids.shape
     E, N2, KW = wq.shape
-    HD = d_packed.shape[1]
+    HD = d_packed.shape[2] if DOWN_T else d_packed.shape[1]
     F, HB = N2 // 2, BLOCK_F
     PER_D = 32 // BITS_D
     HBW = HB // PER_D                                # down's words per row in the program's block
@@ -111,7 +126,14 @@ def moe_onepass_h2(planes, sums, xs, wq, scales, biases, d_packed, d_scales, d_b
     check = H_DIV % BLOCK_H != 0
 
     def down_block(n):
-        """(words, scales, biases) of output rows n in the program's column block of the expert's down."""
+        """(words, scales, biases) of output rows n in the program's column block of the expert's down. In
+        MLX's layout a row's words for the block are a 4-16 byte piece of a longer row, so each 32-byte
+        sector read is partly wasted (ncu, session 17: 56% of the kernel's sectors); transposed, the
+        block's rows are adjacent for each word."""
+        if DOWN_T:
+            words = kd.load(d_packed, expert, wcol[None, :], n[:, None], hint="stream", check=(False, False, check))
+            return (words, kd.load(d_scales, expert, g, n, check=(False, False, check)).f32(),
+                    kd.load(d_biases, expert, g, n, check=(False, False, check)).f32())
         words = kd.load(d_packed, expert, n[:, None], wcol[None, :], hint="stream", check=(False, check, False))
         return (words, kd.load(d_scales, expert, n, g, check=(False, check, False)).f32(),
                 kd.load(d_biases, expert, n, g, check=(False, check, False)).f32())
@@ -151,22 +173,32 @@ def serves(w_gate_up, w_down) -> bool:
     return w_down.shape[-1] % 8 == 0 and moe_h2.serves(w_gate_up, w_down)
 
 
+def down_transposed(w_down):
+    """The down stack's words, scales and biases as (E, F / codes per word, H) and (E, F / group, H): what
+    the one pass reads along output rows (a copy; moe_onepass takes it in place of w_down)."""
+    from types import SimpleNamespace
+    return SimpleNamespace(**{name: getattr(w_down, name).transpose(1, 2).contiguous()
+                              for name in ("packed", "scales", "biases")})
+
+
 def moe_onepass(planes, sums, xs, w_gate_up, w_down, expert_ids, routing_weights, activation: str = "silu",
                 config=None):
     """Prepared x (T rows, gate_up's format) -> (T, H) fp32: the decode MoE in one launch (plus the zeroing
-    of its output)."""
+    of its output). w_down: the QWeight, or its down_transposed copy."""
     gu, dn = w_gate_up, w_down
     return moe_onepass_h2(planes, sums, xs, gu.packed, gu.scales, gu.biases, dn.packed, dn.scales, dn.biases,
                           expert_ids, routing_weights, ACT=activation, config=config)
 
 
 def make_args(problem: dict, device: str):
-    """{T, top_k, E, N (= 2F), K (= H), bits, gs} -> moe_onepass_h2's inputs: the gate_up GLU's problem
-    (moe_specs), x prepared, and a random down stack."""
+    """{T, top_k, E, N (= 2F), K (= H), bits, gs[, down: "t"]} -> moe_onepass_h2's inputs: the gate_up GLU's
+    problem (moe_specs), x prepared, and a random down stack (transposed with down "t")."""
     from kilnx.kernels.moe_specs import make_args_for, random_expert_weights
     bits, gs = problem.get("bits", 4), problem.get("gs", 64)
     x, wq, scales, biases, ids, rw = make_args_for(False, True)({**problem, "x": "token"}, "cpu")
     down = random_expert_weights(problem["E"], problem["K"], problem["N"] // 2, bits, gs)
+    if problem.get("down") == "t":
+        down = tuple(t.transpose(1, 2).contiguous() for t in down)
     args = (*H._prep_spec(x, PER=32 // bits, GROUP=gs), wq, scales, biases, *down, ids, rw)
     return tuple(a.to(device) for a in args)
 
@@ -183,4 +215,4 @@ moe_onepass_h2.tuning(make_args=make_args, problems=[{"T": 1, "top_k": 8, "E": 1
 moe_onepass_h2.tolerance = tolerance
 
 
-__all__ = ["moe_onepass_h2", "moe_onepass", "serves"]
+__all__ = ["moe_onepass_h2", "moe_onepass", "down_transposed", "serves"]

@@ -121,9 +121,10 @@ def test_public_moe_on_gpu_every_path():
 @pytest.mark.parametrize("cfg", [None, {"BLOCK_F": 16, "BLOCK_KW": 64, "BLOCK_H": 128, "num_warps": 4, "STAGES": 3},
                                  {"BLOCK_F": 64, "BLOCK_KW": 32, "BLOCK_H": 64, "num_warps": 8, "STAGES": 1}])
 @pytest.mark.parametrize("T", [1, 4])
-def test_one_pass_decode_moe_on_gpu(cfg, T):
+@pytest.mark.parametrize("down_t", [False, True])
+def test_one_pass_decode_moe_on_gpu(cfg, T, down_t):
     """kernels/moe_onepass.py (what moe() runs on the GPU for 4/8-bit stacks at decode) against the float64
-    formula: gate_up 4-bit, down 8-bit, routed slots summed by atomic adds."""
+    formula: gate_up 4-bit, down 8-bit (MLX's layout or transposed), routed slots summed by atomic adds."""
     from kilnx.kernels import moe_onepass as MO
     from kilnx.kernels import qmv_h2 as QH
     gu, dn = stack(2 * F, H, 4, seed=3), stack(H, F, 8, seed=4)
@@ -133,6 +134,7 @@ def test_one_pass_decode_moe_on_gpu(cfg, T):
     gate, up = g.chunk(2, -1)
     h = torch.nn.functional.silu(gate) * up * rw.cpu().double().reshape(-1, 1)
     want = S.gather_formula(h, dn.packed, dn.scales, dn.biases, ids, 8, 64, False).reshape(T, TOP_K, H).sum(1)
-    got = MO.moe_onepass(*QH.qmv_h2_prep(x, PER=8, GROUP=64), gu, dn, ids, rw, config=cfg)
+    got = MO.moe_onepass(*QH.qmv_h2_prep(x, PER=8, GROUP=64), gu, MO.down_transposed(dn) if down_t else dn, ids, rw,
+                         config=cfg)
     assert got.dtype == torch.float32
     close(got, want, rel=2 ** -7)

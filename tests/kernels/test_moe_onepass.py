@@ -55,24 +55,33 @@ def check(got, want, tol):
 @given(T=st.sampled_from([1, 2]), k=st.sampled_from([1, 3, 4]), bits=st.sampled_from([4, 8]),
        bits_d=st.sampled_from([4, 8]), F=st.sampled_from([64, 128]), HD=st.sampled_from([24, 64]),
        gs_d=st.sampled_from([32, 64]),
-       act=st.sampled_from(["silu", "gelu_tanh"]),
+       act=st.sampled_from(["silu", "gelu_tanh"]), down_t=st.booleans(),
        cfg=st.sampled_from([{"BLOCK_F": 8, "BLOCK_KW": 8, "BLOCK_H": 16, "STAGES": 1},
                             {"BLOCK_F": 16, "BLOCK_KW": 16, "BLOCK_H": 32, "STAGES": 2},
                             {"BLOCK_F": 32, "BLOCK_KW": 64, "BLOCK_H": 64, "STAGES": 1, "CHAIN": 2}]))
-def test_one_pass_matches_mlx(T, k, bits, bits_d, F, HD, gs_d, act, cfg):
-    """Output rows past a BLOCK_H tail (24 of 32), blocks of 8 to 32 features, down groups of 32 and 64."""
+def test_one_pass_matches_mlx(T, k, bits, bits_d, F, HD, gs_d, act, down_t, cfg):
+    """Output rows past a BLOCK_H tail (24 of 32), blocks of 8 to 32 features, down groups of 32 and 64, down
+    in MLX's layout or transposed."""
     prep, gu, dn, ids, weights, want, tol = case(T, k, 5, F, 128, HD, bits, bits_d, seed=T * 10 + k, act=act,
                                                  gs_d=gs_d)
-    got = MO.moe_onepass(*prep, gu, dn, ids, weights, act, config=cfg)
+    got = MO.moe_onepass(*prep, gu, MO.down_transposed(dn) if down_t else dn, ids, weights, act, config=cfg)
     check(got, want, tol)
 
 
 @pytest.mark.parametrize("backend", ["reference", "numba"])
-def test_other_backends_on_one_case(backend):
+@pytest.mark.parametrize("down_t", [False, True])
+def test_other_backends_on_one_case(backend, down_t):
     prep, gu, dn, ids, weights, want, tol = case(2, 3, 4, 64, 64, 24, 4, 8, seed=5)
     cfg = {"BLOCK_F": 16, "BLOCK_KW": 8, "BLOCK_H": 16, "STAGES": 1}
+    dn = MO.down_transposed(dn) if down_t else dn
     args = (*prep, gu.packed, gu.scales, gu.biases, dn.packed, dn.scales, dn.biases, ids, weights)
     check(MO.moe_onepass_h2(*args, backend=backend, config=cfg), want, tol)
+
+
+def test_the_layouts_are_told_apart_by_shape():
+    _, _, dn, _, _, _, _ = case(1, 2, 3, 64, 64, 64, 4, 4, seed=1)     # H = F: only the scales tell
+    t = MO.down_transposed(dn)
+    assert not MO._down_transposed(dn.packed, dn.scales) and MO._down_transposed(t.packed, t.scales)
 
 
 def test_blocks_that_straddle_a_down_group_are_refused():
@@ -101,10 +110,12 @@ def test_the_decode_route_serves_either_path_and_defaults_to_the_two_kernels(mon
         route.path_for(args)
 
 
-def test_tuning_inputs_pass_the_kernels_own_gate():
+@pytest.mark.parametrize("down", ["n", "t"])
+def test_tuning_inputs_pass_the_kernels_own_gate(down):
     """What the tuner builds for the one pass (scaled down): the spec and tolerance accept its output."""
-    problem = {**MO.moe_onepass_h2.sample_problems()[0], "E": 4, "top_k": 2, "N": 128, "K": 64}
+    problem = {**MO.moe_onepass_h2.sample_problems()[0], "E": 4, "top_k": 2, "N": 128, "K": 64, "down": down}
     args = MO.make_args(problem, "cpu")
+    assert MO.moe_onepass_h2.key(*args).endswith(f"down={down}")
     got = MO.moe_onepass_h2(*args, config={"BLOCK_F": 16, "BLOCK_KW": 8, "BLOCK_H": 64, "STAGES": 1})
     rtol, atol = MO.moe_onepass_h2.tolerance(args)
     assert torch.allclose(got, MO.moe_onepass_h2.reference(*args), rtol=rtol, atol=atol)

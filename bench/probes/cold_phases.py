@@ -5,7 +5,8 @@ wait for it, graph capture and instantiation, each model forward), for one cold 
     python bench/probes/cold_phases.py OUT_CSV [--model llama-3.1-8b]
 
 Run after bench/cold_first_token.py has filled the caches. Totals are inclusive (a build's time contains
-its module load), measured by wrapping the functions.
+its module load), measured by wrapping the functions. CSV rows: kind, name, seconds, detail, then the GPU,
+torch, triton, commit (KILNX_COMMIT) and date.
 """
 
 from __future__ import annotations
@@ -93,10 +94,12 @@ def main():
                 break
     rows = [("phase", k, v, "") for k, v in phases.items()]
     rows += [("call", k, d[1], f"{d[0]} calls, first at {d[2]:.3f}") for k, d in sorted(ACC.items())]
+    from kilnx.runtime.bench import provenance
+    prov = provenance("cuda")
     with open(out, "a", newline="") as f:
         w = csv.writer(f)
         for r in rows:
-            w.writerow(r)
+            w.writerow([*r, prov["gpu"], prov["torch"], prov["triton"], prov["commit"], prov["date"]])
     for kind, k, v, extra in rows:
         print(f"{kind:5s} {k:45s} {v:7.3f} s  {extra}")
 

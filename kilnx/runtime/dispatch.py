@@ -12,7 +12,6 @@ import functools
 import math
 import threading
 import warnings
-
 from typing import TYPE_CHECKING
 
 from kilnx.cache import DBError, TunedResult, snapshot
@@ -84,9 +83,9 @@ class TunedConfigs:
         so the runtime still runs, on default configs. Without a `db`, the default DB's snapshot
         serves where it still matches a SQLite file (no SQLAlchemy import), else the DB is read
         and the snapshot rewritten."""
-        if db is not None:
-            return cls(device, _entries(db.valid_results(device)))
         try:
+            if db is not None:
+                return cls(device, _entries(db.valid_results(device)))
             url = default_url()
         except DBError as e:
             _warn_once(f"kilnx: tuning DB unavailable, using default kernel configs: {e}")

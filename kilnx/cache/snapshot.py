@@ -48,7 +48,10 @@ def stamp(db_file: Path) -> list | None:
 
 
 def snapshot_path(db_file: Path, device_key: str, triton_version: str) -> Path:
-    ident = json.dumps([FORMAT, str(db_file), device_key, triton_version])
+    # kilnx's version too: a new kilnx may judge the DB's rows (or its schema) differently, so it reads
+    # the DB once itself
+    from kilnx.cache.result import current_versions
+    ident = json.dumps([FORMAT, str(db_file), device_key, triton_version, current_versions()["kilnx"]])
     digest = hashlib.sha256(ident.encode()).hexdigest()[:24]
     return cache_root() / "tuned" / f"{digest}.json"
 

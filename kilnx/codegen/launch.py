@@ -136,7 +136,7 @@ class Launch:
         (their addresses change from call to call), or None where the backend has none."""
         if self.backend == "numba":
             return self._numba.prepared(self, tensors, scalars, arg_index)
-        if self.backend == "triton":
+        if self.backend == "triton" and os.environ.get("KILNX_PREPARED_LAUNCH", "1") != "0":
             return _TritonCall.make(self, tensors, scalars, arg_index)
         return None
 
@@ -231,7 +231,8 @@ class _TritonCall:
     """One Triton kernel call with everything but the tensors decided: the argument list (shapes, strides
     and scalars are fixed by the call key this belongs to), the outputs' shapes, the grid and the launch
     options. An eager prefill makes ~13 launches a layer and is paced by the host on the H200 (a 2048-token
-    llama-3.1-8b prefill took 53-77 ms, by host); the general path re-derives all of this per call."""
+    llama-3.1-8b prefill took 53-77 ms, by host); the general path re-derives all of this per call.
+    KILNX_PREPARED_LAUNCH=0 keeps every call on the general path (for A/Bs)."""
 
     @classmethod
     def make(cls, launch: Launch, tensors: dict, scalars: dict, arg_index: dict) -> "_TritonCall | None":

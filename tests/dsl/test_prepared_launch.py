@@ -36,3 +36,13 @@ def test_a_fusion_repeats_through_its_prepared_launch(monkeypatch):
     assert len(_prepared_calls(activations.silu_mul_kernel)) == 1
     again = activations.silu_mul(gate_up.clone())
     assert torch.equal(first, again) and again.data_ptr() != first.data_ptr()
+
+
+def test_the_switch_keeps_calls_on_the_general_path(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("KILNX_PREPARED_LAUNCH", "0")
+    gate_up = randn(2, 32, seed=4)
+    activations.silu_mul_kernel._calls.clear()
+    first = activations.silu_mul(gate_up)
+    assert not _prepared_calls(activations.silu_mul_kernel)
+    assert torch.equal(activations.silu_mul(gate_up), first)

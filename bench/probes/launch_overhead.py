@@ -4,8 +4,9 @@ the Triton launch itself stubbed out: general path against the prepared call (la
     TRITON_INTERPRET=1 python bench/probes/launch_overhead.py [CALLS]
 
 Runs on the CPU (the interpreter's backend is "triton"; the stub never runs a kernel). Prints microseconds
-per call for a few library kernels at their first tuning problem. Triton's own launcher (~40-70 us a call
-on the H200 host, bench/probes/cold_phases.py) comes on top in real use.
+per call for a few library kernels at their first tuning problem. Triton's own launcher comes on top in
+real use (66-139 us a call over ~1150 steady calls of a cold start on the H200 host, bench/probes/
+cold_phases.py). Figures move by up to 2x between runs on a shared 2-core machine.
 """
 
 from __future__ import annotations

@@ -53,10 +53,13 @@ def installed_triton_version() -> str:
     return _installed("triton")
 
 
-def current_versions() -> dict:
+def installed_kilnx_version() -> str:
     # getattr: a stale editable install can map `kilnx` as a namespace package without __init__.
-    kilnx_version = getattr(kilnx, "__version__", None) or _installed("kilnx")
-    return {"triton": installed_triton_version(), "torch": _installed("torch"), "kilnx": kilnx_version}
+    return getattr(kilnx, "__version__", None) or _installed("kilnx")
+
+
+def current_versions() -> dict:
+    return {"triton": installed_triton_version(), "torch": _installed("torch"), "kilnx": installed_kilnx_version()}
 
 
 def utcnow() -> datetime:

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
-from kilnx.cache.location import cache_root
+from kilnx.cache.location import cache_root, write_atomically
 
 FORMAT = 1
 Entry = tuple[str, str, str, dict]   # kernel, source hash, bucket, config
@@ -47,46 +46,46 @@ def stamp(db_file: Path) -> list | None:
     return parts if parts[0] is not None else None
 
 
-def snapshot_path(db_file: Path, device_key: str, triton_version: str) -> Path:
-    # kilnx's version too: a new kilnx may judge the DB's rows (or its schema) differently, so it reads
-    # the DB once itself
-    from kilnx.cache.result import current_versions
-    ident = json.dumps([FORMAT, str(db_file), device_key, triton_version, current_versions()["kilnx"]])
-    digest = hashlib.sha256(ident.encode()).hexdigest()[:24]
-    return cache_root() / "tuned" / f"{digest}.json"
+class Snapshot:
+    """The snapshot of one SQLite DB's valid results for one device and triton version. `read()` stamps
+    the DB file as it finds it; `write()` stores entries under that stamp, so call it with what a DB read
+    started after `read()` returned (a write to the DB in between makes the next `read()` miss)."""
 
+    def __init__(self, db_file: Path, device_key: str, triton_version: str):
+        from kilnx.cache.result import installed_kilnx_version
+        self.db_file, self.stamp = db_file, None
+        # kilnx's version too: a new kilnx may judge the DB's rows (or its schema) differently, so it reads
+        # the DB once itself
+        ident = json.dumps([FORMAT, str(db_file), device_key, triton_version, installed_kilnx_version()])
+        self.path = cache_root() / "tuned" / f"{hashlib.sha256(ident.encode()).hexdigest()[:24]}.json"
 
-def read(url: str, device_key: str, triton_version: str) -> list[Entry] | None:
-    """The stored entries if the snapshot of this DB, device and triton still matches the DB file, else
-    None (no snapshot, a changed DB, or an unreadable file: the caller reads the DB)."""
-    db_file = sqlite_file(url)
-    if db_file is None:
-        return None
-    now = stamp(db_file)
-    if now is None:
-        return None
-    try:
-        data = json.loads(snapshot_path(db_file, device_key, triton_version).read_text())
-        if data.get("format") != FORMAT or data.get("stamp") != now:
+    @classmethod
+    def of(cls, url: str, device_key: str, triton_version: str) -> "Snapshot | None":
+        """The snapshot for a SQLite file URL; None for anything else (those are always read)."""
+        db_file = sqlite_file(url)
+        return None if db_file is None else cls(db_file, device_key, triton_version)
+
+    def read(self) -> list[Entry] | None:
+        """The stored entries if they still match the DB file, else None (no snapshot, a changed DB, an
+        unreadable file: the caller reads the DB)."""
+        self.stamp = stamp(self.db_file)
+        if self.stamp is None:
             return None
-        return [(e[0], e[1], e[2], dict(e[3])) for e in data["entries"]]
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
-        return None
+        try:
+            data = json.loads(self.path.read_text())
+            if data.get("format") != FORMAT or data.get("stamp") != self.stamp:
+                return None
+            return [(e[0], e[1], e[2], dict(e[3])) for e in data["entries"]]
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            return None
 
-
-def write(url: str, device_key: str, triton_version: str, before: list | None, entries: list[Entry]) -> None:
-    """Store entries read from the DB whose file had stamp `before` when the read began. Best effort: a
-    cache directory that cannot be written only means the next start reads the DB again."""
-    db_file = sqlite_file(url)
-    if db_file is None or before is None:
-        return
-    path = snapshot_path(db_file, device_key, triton_version)
-    data = {"format": FORMAT, "db": str(db_file), "device": device_key, "triton": triton_version,
-            "stamp": before, "entries": [list(e) for e in entries]}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)       # atomic: a concurrent reader sees the old file or the new one
-    except OSError:
-        pass
+    def write(self, entries: list[Entry]) -> None:
+        """Store entries under the stamp `read()` took. Best effort: a cache directory that cannot be
+        written only means the next start reads the DB again."""
+        if self.stamp is None:
+            return              # no DB file before the read: the next start stamps the one it made
+        data = {"format": FORMAT, "db": str(self.db_file), "stamp": self.stamp, "entries": [list(e) for e in entries]}
+        try:
+            write_atomically(self.path, json.dumps(data))
+        except OSError:
+            pass

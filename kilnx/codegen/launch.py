@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kilnx.cache.location import cache_root, write_atomically
 from kilnx.dsl.ir import KernelIR, TensorParam, torch_dtype
 # attributes of these modules are read at call time: they import kilnx.dsl, which imports this module
 from kilnx.codegen import numba_launch, reference
@@ -29,7 +30,6 @@ _modules: dict[str, object] = {}
 
 
 def cache_dir() -> Path:
-    from kilnx.cache.location import cache_root
     p = cache_root() / "kernels"
     p.mkdir(parents=True, exist_ok=True)
     return p
@@ -58,9 +58,7 @@ def load_module(source: str, prefix: str):
             return _modules[name]
         path = cache_dir() / f"{name}.py"
         if not path.exists() or path.read_text() != source:
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(source)
-            os.replace(tmp, path)  # atomic: concurrent processes never import half a file
+            write_atomically(path, source)  # concurrent processes never import half a file
         spec = importlib.util.spec_from_file_location(name, path)
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
@@ -189,11 +187,15 @@ class Launch:
             return tuple(outs[r] for r in self.ir.returns)
         return outs[self.ir.returns]
 
-    def _flat_args(self, allt, scalars, convert):
+    def _flat_args(self, allt, scalars, convert, slots: dict | None = None):
+        """The kernel's arguments in order: each tensor followed by its shape and strides, each scalar;
+        `slots`, where given, receives each tensor's position in the list."""
         args = []
         for p in self.ir.params + [o[0] for o in self.ir.outputs]:
             if isinstance(p, TensorParam):
                 t = allt[p.name]
+                if slots is not None:
+                    slots[p.name] = len(args)
                 args.append(convert(t))
                 args += list(t.shape) + list(t.stride())
             else:
@@ -206,12 +208,16 @@ class Launch:
         if self.ir.tile_tensors:
             _ready_for_tma(self.ir, allt)
         args = self._flat_args(allt, scalars, lambda t: t)
+        self.fn[grid](*args, **self.triton_options(next(iter(allt.values())).is_cuda))
+
+    def triton_options(self, cuda: bool) -> dict:
+        """The launch's keyword options: warps, stages, the register cap, PDL (on a GPU that has it)."""
         knobs = {"num_warps": self.ir.num_warps, "num_stages": self.ir.num_stages}
         if self.ir.maxnreg:
             knobs["maxnreg"] = self.ir.maxnreg
-        if _pdl() and next(iter(allt.values())).is_cuda:
+        if cuda and _pdl():
             knobs["launch_pdl"] = True
-        self.fn[grid](*args, **knobs)
+        return knobs
 
     def _run_reference(self, allt, scalars, grid):
         arrays = {name: _to_numpy(t) for name, t in allt.items()}
@@ -230,9 +236,9 @@ class Launch:
 class _TritonCall:
     """One Triton kernel call with everything but the tensors decided: the argument list (shapes, strides
     and scalars are fixed by the call key this belongs to), the outputs' shapes, the grid and the launch
-    options. An eager prefill makes ~13 launches a layer and is paced by the host on the H200 (a 2048-token
-    llama-3.1-8b prefill took 53-77 ms, by host); the general path re-derives all of this per call.
-    KILNX_PREPARED_LAUNCH=0 keeps every call on the general path (for A/Bs)."""
+    options. Eager prefill launches every kernel of every layer from Python, and the host sets its pace on a
+    slower machine (llama-3.1-8b at 2048 tokens: 26.7k tok/s there against 38k, session 18); the general
+    path re-derives all of this per call. KILNX_PREPARED_LAUNCH=0 keeps every call on the general path."""
 
     @classmethod
     def make(cls, launch: Launch, tensors: dict, scalars: dict, arg_index: dict) -> "_TritonCall | None":
@@ -243,37 +249,22 @@ class _TritonCall:
 
     def __init__(self, launch: Launch, tensors: dict, scalars: dict, arg_index: dict, shapes, grid):
         ir = launch.ir
-        self.fn, self.grid, self.ir = launch.fn, grid, ir
+        self.launch, self.grid = launch, grid
         self.device = next((t.device for t in tensors.values()), torch.device("cpu"))
-        self.template, self.inputs, self.outs, self.named = [], [], [], []
-        outputs = {p.name: (shape, zero) for (p, _, zero), shape in zip(ir.outputs, shapes)}
-        for p in ir.params + [o[0] for o in ir.outputs]:
-            if not isinstance(p, TensorParam):
-                self.template.append(scalars[p.name])
-                continue
-            slot = len(self.template)
-            self.template.append(None)
-            if p.name in outputs:
-                shape, zero = outputs[p.name]
-                self.outs.append((slot, p.name, tuple(shape), torch_dtype(p.dtype), zero))
-                strides = torch.empty(shape, device="meta").stride()
-            else:
-                t = tensors[p.name]
-                self.inputs.append((slot, arg_index[p.name]))
-                shape, strides = t.shape, t.stride()
-            self.named.append((p.name, slot))
-            self.template += list(shape) + list(strides)
-        self.knobs = {"num_warps": ir.num_warps, "num_stages": ir.num_stages}
-        if ir.maxnreg:
-            self.knobs["maxnreg"] = ir.maxnreg
-        if _pdl() and self.device.type == "cuda":
-            self.knobs["launch_pdl"] = True
-        r = ir.returns
-        self.returns = None if r is None else tuple(r) if isinstance(r, tuple) else r
+        # meta tensors stand in for the outputs: they give the list their shapes and contiguous strides
+        outs = {p.name: torch.empty(shape, dtype=torch_dtype(p.dtype), device="meta")
+                for (p, _, _), shape in zip(ir.outputs, shapes)}
+        self.slots: dict[str, int] = {}
+        self.template = launch._flat_args({**tensors, **outs}, scalars, lambda t: t, self.slots)
+        self.inputs = [(self.slots[name], arg_index[name]) for name in tensors]
+        self.outs = [(self.slots[p.name], p.name, outs[p.name].shape, outs[p.name].dtype, zero)
+                     for p, _, zero in ir.outputs]
+        self.knobs = launch.triton_options(self.device.type == "cuda")
 
     def __call__(self, args):
+        ir = self.launch.ir
         if numba_launch._recorder is not None:
-            numba_launch._recorder.refuse(f"{self.ir.name} runs on the triton backend")
+            numba_launch._recorder.refuse(f"{ir.name} runs on the triton backend")
         if _warm_thread is not None:
             _join_warm_up()
         a = self.template.copy()
@@ -282,13 +273,10 @@ class _TritonCall:
         outs = {}
         for slot, name, shape, dtype, zero in self.outs:
             outs[name] = a[slot] = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=self.device)
-        if self.ir.tile_tensors:   # TMA's rules include the addresses: checked per call
-            _ready_for_tma(self.ir, {name: a[slot] for name, slot in self.named})
-        self.fn[self.grid](*a, **self.knobs)
-        r = self.returns
-        if r is None:
-            return None
-        return tuple(outs[n] for n in r) if isinstance(r, tuple) else outs[r]
+        if ir.tile_tensors:   # TMA's rules include the addresses: checked per call
+            _ready_for_tma(ir, {name: a[slot] for name, slot in self.slots.items()})
+        self.launch.fn[self.grid](*a, **self.knobs)
+        return self.launch.returns(outs)
 
 
 def tma_readable(t: torch.Tensor) -> bool:

@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from kilnx.cache.location import cache_root
+from kilnx.cache.location import cache_root, write_atomically
 
 _installed = False
 
@@ -59,10 +59,7 @@ def install() -> bool:
     if not value:
         value = original()
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(value)
-            os.replace(tmp, path)
+            write_atomically(path, value)
         except OSError:
             pass            # an unwritable cache only means the next process hashes again
 

@@ -67,7 +67,8 @@ class MoeDecodeRoute:
         """(T, H) in scales' dtype by `path` (the one pass's fp32 sum rounded once) from moe_onepass_h2's
         arguments; configs: the two kernels' (None: tuned or default)."""
         if path == "onepass":
-            return self._one.moe_onepass_h2(*args, ACT=activation, backend=backend).to(args[4].dtype)
+            scales = args[4]
+            return self._one.moe_onepass_h2(*args, ACT=activation, backend=backend).to(scales.dtype)
         return self._h2.two_kernels(*args, activation=activation, configs=configs, backend=backend)
 
     def path_for(self, args: tuple) -> str:

@@ -80,31 +80,12 @@ class TunedConfigs:
     @classmethod
     def load(cls, device: DeviceInfo, db: "TuningDB | None" = None) -> "TunedConfigs":
         """Read the device's valid results once. An unusable DB warns (once) and yields no configs,
-        so the runtime still runs, on default configs. Without a `db`, the default DB's snapshot
-        serves where it still matches a SQLite file (no SQLAlchemy import), else the DB is read
-        and the snapshot rewritten."""
+        so the runtime still runs, on default configs."""
         try:
-            if db is not None:
-                return cls(device, _entries(db.valid_results(device)))
-            url = default_url()
+            return cls(device, _valid_entries(device, db))
         except DBError as e:
             _warn_once(f"kilnx: tuning DB unavailable, using default kernel configs: {e}")
             return cls(device, [])
-        triton = installed_triton_version()
-        entries = snapshot.read(url, device.key, triton)
-        if entries is not None:
-            return cls(device, entries)
-        db_file = snapshot.sqlite_file(url)
-        before = snapshot.stamp(db_file) if db_file is not None else None
-        from kilnx.cache.db import TuningDB
-        try:
-            with TuningDB(url) as opened:
-                entries = _entries(opened.valid_results(device, triton_version=triton))
-        except DBError as e:
-            _warn_once(f"kilnx: tuning DB unavailable, using default kernel configs: {e}")
-            return cls(device, [])
-        snapshot.write(url, device.key, triton, before, entries)
-        return cls(device, entries)
 
     def config_for(self, kernel_name: str, source_hash: str, bucket: str, default: dict) -> dict:
         ident = (kernel_name, source_hash)
@@ -142,6 +123,25 @@ class TunedConfigs:
 
     def __len__(self) -> int:
         return sum(len(b) for b in self._configs.values())
+
+
+def _valid_entries(device: DeviceInfo, db: "TuningDB | None") -> list[snapshot.Entry]:
+    """`db`'s valid results for `device`; without a `db`, the default DB's: from its snapshot while that
+    still matches the SQLite file (no SQLAlchemy import), else read and the snapshot rewritten."""
+    if db is not None:
+        return _entries(db.valid_results(device))
+    url = default_url()
+    triton = installed_triton_version()
+    snap = snapshot.Snapshot.of(url, device.key, triton)
+    entries = snap.read() if snap is not None else None
+    if entries is not None:
+        return entries
+    from kilnx.cache.db import TuningDB
+    with TuningDB(url) as opened:
+        entries = _entries(opened.valid_results(device, triton_version=triton))
+    if snap is not None:
+        snap.write(entries)
+    return entries
 
 
 def _entries(results: list[TunedResult]) -> list[snapshot.Entry]:

@@ -238,7 +238,7 @@ class Engine:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             # warm-up: kernels compile or load, every launch memo fills, the allocator grows (one step does
-            # it all; a second cost a cold start ~50 ms of launches)
+            # it all; a second was only more launches on a cold start's path)
             self.model.forward(ids, pos, cache, last=-1)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()

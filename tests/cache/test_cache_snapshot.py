@@ -31,7 +31,7 @@ def _record(url, device, kernel, value):
 
 
 def _snapshot_file(url, device):
-    return snapshot.snapshot_path(snapshot.sqlite_file(url), device.key, installed_triton_version())
+    return snapshot.Snapshot.of(url, device.key, installed_triton_version()).path
 
 
 def test_sqlite_urls_only():

@@ -5,8 +5,8 @@ the Triton launch itself stubbed out: general path against the prepared call (la
 
 Runs on the CPU (the interpreter's backend is "triton"; the stub never runs a kernel). Prints microseconds
 per call for a few library kernels at their first tuning problem. Triton's own launcher comes on top in
-real use (66-139 us a call over ~1150 steady calls of a cold start on the H200 host, bench/probes/
-cold_phases.py). Figures move by up to 2x between runs on a shared 2-core machine.
+real use (at most ~66 us a call over ~1150 calls of a cold start on the H200 host, bench/probes/
+cold_phases.py). Figures moved by up to 2x between runs on a shared 2-core machine.
 """
 
 from __future__ import annotations

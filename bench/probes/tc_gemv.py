@@ -1,0 +1,243 @@
+"""Design probe (not a kilnx kernel): a 4-bit GEMV for 1-16 activation rows on wgmma, with the weight
+decoded straight into the tensor cores' register operand: no shared-memory round trip for the weight.
+
+Why: qmv_h2 costs ~3.4 SASS instructions per code at one row and its time grows with the rows (1.85x at
+4 rows, 3.42x at 8 on gate_up; target <= 1.2x). Every tensor-core variant so far (qmv_tc, mma_probe,
+qmm PACKED at 16 rows) stored the decoded weight tile to shared memory and read it back in the MMA
+operand layout (compiled here for sm_90: qmm PACKED's TTGIR has `local_alloc` of the 64 x 128 bf16 tile),
+a round trip, barriers and ~2x the instructions per code, which held them at 16-28% of copy at one row.
+
+The layout: Triton keeps wgmma's A operand in registers when it comes from elementwise ops, one
+`tl.join` and a reshape of a loaded tensor (two nested joins already send it through shared memory,
+triton 3.6). With 4-bit codes, a byte holds two codes: decoding bytes into (low, high) nibbles is one
+join. What remains is the byte tile's own layout change to the operand's; the host therefore stores each
+(64 rows x 64 codes) block as 2048 bytes in the order the 128 threads of a warpgroup need them, 16
+contiguous bytes a thread, so a 1-d load (16-byte vectors, coalesced) followed by a reshape/permute gives
+the logical (64, 32) byte tile already in the operand layout, and the conversion vanishes:
+    byte e of a block: o = e % 16, lane = e // 16 % 32, warp = e // 512
+    row = 16 warp + 8 (o % 2) + lane // 4, byte column c = lane % 4 + 4 (o // 2)
+    the byte holds codes k = 2c (low nibble) and 2c + 1 (high) of the block's group.
+`compile_report()` checks that claim on the installed Triton for sm_90 (no GPU needed).
+
+Math per group (64 codes): d = sum_k (128 + q_k) x_k on the tensor cores (bf16 "magic" values 128 + q are
+exact); y += s * d + (b - 128 s) * sum_k x_k in fp32 (MLX affine: w = s q + b). x is prepared as the
+(64 x 16) B tile of each group (rows past M zero) and its group sums: on the GPU that is what a producer
+kernel would write, as qmv_h2's prep does.
+
+Compiled for sm_90 here (no GPU; triton 3.6, the device's, and 3.9 give the same TTGIR): the A operand is a
+register tensor, the only shared-memory tile is x's (64 x 16) B operand, no layout conversion before the
+dot. The loop's SASS per 32 codes a thread (one group): 124 instructions with the asm decode (24 PRMT, 16
+LOP3, 8 SHF, 26 fp32 ops of the per-group scaling, 4 HGMMA, 2 barriers), 187 with the plain decode; at
+any row count up to 16 (qmv_h2: ~27 per 8 codes at one row, growing with the rows). 16 of the PRMTs pack
+(low, high) into the operand's registers after `tl.join`. A variant on 32-bit words (pairs at nibbles i and
+i + 4, one LOP3 per pair, four k=16 dots per group) had no PRMT but four B tiles and 8 barriers a group:
+135. Whether either streams near the copy rate is for the GPU to say.
+
+  GPU run:   python bench/probes/tc_gemv.py [CSV]    (default $OUT/tc_gemv.csv; bench/device_run.sh tcgemv)
+  CPU check: TRITON_INTERPRET=1 python -m pytest tests/kernels/test_tc_gemv_probe.py
+  CPU smoke: TRITON_INTERPRET=1 python bench/probes/tc_gemv.py --smoke /tmp/tc_gemv.csv
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+BN, GS, BM = 64, 64, 16     # weight rows per program (one warpgroup's wgmma M), group size, padded x rows
+BLOCK_BYTES = BN * GS // 2  # one (64 rows x 64 codes) block: 2048 bytes
+INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ----------------------------------------------------------------------------- host side
+def codes_of(wq: torch.Tensor) -> torch.Tensor:
+    """MLX 4-bit words (N, K/8) uint32, code j of word w at bits 4j (LSB first) -> (N, K) uint8 codes."""
+    w = wq.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(0, 32, 4, device=wq.device)
+    return ((w[:, :, None] >> shifts) & 0xF).reshape(wq.shape[0], -1).to(torch.uint8)
+
+
+def pack(wq: torch.Tensor) -> torch.Tensor:
+    """MLX 4-bit group-64 words (N, K/8) -> (N/64, K/64, 2048) bytes in the operand order (module doc)."""
+    q = codes_of(wq)
+    n, k = q.shape
+    if n % BN or k % GS:
+        raise ValueError(f"tc_gemv probe: N ({n}) and K ({k}) must be multiples of {BN} and {GS}")
+    # row = 16 warp + 8 o0 + lane_hi; k = 64 g + 2 (4 o_hi + lane_lo) + h
+    q = q.reshape(n // BN, 4, 2, 8, k // GS, 8, 4, 2)
+    byte = q[..., 0] | (q[..., 1] << 4)                         # (P, warp, o0, lane_hi, G, o_hi, lane_lo)
+    # memory order within a block: warp, lane (= 4 lane_hi + lane_lo), o (= 2 o_hi + o0)
+    return byte.permute(0, 4, 1, 3, 6, 5, 2).reshape(n // BN, k // GS, BLOCK_BYTES).contiguous()
+
+
+def group_major(t: torch.Tensor) -> torch.Tensor:
+    """Per-group scales or biases (N, G) -> (N/64, G, 64): a program's 64 values of a group contiguous."""
+    n, g = t.shape
+    return t.reshape(n // BN, BN, g).transpose(1, 2).contiguous()
+
+
+def prep_x(x: torch.Tensor):
+    """x (M <= 16, K) bf16 -> (xt (G, 64, 16) bf16: each group's B tile, rows past M zero; xsum (G, 16) fp32)."""
+    m, k = x.shape
+    if m > BM:
+        raise ValueError(f"tc_gemv probe serves at most {BM} activation rows, got {m}")
+    xp = torch.zeros(BM, k, dtype=x.dtype, device=x.device)
+    xp[:m] = x
+    g = xp.reshape(BM, k // GS, GS)
+    return g.permute(1, 2, 0).contiguous(), g.float().sum(-1).t().contiguous()
+
+
+# ----------------------------------------------------------------------------- the kernel
+@triton.jit
+def _nibbles(byt, ASM: tl.constexpr):
+    """(low, high) nibbles of each byte as bf16 128 + q, joined along a new last axis. ASM: the same values,
+    four bytes (one register) at a time: two byte permutes, two shifts, four LOP3 for 8 codes."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            """{ .reg .b32 t, u;
+            prmt.b32 t, $4, 0, 0x5150;
+            lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xea;
+            shr.u32 u, t, 4;
+            lop3.b32 $2, u, 0x000F000F, 0x43004300, 0xea;
+            prmt.b32 t, $4, 0, 0x5352;
+            lop3.b32 $1, t, 0x000F000F, 0x43004300, 0xea;
+            shr.u32 u, t, 4;
+            lop3.b32 $3, u, 0x000F000F, 0x43004300, 0xea; }""",
+            "=r,=r,=r,=r,r", [byt], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        lo = ((byt & 0xF).to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True)
+        hi = ((byt >> 4).to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True)
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def tc_gemv_kernel(w_ptr, s_ptr, b_ptr, xt_ptr, xsum_ptr, y_ptr, N, G, M, GROUPS_PER_SPLIT,
+                   ASM: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr):
+    pid, pk = tl.program_id(0), tl.program_id(1)
+    rows = pid * 64 + tl.arange(0, 64)
+    r64 = tl.arange(0, 64)
+    mm = tl.arange(0, 16)
+    e = tl.arange(0, 2048)
+    t = tl.arange(0, 64 * 16)
+    acc = tl.zeros((64, 16), tl.float32)
+    g_stop = tl.minimum(pk * GROUPS_PER_SPLIT + GROUPS_PER_SPLIT, G)
+    for g in range(pk * GROUPS_PER_SPLIT, g_stop):
+        blk = pid * G + g
+        byt = tl.load(w_ptr + blk * 2048 + e).reshape(4, 8, 4, 8, 2).permute(0, 4, 1, 3, 2).reshape(64, 32)
+        a = _nibbles(byt, ASM).reshape(64, 64)
+        xt = tl.load(xt_ptr + g * 1024 + t).reshape(64, 16)
+        if UPCAST:      # the CPU interpreter's dot mis-multiplies bf16 operands
+            d = tl.dot(a.to(tl.float32), xt.to(tl.float32))
+        else:
+            d = tl.dot(a, xt)
+        s = tl.load(s_ptr + blk * 64 + r64).to(tl.float32)
+        b = tl.load(b_ptr + blk * 64 + r64).to(tl.float32)
+        xs = tl.load(xsum_ptr + g * 16 + mm)
+        acc += s[:, None] * d + (b - 128.0 * s)[:, None] * xs[None, :]
+    mask = (mm[None, :] < M) & (rows[:, None] < N)
+    if SPLIT:
+        tl.atomic_add(y_ptr + mm[None, :] * N + rows[:, None], acc, mask=mask, sem="relaxed")
+    else:
+        tl.store(y_ptr + mm[None, :] * N + rows[:, None], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def tc_gemv(x: torch.Tensor, packed: torch.Tensor, s_g: torch.Tensor, b_g: torch.Tensor, *, split_k: int = 1,
+            asm: bool | None = None, prepared=None, num_stages: int = 1) -> torch.Tensor:
+    """x (M, K) bf16 times the packed weight: (M, N) bf16 (fp32 when split over K)."""
+    p, g, _ = packed.shape
+    xt, xsum = prepared if prepared is not None else prep_x(x)
+    m, n = x.shape[0], p * BN
+    split = split_k > 1
+    y = (torch.zeros if split else torch.empty)(m, n, dtype=torch.float32 if split else x.dtype, device=x.device)
+    per = -(-g // split_k)
+    tc_gemv_kernel[(p, split_k)](packed, s_g, b_g, xt, xsum, y, n, g, m, per,
+                                 ASM=(not INTERP) if asm is None else asm, SPLIT=split, UPCAST=INTERP,
+                                 num_warps=4, num_stages=num_stages)
+    return y
+
+
+# ----------------------------------------------------------------------------- static check (no GPU)
+def compile_report(asm: bool = True, num_stages: int = 1) -> dict:
+    """Compile the kernel for sm_90 with the installed Triton and report where the weight goes: the TTGIR's
+    shared-memory allocations and layout conversions, and whether the wgmma's A operand is a register tensor."""
+    from triton.backends.compiler import GPUTarget
+    sig = {"w_ptr": "*u8", "s_ptr": "*bf16", "b_ptr": "*bf16", "xt_ptr": "*bf16", "xsum_ptr": "*fp32",
+           "y_ptr": "*bf16", "N": "i32", "G": "i32", "M": "i32", "GROUPS_PER_SPLIT": "i32"}
+    names = list(sig)
+    aligned = ("w_ptr", "s_ptr", "b_ptr", "xt_ptr", "xsum_ptr", "y_ptr", "N")   # as Triton specializes them
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    src = triton.compiler.ASTSource(fn=tc_gemv_kernel, signature=sig, attrs=attrs,
+                                    constexprs={"ASM": asm, "SPLIT": False, "UPCAST": False})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": num_stages})
+    ttgir = k.asm["ttgir"]
+    lines = ttgir.splitlines()
+    dots = [ln for ln in lines if "warp_group_dot " in ln]
+    return {"local_allocs": [ln.strip() for ln in lines if "ttg.local_alloc" in ln],
+            "converts": [ln.strip() for ln in lines if "ttg.convert_layout" in ln],
+            "a_in_registers": bool(dots) and all("dot_op<{opIdx = 0" in d.split("*")[0] for d in dots),
+            "wgmma": k.asm["ptx"].count("wgmma.mma_async"), "ttgir": ttgir}
+
+
+# ----------------------------------------------------------------------------- GPU timing
+def main() -> None:
+    """llama-3.1-8b's four projections at 1-16 rows: the probe (split over K 1/2/4, plain and asm decode)
+    against qmv_h2's path (prep + GEMV) and cuBLAS bf16 on the dequantized weight, all in one run, each
+    over rotating weight copies (more bytes than L2 holds), CUDA-graph replayed (bench_kernels.time_calls)."""
+    import csv
+    import datetime
+    import itertools
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:0] = [os.path.join(here, ".."), os.path.join(here, "..", "..")]
+    from bench_kernels import copies_for, copy_gbps, time_calls          # the bench's own protocol
+    from kilnx.kernels import qmv_h2 as H
+    from kilnx.quant import QWeight
+    smoke = "--smoke" in sys.argv           # CPU, TRITON_INTERPRET=1: the script's own path on tiny shapes
+    args = [a for a in sys.argv[1:] if a != "--smoke"]
+    path = args[0] if args else os.path.join(os.environ.get("OUT", ".scratch/out"), "tc_gemv.csv")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    dev = torch.device("cpu" if smoke else "cuda")
+    copy = copy_gbps(smoke)
+    rows = []
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+    if smoke:
+        shapes = {"tiny": (128, 256)}
+    for name, (n, k) in shapes.items():
+        nbytes = n * k // 2 + 2 * 2 * n * k // GS
+        weights = []
+        for _ in range(copies_for(nbytes, smoke)):
+            w = QWeight.quantize(torch.randn(n, k, device=dev) * 0.02, bits=4, group_size=64)
+            wq, s, b = w.packed, w.scales.bfloat16(), w.biases.bfloat16()
+            weights.append((wq, s, b, pack(wq), group_major(s), group_major(b)))
+        dense = [QWeight.from_mlx(*w[:3], bits=4, group_size=64).dequantize().bfloat16() for w in weights]
+        for m in (1, 5) if smoke else (1, 2, 4, 8, 16):
+            x = torch.randn(m, k, device=dev).bfloat16()
+            ref = x.float() @ dense[0].float().t()
+            prepared = prep_x(x)
+            us_cublas = 1e6 * time_calls(lambda d: x @ d.t(), [(d,) for d in dense])
+            us_h2 = 1e6 * time_calls(lambda a, bq, c: H.run_qmv_h2(x, a, bq, c), [w[:3] for w in weights])
+            for split, asm, st in itertools.product((1, 2, 4), (False,) if smoke else (False, True), (1, 3)):
+                kw = {"split_k": split, "asm": asm, "prepared": prepared, "num_stages": st}
+                y = tc_gemv(x, *weights[0][3:], **kw)
+                err = (y.float() - ref).abs().max().item() / ref.abs().max().item()
+                us = 1e6 * time_calls(lambda p_, s_, b_: tc_gemv(x, p_, s_, b_, **kw), [w[3:] for w in weights])
+                rows.append({"case": f"tc_gemv_b4_M{m}_{name}", "split_k": split, "asm": asm, "stages": st,
+                             "us": round(us, 2),
+                             "GBps": round(nbytes / us / 1e3, 1), "pct_copy": round(100 * nbytes / us / 1e3 / copy, 1),
+                             "us_qmv_h2_path": round(us_h2, 2), "us_cublas_bf16": round(us_cublas, 2),
+                             "rel_err": f"{err:.2e}"})
+                print(rows[-1], flush=True)
+    meta = {"device": "cpu (interpreter smoke)" if smoke else torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "date": datetime.date.today().isoformat(), "commit": os.environ.get("KILNX_COMMIT", "?"),
+            "copy_GBps": round(copy, 1)}
+    with open(path, "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=list(rows[0]) + list(meta))
+        wr.writeheader()
+        for r in rows:
+            wr.writerow({**r, **meta})
+
+
+if __name__ == "__main__":
+    main()

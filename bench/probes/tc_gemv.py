@@ -26,9 +26,10 @@ kernel would write, as qmv_h2's prep does.
 
 Compiled for sm_90 here (no GPU; triton 3.6, the device's, and 3.9 give the same TTGIR): the A operand is a
 register tensor, the only shared-memory tile is x's (64 x 16) B operand, no layout conversion before the
-dot. The loop's SASS per 32 codes a thread (one group): 124 instructions with the asm decode (24 PRMT, 16
-LOP3, 8 SHF, 26 fp32 ops of the per-group scaling, 4 HGMMA, 2 barriers), 187 with the plain decode; at
-any row count up to 16 (qmv_h2: ~27 per 8 codes at one row, growing with the rows). 16 of the PRMTs pack
+dot, for one warpgroup (64 rows) or two (128). The loop's SASS per 32 codes a thread (one group, triton
+3.6): 116 instructions with the asm decode (24 PRMT, 16 LOP3, 8 SHF, 18 FFMA of the per-group scaling, 4
+HGMMA, 2 barriers), 179 with the plain decode, 144 / 206 pipelined 3 deep; the same at any row count up to
+16 (qmv_h2: ~27 per 8 codes at one row, growing with the rows). 16 of the PRMTs pack
 (low, high) into the operand's registers after `tl.join`. A variant on 32-bit words (pairs at nibbles i and
 i + 4, one LOP3 per pair, four k=16 dots per group) had no PRMT but four B tiles and 8 barriers a group:
 135. Whether either streams near the copy rate is for the GPU to say.
@@ -47,8 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-BN, GS, BM = 64, 64, 16     # weight rows per program (one warpgroup's wgmma M), group size, padded x rows
-BLOCK_BYTES = BN * GS // 2  # one (64 rows x 64 codes) block: 2048 bytes
+BN, GS, BM = 64, 64, 16     # weight rows per warpgroup (wgmma's M), group size, padded x rows
 INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -60,23 +60,25 @@ def codes_of(wq: torch.Tensor) -> torch.Tensor:
     return ((w[:, :, None] >> shifts) & 0xF).reshape(wq.shape[0], -1).to(torch.uint8)
 
 
-def pack(wq: torch.Tensor) -> torch.Tensor:
-    """MLX 4-bit group-64 words (N, K/8) -> (N/64, K/64, 2048) bytes in the operand order (module doc)."""
+def pack(wq: torch.Tensor, wg: int = 1) -> torch.Tensor:
+    """MLX 4-bit group-64 words (N, K/8) -> (N/(64 wg), K/64, 2048 wg) bytes in the operand order of a
+    program of `wg` warpgroups (module doc; warps 4..7 of a second warpgroup take rows 64..127)."""
     q = codes_of(wq)
     n, k = q.shape
-    if n % BN or k % GS:
-        raise ValueError(f"tc_gemv probe: N ({n}) and K ({k}) must be multiples of {BN} and {GS}")
+    rows = BN * wg
+    if n % rows or k % GS:
+        raise ValueError(f"tc_gemv probe: N ({n}) and K ({k}) must be multiples of {rows} and {GS}")
     # row = 16 warp + 8 o0 + lane_hi; k = 64 g + 2 (4 o_hi + lane_lo) + h
-    q = q.reshape(n // BN, 4, 2, 8, k // GS, 8, 4, 2)
+    q = q.reshape(n // rows, 4 * wg, 2, 8, k // GS, 8, 4, 2)
     byte = q[..., 0] | (q[..., 1] << 4)                         # (P, warp, o0, lane_hi, G, o_hi, lane_lo)
     # memory order within a block: warp, lane (= 4 lane_hi + lane_lo), o (= 2 o_hi + o0)
-    return byte.permute(0, 4, 1, 3, 6, 5, 2).reshape(n // BN, k // GS, BLOCK_BYTES).contiguous()
+    return byte.permute(0, 4, 1, 3, 6, 5, 2).reshape(n // rows, k // GS, rows * GS // 2).contiguous()
 
 
-def group_major(t: torch.Tensor) -> torch.Tensor:
-    """Per-group scales or biases (N, G) -> (N/64, G, 64): a program's 64 values of a group contiguous."""
+def group_major(t: torch.Tensor, wg: int = 1) -> torch.Tensor:
+    """Per-group scales or biases (N, G) -> (N/(64 wg), G, 64 wg): a program's values of a group contiguous."""
     n, g = t.shape
-    return t.reshape(n // BN, BN, g).transpose(1, 2).contiguous()
+    return t.reshape(n // (BN * wg), BN * wg, g).transpose(1, 2).contiguous()
 
 
 def prep_x(x: torch.Tensor):
@@ -115,28 +117,30 @@ def _nibbles(byt, ASM: tl.constexpr):
 
 @triton.jit
 def tc_gemv_kernel(w_ptr, s_ptr, b_ptr, xt_ptr, xsum_ptr, y_ptr, N, G, M, GROUPS_PER_SPLIT,
-                   ASM: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr):
+                   ASM: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, WG: tl.constexpr):
+    ROWS: tl.constexpr = 64 * WG                # WG warpgroups, 4 warps each, stacked along the rows
     pid, pk = tl.program_id(0), tl.program_id(1)
-    rows = pid * 64 + tl.arange(0, 64)
-    r64 = tl.arange(0, 64)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    rr = tl.arange(0, ROWS)
     mm = tl.arange(0, 16)
-    e = tl.arange(0, 2048)
+    e = tl.arange(0, 2048 * WG)
     t = tl.arange(0, 64 * 16)
-    acc = tl.zeros((64, 16), tl.float32)
+    acc = tl.zeros((ROWS, 16), tl.float32)
     g_stop = tl.minimum(pk * GROUPS_PER_SPLIT + GROUPS_PER_SPLIT, G)
     for g in range(pk * GROUPS_PER_SPLIT, g_stop):
         blk = pid * G + g
-        byt = tl.load(w_ptr + blk * 2048 + e).reshape(4, 8, 4, 8, 2).permute(0, 4, 1, 3, 2).reshape(64, 32)
-        a = _nibbles(byt, ASM).reshape(64, 64)
+        byt = tl.load(w_ptr + blk * (2048 * WG) + e).reshape(4 * WG, 8, 4, 8, 2).permute(0, 4, 1, 3, 2)
+        a = _nibbles(byt.reshape(ROWS, 32), ASM).reshape(ROWS, 64)
         xt = tl.load(xt_ptr + g * 1024 + t).reshape(64, 16)
         if UPCAST:      # the CPU interpreter's dot mis-multiplies bf16 operands
             d = tl.dot(a.to(tl.float32), xt.to(tl.float32))
         else:
             d = tl.dot(a, xt)
-        s = tl.load(s_ptr + blk * 64 + r64).to(tl.float32)
-        b = tl.load(b_ptr + blk * 64 + r64).to(tl.float32)
+        s = tl.load(s_ptr + blk * ROWS + rr).to(tl.float32)
+        b = tl.load(b_ptr + blk * ROWS + rr).to(tl.float32)
         xs = tl.load(xsum_ptr + g * 16 + mm)
-        acc += s[:, None] * d + (b - 128.0 * s)[:, None] * xs[None, :]
+        acc = tl.fma(s[:, None], d, acc)                     # two FMAs a value (written as one sum: three ops)
+        acc = tl.fma((b - 128.0 * s)[:, None], xs[None, :], acc)
     mask = (mm[None, :] < M) & (rows[:, None] < N)
     if SPLIT:
         tl.atomic_add(y_ptr + mm[None, :] * N + rows[:, None], acc, mask=mask, sem="relaxed")
@@ -147,20 +151,21 @@ def tc_gemv_kernel(w_ptr, s_ptr, b_ptr, xt_ptr, xsum_ptr, y_ptr, N, G, M, GROUPS
 def tc_gemv(x: torch.Tensor, packed: torch.Tensor, s_g: torch.Tensor, b_g: torch.Tensor, *, split_k: int = 1,
             asm: bool | None = None, prepared=None, num_stages: int = 1) -> torch.Tensor:
     """x (M, K) bf16 times the packed weight: (M, N) bf16 (fp32 when split over K)."""
-    p, g, _ = packed.shape
+    p, g, block = packed.shape
+    wg = block // (BN * GS // 2)
     xt, xsum = prepared if prepared is not None else prep_x(x)
-    m, n = x.shape[0], p * BN
+    m, n = x.shape[0], p * BN * wg
     split = split_k > 1
     y = (torch.zeros if split else torch.empty)(m, n, dtype=torch.float32 if split else x.dtype, device=x.device)
     per = -(-g // split_k)
     tc_gemv_kernel[(p, split_k)](packed, s_g, b_g, xt, xsum, y, n, g, m, per,
-                                 ASM=(not INTERP) if asm is None else asm, SPLIT=split, UPCAST=INTERP,
-                                 num_warps=4, num_stages=num_stages)
+                                 ASM=(not INTERP) if asm is None else asm, SPLIT=split, UPCAST=INTERP, WG=wg,
+                                 num_warps=4 * wg, num_stages=num_stages)
     return y
 
 
 # ----------------------------------------------------------------------------- static check (no GPU)
-def compile_report(asm: bool = True, num_stages: int = 1) -> dict:
+def compile_report(asm: bool = True, num_stages: int = 1, wg: int = 1) -> dict:
     """Compile the kernel for sm_90 with the installed Triton and report where the weight goes: the TTGIR's
     shared-memory allocations and layout conversions, and whether the wgmma's A operand is a register tensor."""
     from triton.backends.compiler import GPUTarget
@@ -170,8 +175,8 @@ def compile_report(asm: bool = True, num_stages: int = 1) -> dict:
     aligned = ("w_ptr", "s_ptr", "b_ptr", "xt_ptr", "xsum_ptr", "y_ptr", "N")   # as Triton specializes them
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = triton.compiler.ASTSource(fn=tc_gemv_kernel, signature=sig, attrs=attrs,
-                                    constexprs={"ASM": asm, "SPLIT": False, "UPCAST": False})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": num_stages})
+                                    constexprs={"ASM": asm, "SPLIT": False, "UPCAST": False, "WG": wg})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 * wg, "num_stages": num_stages})
     ttgir = k.asm["ttgir"]
     lines = ttgir.splitlines()
     dots = [ln for ln in lines if "warp_group_dot " in ln]
@@ -210,7 +215,7 @@ def main() -> None:
         for _ in range(copies_for(nbytes, smoke)):
             w = QWeight.quantize(torch.randn(n, k, device=dev) * 0.02, bits=4, group_size=64)
             wq, s, b = w.packed, w.scales.bfloat16(), w.biases.bfloat16()
-            weights.append((wq, s, b, pack(wq), group_major(s), group_major(b)))
+            weights.append((wq, s, b, {wg: (pack(wq, wg), group_major(s, wg), group_major(b, wg)) for wg in (1, 2)}))
         dense = [QWeight.from_mlx(*w[:3], bits=4, group_size=64).dequantize().bfloat16() for w in weights]
         for m in (1, 5) if smoke else (1, 2, 4, 8, 16):
             x = torch.randn(m, k, device=dev).bfloat16()
@@ -218,12 +223,14 @@ def main() -> None:
             prepared = prep_x(x)
             us_cublas = 1e6 * time_calls(lambda d: x @ d.t(), [(d,) for d in dense])
             us_h2 = 1e6 * time_calls(lambda a, bq, c: H.run_qmv_h2(x, a, bq, c), [w[:3] for w in weights])
-            for split, asm, st in itertools.product((1, 2, 4), (False,) if smoke else (False, True), (1, 3)):
+            # the asm decode over splits x stages x warpgroups, and the plain decode once as its reference
+            configs = [(sp, not smoke, st, wg) for sp, st, wg in itertools.product((1, 2, 4), (1, 3), (1, 2))]
+            for split, asm, st, wg in configs + ([] if smoke else [(1, False, 1, 1)]):
                 kw = {"split_k": split, "asm": asm, "prepared": prepared, "num_stages": st}
-                y = tc_gemv(x, *weights[0][3:], **kw)
+                y = tc_gemv(x, *weights[0][3][wg], **kw)
                 err = (y.float() - ref).abs().max().item() / ref.abs().max().item()
-                us = 1e6 * time_calls(lambda p_, s_, b_: tc_gemv(x, p_, s_, b_, **kw), [w[3:] for w in weights])
-                rows.append({"case": f"tc_gemv_b4_M{m}_{name}", "split_k": split, "asm": asm, "stages": st,
+                us = 1e6 * time_calls(lambda p_, s_, b_: tc_gemv(x, p_, s_, b_, **kw), [w[3][wg] for w in weights])
+                rows.append({"case": f"tc_gemv_b4_M{m}_{name}", "split_k": split, "asm": asm, "stages": st, "wg": wg,
                              "us": round(us, 2),
                              "GBps": round(nbytes / us / 1e3, 1), "pct_copy": round(100 * nbytes / us / 1e3 / copy, 1),
                              "us_qmv_h2_path": round(us_h2, 2), "us_cublas_bf16": round(us_cublas, 2),

@@ -166,24 +166,36 @@ def tc_gemv(x: torch.Tensor, packed: torch.Tensor, s_g: torch.Tensor, b_g: torch
 
 # ----------------------------------------------------------------------------- static check (no GPU)
 def compile_report(asm: bool = True, num_stages: int = 1, wg: int = 1) -> dict:
-    """Compile the kernel for sm_90 with the installed Triton and report where the weight goes: the TTGIR's
-    shared-memory allocations and layout conversions, and whether the wgmma's A operand is a register tensor."""
-    from triton.backends.compiler import GPUTarget
+    """tc_gemv_kernel compiled for sm_90 (see `compiled_facts`)."""
     sig = {"w_ptr": "*u8", "s_ptr": "*bf16", "b_ptr": "*bf16", "xt_ptr": "*bf16", "xsum_ptr": "*fp32",
            "y_ptr": "*bf16", "N": "i32", "G": "i32", "M": "i32", "GROUPS_PER_SPLIT": "i32"}
+    return compiled_facts(tc_gemv_kernel, sig, {"ASM": asm, "SPLIT": False, "UPCAST": False, "WG": wg},
+                          num_warps=4 * wg, num_stages=num_stages)
+
+
+def compiled_facts(fn, sig: dict, constexprs: dict, *, num_warps: int, num_stages: int) -> dict:
+    """Compile a probe kernel for sm_90 with the installed Triton (pointers and N, K declared 16-aligned, as
+    Triton specializes them on real tensors) and report where the weight goes: the TTGIR's shared-memory
+    allocations and layout conversions, whether every wgmma's A operand is a register tensor, and the
+    opcodes of the main loop's SASS (bench/probes/sass_count.py's loop finder)."""
+    import subprocess
+    from triton.backends.compiler import GPUTarget
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from sass_count import NVDISASM, main_loop, opcodes
     names = list(sig)
-    aligned = ("w_ptr", "s_ptr", "b_ptr", "xt_ptr", "xsum_ptr", "y_ptr", "N")   # as Triton specializes them
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-    src = triton.compiler.ASTSource(fn=tc_gemv_kernel, signature=sig, attrs=attrs,
-                                    constexprs={"ASM": asm, "SPLIT": False, "UPCAST": False, "WG": wg})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 * wg, "num_stages": num_stages})
-    ttgir = k.asm["ttgir"]
-    lines = ttgir.splitlines()
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a.endswith("_ptr") or a in ("N", "K")}
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, attrs=attrs, constexprs=constexprs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+    cubin = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"probe_{os.getpid()}.cubin")
+    with open(cubin, "wb") as f:
+        f.write(k.asm["cubin"])
+    sass = subprocess.run([NVDISASM, "-c", cubin], capture_output=True, text=True, check=True).stdout
+    lines = k.asm["ttgir"].splitlines()
     dots = [ln for ln in lines if "warp_group_dot " in ln]
     return {"local_allocs": [ln.strip() for ln in lines if "ttg.local_alloc" in ln],
             "converts": [ln.strip() for ln in lines if "ttg.convert_layout" in ln],
             "a_in_registers": bool(dots) and all("dot_op<{opIdx = 0" in d.split("*")[0] for d in dots),
-            "wgmma": k.asm["ptx"].count("wgmma.mma_async"), "ttgir": ttgir}
+            "wgmma": k.asm["ptx"].count("wgmma.mma_async"), "loop_ops": dict(opcodes(main_loop(sass)))}
 
 
 # ----------------------------------------------------------------------------- GPU timing

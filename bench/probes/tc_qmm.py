@@ -1,0 +1,165 @@
+"""Design probe (not a kilnx kernel): the 4-bit GEMM for 64-4096 activation rows with the weight dequantized
+straight into wgmma's register operand, on tc_gemv.py's byte layout (the same packing: each (64 rows x 64
+codes) block stored in the order a warpgroup's threads hold the operand).
+
+Why: qmm at 512 rows stays at 1.8x cuBLAS bf16's time (dequantize to a bf16 copy, then the dense GEMM; the
+copy costs ~0.6x cuBLAS's time), and the fused kernel (qmm PACKED: decode in the K loop) reached 2.2x: its
+TTGIR stores the decoded 64 x 128 bf16 tile to shared memory and loads it back as the MMA operand every K
+step. Here the weight goes from a 16-byte load per thread, through one asm (two byte permutes, four LOP3,
+eight bf16x2 FMAs for 8 codes: 128 + q -> q exactly, then q * s + b rounded once, as MLX's dequantize to
+bf16 would), to the operand registers. x (BM rows x 64) is the B operand, staged through shared memory by
+Triton's pipeliner.
+
+Compiled for sm_90 here (triton 3.6): the A operand stays in registers at 64 / 128 weight rows and 128 / 256
+activation rows a program, and the pipelined loop (3 stages) stores nothing to shared memory itself; its SASS
+is 180-239 instructions per 32 codes a thread (32 HFMA2, 26 PRMT, 16 LOP3, 4 HGMMA of m64n128k16 or
+m64n256k16): ~190 issue cycles a K step of a warpgroup against ~256 (BM=128) or ~512 (BM=256) cycles of
+its MMAs, so the decode may hide under them. The GPU decides.
+
+  GPU run:   python bench/probes/tc_qmm.py [CSV]   (default $OUT/tc_qmm.csv; bench/device_run.sh tcqmm)
+  CPU check: TRITON_INTERPRET=1 python -m pytest tests/kernels/test_tc_gemv_probe.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tc_gemv import BN, GS, INTERP, compiled_facts, group_major, pack  # noqa: E402 - the shared byte layout
+
+
+@triton.jit
+def _dequant(byt, s, b, ASM: tl.constexpr):
+    """(low, high) codes of each byte dequantized to bf16 (q * s + b, one rounding), joined on a new last
+    axis; s and b are each byte's row scale and bias (broadcast over the bytes)."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            """{ .reg .b32 t, u, v, q, one, m128;
+            mov.b32 one, 0x3F803F80; mov.b32 m128, 0xC300C300;
+            prmt.b32 t, $4, 0, 0x5150;
+            lop3.b32 v, t, 0x000F000F, 0x43004300, 0xea; fma.rn.bf16x2 q, v, one, m128; fma.rn.bf16x2 $0, q, $5, $7;
+            shr.u32 u, t, 4;
+            lop3.b32 v, u, 0x000F000F, 0x43004300, 0xea; fma.rn.bf16x2 q, v, one, m128; fma.rn.bf16x2 $2, q, $5, $7;
+            prmt.b32 t, $4, 0, 0x5352;
+            lop3.b32 v, t, 0x000F000F, 0x43004300, 0xea; fma.rn.bf16x2 q, v, one, m128; fma.rn.bf16x2 $1, q, $6, $8;
+            shr.u32 u, t, 4;
+            lop3.b32 v, u, 0x000F000F, 0x43004300, 0xea; fma.rn.bf16x2 q, v, one, m128; fma.rn.bf16x2 $3, q, $6, $8; }""",
+            "=r,=r,=r,=r,r,r,r,r,r", [byt, s, b], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        sf, bf = s.to(tl.float32), b.to(tl.float32)
+        lo = ((byt & 0xF).to(tl.float32) * sf + bf).to(tl.bfloat16)
+        hi = ((byt >> 4).to(tl.float32) * sf + bf).to(tl.bfloat16)
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def tc_qmm_kernel(w_ptr, s_ptr, b_ptr, x_ptr, y_ptr, N, G, M, K,
+                  WG: tl.constexpr, BM: tl.constexpr, ASM: tl.constexpr, UPCAST: tl.constexpr):
+    ROWS: tl.constexpr = 64 * WG
+    pid, pm = tl.program_id(0), tl.program_id(1)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    rr = tl.arange(0, ROWS)
+    mm = pm * BM + tl.arange(0, BM)
+    kk = tl.arange(0, 64)
+    e = tl.arange(0, 2048 * WG)
+    acc = tl.zeros((ROWS, BM), tl.float32)
+    for g in range(0, G):
+        blk = pid * G + g
+        byt = tl.load(w_ptr + blk * (2048 * WG) + e).reshape(4 * WG, 8, 4, 8, 2).permute(0, 4, 1, 3, 2)
+        byt = byt.reshape(ROWS, 32)
+        s = tl.broadcast_to(tl.load(s_ptr + blk * ROWS + rr)[:, None], (ROWS, 32))
+        b = tl.broadcast_to(tl.load(b_ptr + blk * ROWS + rr)[:, None], (ROWS, 32))
+        a = _dequant(byt, s, b, ASM).reshape(ROWS, 64)
+        x = tl.load(x_ptr + mm[:, None] * K + g * 64 + kk[None, :], mask=mm[:, None] < M, other=0.0)
+        if UPCAST:      # the CPU interpreter's dot mis-multiplies bf16 operands
+            acc = tl.dot(a.to(tl.float32), tl.trans(x).to(tl.float32), acc)
+        else:
+            acc = tl.dot(a, tl.trans(x), acc)
+    tl.store(y_ptr + mm[None, :] * N + rows[:, None], acc.to(y_ptr.dtype.element_ty), mask=mm[None, :] < M)
+
+
+def tc_qmm(x: torch.Tensor, packed: torch.Tensor, s_g: torch.Tensor, b_g: torch.Tensor, *, block_m: int = 128,
+           asm: bool | None = None, num_stages: int = 3) -> torch.Tensor:
+    """x (M, K) bf16 times the packed weight (tc_gemv.pack): (M, N) bf16."""
+    p, g, block = packed.shape
+    wg = block // (BN * GS // 2)
+    m, k, n = x.shape[0], x.shape[1], p * BN * wg
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    tc_qmm_kernel[(p, triton.cdiv(m, block_m))](packed, s_g, b_g, x, y, n, g, m, k, WG=wg, BM=block_m,
+                                                ASM=(not INTERP) if asm is None else asm, UPCAST=INTERP,
+                                                num_warps=4 * wg, num_stages=num_stages)
+    return y
+
+
+def compile_report(wg: int = 2, block_m: int = 128, num_stages: int = 3, asm: bool = True) -> dict:
+    """tc_qmm_kernel compiled for sm_90 (tc_gemv.compiled_facts)."""
+    sig = {"w_ptr": "*u8", "s_ptr": "*bf16", "b_ptr": "*bf16", "x_ptr": "*bf16", "y_ptr": "*bf16",
+           "N": "i32", "G": "i32", "M": "i32", "K": "i32"}
+    return compiled_facts(tc_qmm_kernel, sig, {"WG": wg, "BM": block_m, "ASM": asm, "UPCAST": False},
+                          num_warps=4 * wg, num_stages=num_stages)
+
+
+def main() -> None:
+    """llama-3.1-8b's four projections at 128-4096 rows: the probe over (warpgroups, BM, stages) against
+    cuBLAS bf16 on the dequantized weight and kilnx's qmatmul route, one run, CUDA-graph replayed."""
+    import csv
+    import datetime
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:0] = [os.path.join(here, ".."), os.path.join(here, "..", "..")]
+    from bench_kernels import time_calls          # the bench's own protocol
+    from kilnx import ops
+    from kilnx.quant import QWeight
+    smoke = "--smoke" in sys.argv           # CPU, TRITON_INTERPRET=1: the script's own path on tiny shapes
+    args = [a for a in sys.argv[1:] if a != "--smoke"]
+    path = args[0] if args else os.path.join(os.environ.get("OUT", ".scratch/out"), "tc_qmm.csv")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    dev = torch.device("cpu" if smoke else "cuda")
+    shapes = {"tiny": (128, 128)} if smoke else {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+                                                 "down": (4096, 14336)}
+    configs = [(1, 64, 1, False), (2, 64, 1, False)] if smoke else \
+        [(wg, bm, st, True) for wg, bm, st in [(1, 128, 3), (2, 128, 3), (2, 128, 4), (1, 256, 3), (2, 256, 3),
+                                                (2, 256, 2), (2, 64, 3)]] + [(2, 128, 3, False)]
+    rows = []
+    for name, (n, k) in shapes.items():
+        w = QWeight.quantize(torch.randn(n, k, device=dev) * 0.02, bits=4, group_size=64)
+        wq, s, b = w.packed, w.scales.bfloat16(), w.biases.bfloat16()
+        qw = QWeight.from_mlx(wq, s, b, bits=4, group_size=64)
+        dense = qw.dequantize().bfloat16()
+        packs = {wg: (pack(wq, wg), group_major(s, wg), group_major(b, wg)) for wg in (1, 2)}
+        for m in (64, 100) if smoke else (128, 512, 2048, 4096):
+            x = torch.randn(m, k, device=dev).bfloat16()
+            ref = x.float() @ dense.float().t()
+            us_cublas = 1e6 * time_calls(lambda: x @ dense.t(), [()])
+            us_route = 1e6 * time_calls(lambda: ops.qmatmul(x, qw), [()])
+            for wg, bm, st, asm in configs:
+                def call():
+                    return tc_qmm(x, *packs[wg], block_m=bm, asm=asm, num_stages=st)
+                try:
+                    y = call()
+                    err = (y.float() - ref).abs().max().item() / ref.abs().max().item()
+                    us = 1e6 * time_calls(call, [()])
+                except Exception as exc:  # noqa: BLE001 - a config the GPU rejects (shared memory) is a row too
+                    err, us = float("nan"), float("nan")
+                    print(f"{name} M={m} {(wg, bm, st, asm)}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                rows.append({"case": f"tc_qmm_b4_M{m}_{name}", "wg": wg, "block_m": bm, "stages": st, "asm": asm,
+                             "us": round(us, 2), "ratio_vs_cublas_time": round(us / us_cublas, 3),
+                             "us_cublas_bf16": round(us_cublas, 2), "us_kilnx_qmatmul": round(us_route, 2),
+                             "tflops": round(2 * m * n * k / us / 1e6, 1), "rel_err": f"{err:.2e}"})
+                print(rows[-1], flush=True)
+    meta = {"device": "cpu (interpreter smoke)" if smoke else torch.cuda.get_device_name(),
+            "torch": torch.__version__, "triton": triton.__version__, "date": datetime.date.today().isoformat(),
+            "commit": os.environ.get("KILNX_COMMIT", "?")}
+    with open(path, "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=list(rows[0]) + list(meta))
+        wr.writeheader()
+        for r in rows:
+            wr.writerow({**r, **meta})
+
+
+if __name__ == "__main__":
+    main()

@@ -210,6 +210,7 @@ def main() -> None:
     sys.path[:0] = [os.path.join(here, ".."), os.path.join(here, "..", "..")]
     from bench_kernels import copies_for, copy_gbps, time_calls          # the bench's own protocol
     from kilnx.kernels import qmv_h2 as H
+    from kilnx.kernels import qmv_wg as W
     from kilnx.quant import QWeight
     smoke = "--smoke" in sys.argv           # CPU, TRITON_INTERPRET=1: the script's own path on tiny shapes
     args = [a for a in sys.argv[1:] if a != "--smoke"]
@@ -235,6 +236,9 @@ def main() -> None:
             prepared = prep_x(x)
             us_cublas = 1e6 * time_calls(lambda d: x @ d.t(), [(d,) for d in dense])
             us_h2 = 1e6 * time_calls(lambda a, bq, c: H.run_qmv_h2(x, a, bq, c), [w[:3] for w in weights])
+            # the DSL kernel written from this probe (kernels/qmv_wg.py; its layout is wg=1's), prep included
+            us_wg = {sp: 1e6 * time_calls(lambda p_, s_, b_: W.run_qmv_wg(x, p_, s_, b_, config={"SPLIT_K": sp}),
+                                          [w[3][1] for w in weights]) for sp in (1, 4)}
             # the asm decode over splits x stages x warpgroups, and the plain decode once as its reference
             configs = [(sp, not smoke, st, wg) for sp, st, wg in itertools.product((1, 2, 4), (1, 3), (1, 2))]
             for split, asm, st, wg in configs + ([] if smoke else [(1, False, 1, 1)]):
@@ -246,6 +250,7 @@ def main() -> None:
                              "us": round(us, 2),
                              "GBps": round(nbytes / us / 1e3, 1), "pct_copy": round(100 * nbytes / us / 1e3 / copy, 1),
                              "us_qmv_h2_path": round(us_h2, 2), "us_cublas_bf16": round(us_cublas, 2),
+                             "us_kilnx_qmv_wg_split1": round(us_wg[1], 2), "us_kilnx_qmv_wg_split4": round(us_wg[4], 2),
                              "rel_err": f"{err:.2e}"})
                 print(rows[-1], flush=True)
     meta = {"device": "cpu (interpreter smoke)" if smoke else torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

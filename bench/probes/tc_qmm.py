@@ -113,6 +113,7 @@ def main() -> None:
     sys.path[:0] = [os.path.join(here, ".."), os.path.join(here, "..", "..")]
     from bench_kernels import time_calls          # the bench's own protocol
     from kilnx import ops
+    from kilnx.kernels import qmv_wg as W
     from kilnx.quant import QWeight
     smoke = "--smoke" in sys.argv           # CPU, TRITON_INTERPRET=1: the script's own path on tiny shapes
     args = [a for a in sys.argv[1:] if a != "--smoke"]
@@ -136,6 +137,7 @@ def main() -> None:
             ref = x.float() @ dense.float().t()
             us_cublas = 1e6 * time_calls(lambda: x @ dense.t(), [()])
             us_route = 1e6 * time_calls(lambda: ops.qmatmul(x, qw), [()])
+            us_wg = 1e6 * time_calls(lambda: W.qmm_wg(x, *packs[1], config={"BLOCK_M": 64 if smoke else 128}), [()])
             for wg, bm, st, asm in configs:
                 def call():
                     return tc_qmm(x, *packs[wg], block_m=bm, asm=asm, num_stages=st)
@@ -149,6 +151,7 @@ def main() -> None:
                 rows.append({"case": f"tc_qmm_b4_M{m}_{name}", "wg": wg, "block_m": bm, "stages": st, "asm": asm,
                              "us": round(us, 2), "ratio_vs_cublas_time": round(us / us_cublas, 3),
                              "us_cublas_bf16": round(us_cublas, 2), "us_kilnx_qmatmul": round(us_route, 2),
+                             "us_kilnx_qmm_wg_bm128": round(us_wg, 2),
                              "tflops": round(2 * m * n * k / us / 1e6, 1), "rel_err": f"{err:.2e}"})
                 print(rows[-1], flush=True)
     meta = {"device": "cpu (interpreter smoke)" if smoke else torch.cuda.get_device_name(),

@@ -444,6 +444,12 @@ class _Gen:
             return src(0, [next(keep) if d != 1 else "0" for d in srcs[0].shape])
         if op == "trans":
             return src(0, idx[::-1])
+        if op == "permute":   # result axis i is source axis dims[i]
+            return src(0, [idx[n.arg.index(d)] for d in range(len(n.arg))])
+        if op == "nibbles":   # the last index picks the code: 0 low, 1 high
+            if len(srcs) == 1:
+                return f"_rt.nibble({src(0, idx[:-1])}, {idx[-1]})"
+            return f"_rt.nibble_dequant({src(0, idx[:-1])}, {idx[-1]}, {src(1, idx[:-1])}, {src(2, idx[:-1])})"
         if op == "join":
             return f"({src(0, idx[:-1])} if {idx[-1]} == 0 else {src(1, idx[:-1])})"
         if op == "load":

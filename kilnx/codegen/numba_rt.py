@@ -229,3 +229,17 @@ def byte_perm(a, b, sel):
             byte = np.uint64(0xFF) if byte & np.uint64(0x80) else np.uint64(0)
         out |= byte << np.uint64(8 * i)
     return np.uint32(out)
+
+
+@njit(**_NJ)
+def nibble(byte, h):
+    """kd.nibbles without a scale: 128 + code h (0: bits 0-3, 1: bits 4-7) of a byte."""
+    return np.float32(128 + ((np.uint32(byte) >> np.uint32(4 * h)) & np.uint32(15)))
+
+
+@njit(**_NJ)
+def nibble_dequant(byte, h, s, b):
+    """kd.nibbles with a scale: code * s + b rounded to bf16 once (exact in float64, rounded to odd into fp32
+    so that the bf16 rounding after it is the only one)."""
+    q = np.float64((np.uint32(byte) >> np.uint32(4 * h)) & np.uint32(15))
+    return round_bf16(_f64_to_f32_odd(q * np.float64(s) + np.float64(b)))

@@ -115,6 +115,10 @@ class Interpreter:
             return np.broadcast_to(v[0], n.shape).copy()
         if op == "trans":
             return np.ascontiguousarray(np.asarray(v[0]).T)
+        if op == "permute":
+            return np.ascontiguousarray(np.transpose(np.asarray(v[0]), n.arg))
+        if op == "nibbles":
+            return opdefs.nibbles_reference(*v)
         if op == "join":
             return np.stack([np.asarray(v[0]), np.asarray(v[1])], axis=-1)
         if op == "dot":

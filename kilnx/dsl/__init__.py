@@ -7,10 +7,10 @@ from kilnx.dsl.ir import DSLError
 from kilnx.dsl.lang import (abs, arange, argmax, assign, atomic_add, bf16, bitcast, broadcast_to, cdiv,
                             constexpr,
                             dot, erf, exp, f16, f32, f64, full, gelu_tanh, grid, i8, i16, i32, i64, join, load,
-                            log, max, maximum, mean, min, minimum, output, program_id, range, reshape,
+                            log, max, maximum, mean, min, minimum, output, permute, program_id, range, reshape,
                             rsqrt, sigmoid, silu, softplus, sqrt, static_range, store, sum, tanh, trans,
                             u8, u32, var, where, zeros)
-from kilnx.dsl.lang import bf2_fma, bf2_half, byte_perm, h2_fma, h2_pack, h2_sum
+from kilnx.dsl.lang import bf2_fma, bf2_half, byte_perm, h2_fma, h2_pack, h2_sum, nibbles
 from kilnx.dsl.lang import cos, sin
 from kilnx.dsl.lang import barrier, grid_dependency_sync, load_tile, prefetch
 from kilnx.dsl.tiles import halves, pick

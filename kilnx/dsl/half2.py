@@ -68,3 +68,25 @@ def byte_perm(a, b, selector) -> Value:
     a, b, selector = (_h2(v, like, "kd.byte_perm") for v in (a, b, selector))
     shape = broadcast_shapes(a.shape, b.shape, selector.shape)
     return Value(builder().emit("byte_perm", "u32", shape, (a.node, b.node, selector.node)))
+
+
+def nibbles(byt, scale=None, bias=None) -> Value:
+    """The two 4-bit codes of each byte as bf16, on a new last axis of 2 (0: bits 0-3, 1: bits 4-7).
+    Without scale and bias: 128 + q, exact (bf16's "magic" form: a product with it minus 128 times the
+    other operand's sum is the product with q). With both (broadcast over the bytes): q * scale + bias,
+    rounded to bf16 once, as a 4-bit affine weight dequantized to bf16.
+
+    On the GPU four bytes (one register) decode at a time in one asm (two byte permutes, four LOP3, and two
+    bf16x2 FMAs per output register when dequantizing), and the new axis stays in each thread, so the result
+    can feed kd.dot as the tensor cores' register operand with no data movement (kernels/qmv_wg.py)."""
+    byt = lift(byt)
+    if byt.dtype != "u8":
+        raise dsl_error(f"kd.nibbles decodes u8 tiles (two 4-bit codes a byte), got {byt.dtype}")
+    if (scale is None) != (bias is None):
+        raise dsl_error("kd.nibbles takes both scale and bias (q * scale + bias) or neither (128 + q)")
+    srcs = (byt.node,)
+    if scale is not None:
+        from .lang import broadcast_to
+        s, b = (broadcast_to(lift(v).to("bf16"), byt.shape) for v in (scale, bias))
+        srcs += (s.node, b.node)
+    return Value(builder().emit("nibbles", "bf16", (*byt.shape, 2), srcs))

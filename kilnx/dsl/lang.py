@@ -426,6 +426,17 @@ def trans(x: Value) -> Value:
     return Value(builder().emit("trans", x.dtype, x.shape[::-1], (x.node,)))
 
 
+def permute(x: Value, dims) -> Value:
+    """x's axes reordered: axis i of the result is axis dims[i] of x (np.transpose). With a reshape before
+    and after it regroups a loaded tile, e.g. a 1-d load of bytes stored in the order the threads hold them
+    into the logical tile (kernels/qmv_wg.py); on the GPU the layouts follow and no data moves."""
+    x = lift(x)
+    dims = tuple(int(d) for d in dims)
+    if sorted(dims) != list(builtins.range(x.ndim)):
+        raise dsl_error(f"kd.permute of a {x.ndim}-d tile takes a permutation of 0..{x.ndim - 1}, got {list(dims)}")
+    return Value(builder().emit("permute", x.dtype, tuple(x.shape[d] for d in dims), (x.node,), arg=dims))
+
+
 def _ufunc(op):
     def f(x):
         return _unary(op, x)
@@ -514,4 +525,4 @@ def tensor_param(name: str, dtype: str, ndim: int, output=False) -> TensorArg:
 # memory access and the half2 ops live beside this module; kernel authors see them all as kd.*
 from .memory import (_mem_index, atomic_add, barrier, grid_dependency_sync, load, load_tile,  # noqa: E402,F401
                      output, prefetch, store)
-from .half2 import bf2_fma, bf2_half, byte_perm, h2_fma, h2_pack, h2_sum  # noqa: E402,F401
+from .half2 import bf2_fma, bf2_half, byte_perm, h2_fma, h2_pack, h2_sum, nibbles  # noqa: E402,F401

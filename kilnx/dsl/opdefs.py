@@ -32,7 +32,7 @@ class OpDef:
 OPS: dict[str, OpDef] = {}
 
 STRUCTURAL = {"param", "dim", "const", "arange", "full", "program_id", "cast", "bitcast", "load", "store",
-              "atomic_add", "range", "var", "assign", "reshape", "expand", "broadcast", "trans", "join",
+              "atomic_add", "range", "var", "assign", "reshape", "expand", "broadcast", "trans", "permute", "join", "nibbles",
               "reduce", "dot", "where", "stride", "prefetch", "grid_sync", "barrier"}
 
 
@@ -204,3 +204,13 @@ register("bf2_half", 2, lambda *_: "bf16",
          lambda x, h: f"_rt.bf2_half({x}, {h})", lambda x, h: f"_rt.bf2_half({x}, {h})")
 register("byte_perm", 3, _u32, _byte_perm_reference,
          lambda a, b, s: f"_rt.byte_perm({a}, {b}, {s})", lambda a, b, s: f"_rt.byte_perm({a}, {b}, {s})")
+
+
+def nibbles_reference(byt, scale=None, bias=None):
+    """kd.nibbles: (..., 2) fp32 holding bf16 values: 128 + q, or q * scale + bias rounded to bf16 once."""
+    byt = np.asarray(byt).astype(np.uint32)
+    q = np.stack([byt & 15, byt >> 4], axis=-1).astype(np.float64)
+    if scale is None:
+        return (128.0 + q).astype(np.float32)
+    v = q * np.asarray(scale, np.float64)[..., None] + np.asarray(bias, np.float64)[..., None]
+    return _bf16_of_bits(_bf16_bits_of(v)).astype(np.float32)

@@ -1,0 +1,179 @@
+"""4-bit affine (group 64) products on Hopper's wgmma with the weight decoded straight into the tensor
+cores' register operand: `qmv_wg` for 1-16 activation rows, `qmm_wg` for more.
+
+Why: qmv_h2 multiplies on the CUDA cores, so its cost grows with the rows (sm_90 SASS of its loop per 128
+codes a thread at gate_up's defaults: 394 / 781 / 1305 instructions at 1 / 4 / 8 rows; on the H200 1.85x /
+3.42x its one-row time at 4 / 8 rows). The tensor-core kernels tried before (qmv_tc, qmm PACKED) stored the
+decoded weight tile to shared memory and read it back in the MMA's operand layout. Here nothing moves:
+Triton keeps wgmma's A operand in registers when it comes from elementwise ops, one `join` and reshapes of a
+loaded tile, so the weight is stored (`pack_operand`) in the order a warpgroup's 128 threads hold the
+operand, 16 contiguous bytes a thread per (64 rows x 64 codes) block:
+    byte e of a block: o = e % 16, lane = e // 16 % 32, warp = e // 512
+    row = 16 warp + 8 (o % 2) + lane // 4, byte column c = lane % 4 + 4 (o // 2)
+    the byte holds codes k = 2c (bits 0-3) and 2c + 1 (bits 4-7) of the block's group,
+a 1-d load (16-byte vectors) regrouped by reshape / permute (`_operand_bytes`) is the operand's layout, and
+`kd.nibbles` decodes four bytes per instruction group into it. Compiled for sm_90 (triton 3.6 and 3.9; no
+GPU here), the loop keeps the weight out of shared memory: qmv_wg's SASS is ~116 instructions per 32 codes
+a thread at any row count up to 16, qmm_wg's ~190 per 32 codes under m64n128k16 MMAs (bench/probes/tc_gemv.py,
+tc_qmm.py: the plain-Triton probes these were written from, timed there against qmv_h2 and cuBLAS).
+
+Math, per group of 64 codes: qmv_wg sums (128 + q) x on the tensor cores (exact bf16 operands) and adds
+s * d + (b - 128 s) * sum(x) in fp32; qmm_wg dequantizes q * s + b to bf16 (one rounding, as MLX's
+dequantize) and accumulates one fp32 product. Not yet timed on a GPU: nothing routes here until it is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import kilnx.dsl as kd
+
+GS, ROWS, XROWS = 64, 64, 16     # group size; weight rows per program (wgmma's M); x rows of the GEMV, padded
+BLOCK_BYTES = ROWS * GS // 2
+
+
+# ----------------------------------------------------------------------------- the operand layout (host)
+def codes_of(wq: torch.Tensor) -> torch.Tensor:
+    """MLX 4-bit words (N, K/8), code j of word w at bits 4j -> (N, K) uint8 codes."""
+    w = wq.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(0, 32, 4, device=wq.device)
+    return ((w[:, :, None] >> shifts) & 0xF).reshape(wq.shape[0], -1).to(torch.uint8)
+
+
+def pack_operand(wq: torch.Tensor) -> torch.Tensor:
+    """MLX 4-bit group-64 words (N, K/8) -> (N/64, K/64, 2048) bytes in the operand order (module doc)."""
+    if wq.dtype not in (torch.uint32, torch.int32) or wq.dim() != 2:
+        raise ValueError(f"pack_operand takes MLX 4-bit words (N, K/8) uint32, got {tuple(wq.shape)} {wq.dtype}")
+    q = codes_of(wq)
+    n, k = q.shape
+    if n % ROWS or k % GS:
+        raise ValueError(f"pack_operand: N ({n}) and K ({k}) must be multiples of {ROWS} and {GS}")
+    # row = 16 warp + 8 o0 + lane_hi; k = 64 g + 2 (4 o_hi + lane_lo) + h
+    q = q.reshape(n // ROWS, 4, 2, 8, k // GS, 8, 4, 2)
+    byte = q[..., 0] | (q[..., 1] << 4)                  # (P, warp, o0, lane_hi, G, o_hi, lane_lo)
+    # in memory: warp, lane (= 4 lane_hi + lane_lo), o (= 2 o_hi + o0)
+    return byte.permute(0, 4, 1, 3, 6, 5, 2).reshape(n // ROWS, k // GS, BLOCK_BYTES).contiguous()
+
+
+def unpack_operand(wb: torch.Tensor) -> torch.Tensor:
+    """pack_operand's inverse, as (N, K) uint8 codes."""
+    p, g, _ = wb.shape
+    byte = wb.reshape(p, g, 4, 8, 4, 8, 2).permute(0, 2, 6, 3, 1, 5, 4)   # (P, warp, o0, lane_hi, G, o_hi, lane_lo)
+    q = torch.stack([byte & 15, byte >> 4], dim=-1)
+    return q.reshape(p * ROWS, g * GS)
+
+
+def group_major(t: torch.Tensor) -> torch.Tensor:
+    """Per-group scales or biases (N, G) -> (N/64, G, 64): a program's 64 values of a group contiguous."""
+    n, g = t.shape
+    return t.reshape(n // ROWS, ROWS, g).transpose(1, 2).contiguous()
+
+
+def dequantized(wb, s_g, b_g) -> torch.Tensor:
+    """The packed weight's meaning: (N, K) fp32, q * s + b."""
+    q = unpack_operand(wb).float()
+    p, g, _ = s_g.shape
+    s = s_g.transpose(1, 2).reshape(p * ROWS, g).float().repeat_interleave(GS, dim=1)
+    b = b_g.transpose(1, 2).reshape(p * ROWS, g).float().repeat_interleave(GS, dim=1)
+    return q * s + b
+
+
+def _operand_bytes(wb, pid, g):
+    """Block (pid, g)'s bytes as the (64, 32) logical tile, already in the operand's register layout."""
+    raw = kd.load(wb, pid, g, kd.arange(0, BLOCK_BYTES), check=False)
+    return kd.reshape(kd.permute(kd.reshape(raw, (4, 8, 4, 8, 2)), (0, 4, 1, 3, 2)), (ROWS, GS // 2))
+
+
+# ----------------------------------------------------------------------------- the GEMV (1-16 rows)
+def _prep_spec(x, **_):
+    m, k = x.shape
+    xp = torch.zeros(XROWS, k, dtype=torch.float32, device=x.device)
+    xp[:m] = x.float()
+    g = xp.reshape(XROWS, k // GS, GS)
+    return g.permute(1, 2, 0).to(x.dtype).contiguous(), g.sum(-1).t().contiguous()
+
+
+@kd.kernel(tune={"num_warps": kd.choice(1, 2, 4, default=2)},
+           key=lambda x, **_: {"M": x.shape[0], "K": x.shape[1]}, spec=_prep_spec)
+def qmv_wg_prep(x):
+    """x (M <= 16, K) -> (each group's (64, 16) B tile, rows past M zero: (G, 64, 16) in x's dtype; the groups'
+    sums of x: (G, 16) fp32)."""
+    M, K = x.shape
+    g = kd.grid(kd.cdiv(K, GS))
+    kk, mm = kd.arange(0, GS), kd.arange(0, XROWS)
+    v = kd.load(x, mm[None, :], g * GS + kk[:, None])                 # (64, 16); rows past M read 0
+    xt = kd.output((K // GS, GS, XROWS), x.dtype, name="xt")
+    kd.store(xt, g, kk[:, None], mm[None, :], v)
+    xsum = kd.output((K // GS, XROWS), kd.f32, name="xsum")
+    kd.store(xsum, g, mm, kd.sum(v.f32(), axis=0))
+    return xt, xsum
+
+
+def _gemv_spec(xt, xsum, wb, s_g, b_g, *, M, **_):
+    x = xt.float().permute(2, 0, 1).reshape(XROWS, -1)[:M]
+    return (x @ dequantized(wb, s_g, b_g).t()).to(s_g.dtype)
+
+
+@kd.kernel(tune={"SPLIT_K": kd.choice(1, 2, 4, default=1), "num_stages": kd.choice(1, 3, default=1)},
+           key=lambda xt, xsum, wb, s_g, b_g, **kw: {"M": kw["M"], "N": wb.shape[0] * ROWS, "K": wb.shape[1] * GS},
+           spec=_gemv_spec)
+def qmv_wg(xt, xsum, wb, s_g, b_g, *, M: int, SPLIT_K):
+    """y (M, N) = x (M, K) @ W.T for M <= 16 from qmv_wg_prep's (xt, xsum) and pack_operand's weight, with
+    group_major scales and biases; y in the scales' dtype (fp32 when split over K: added across splits)."""
+    P, G, _ = wb.shape
+    N = P * ROWS
+    pid, pk = kd.grid(P, SPLIT_K)
+    rows, r64, mm = pid * ROWS + kd.arange(0, ROWS), kd.arange(0, ROWS), kd.arange(0, XROWS)
+    kk = kd.arange(0, GS)
+    per = kd.cdiv(G, SPLIT_K)
+    acc = kd.zeros((ROWS, XROWS), kd.f32)
+    for g in kd.range(pk * per, kd.minimum(pk * per + per, G)):
+        a = kd.reshape(kd.nibbles(_operand_bytes(wb, pid, g)), (ROWS, GS))          # 128 + q, exact
+        x = kd.load(xt, g, kk[:, None], mm[None, :], check=False)                  # (64, 16)
+        d = kd.dot(a, x)
+        s = kd.load(s_g, pid, g, r64, check=False).f32()
+        b = kd.load(b_g, pid, g, r64, check=False).f32()
+        acc += s[:, None] * d
+        acc += (b - 128.0 * s)[:, None] * kd.load(xsum, g, mm, check=False)[None, :]
+    if SPLIT_K == 1:
+        out = kd.output((M, N), s_g.dtype)
+        kd.store(out, mm[None, :], rows[:, None], acc)
+    else:
+        out = kd.output((M, N), kd.f32, zero=True)
+        kd.atomic_add(out, mm[None, :], rows[:, None], acc)
+    return out
+
+
+def run_qmv_wg(x, wb, s_g, b_g, *, backend=None, config=None):
+    """x (M <= 16, K) -> (M, N): prep, then the GEMV."""
+    if x.shape[0] > XROWS:
+        raise ValueError(f"qmv_wg serves 1-{XROWS} activation rows, got {x.shape[0]}; use qmm_wg")
+    xt, xsum = qmv_wg_prep(x, backend=backend)
+    return qmv_wg(xt, xsum, wb, s_g, b_g, M=x.shape[0], backend=backend, config=config)
+
+
+# ----------------------------------------------------------------------------- the GEMM (more rows)
+def _gemm_spec(x, wb, s_g, b_g, **_):
+    w = dequantized(wb, s_g, b_g).to(x.dtype).float()          # rounded to bf16 once, as the kernel's operand
+    return (x.float() @ w.t()).to(x.dtype)
+
+
+@kd.kernel(tune={"BLOCK_M": kd.choice(64, 128, 256, default=128), "num_stages": kd.choice(2, 3, 4, default=3)},
+           key=lambda x, wb, s_g, b_g, **_: {"M": x.shape[0], "N": wb.shape[0] * ROWS, "K": x.shape[1]},
+           spec=_gemm_spec)
+def qmm_wg(x, wb, s_g, b_g, *, BLOCK_M):
+    """y (M, N) = x (M, K) @ W.T in x's dtype, W dequantized to x's dtype (bf16) in registers."""
+    M, K = x.shape
+    P, G, _ = wb.shape
+    pid, pm = kd.grid(P, kd.cdiv(M, BLOCK_M))
+    rows, r64 = pid * ROWS + kd.arange(0, ROWS), kd.arange(0, ROWS)
+    mm, kk = pm * BLOCK_M + kd.arange(0, BLOCK_M), kd.arange(0, GS)
+    acc = kd.zeros((ROWS, BLOCK_M), kd.f32)
+    for g in kd.range(0, G):
+        s = kd.load(s_g, pid, g, r64, check=False)
+        b = kd.load(b_g, pid, g, r64, check=False)
+        a = kd.reshape(kd.nibbles(_operand_bytes(wb, pid, g), s[:, None], b[:, None]), (ROWS, GS))
+        acc += kd.dot(a, kd.trans(kd.load(x, mm[:, None], g * GS + kk[None, :], check=(True, False))))
+    out = kd.output((M, P * ROWS), x.dtype)
+    kd.store(out, mm[None, :], rows[:, None], acc)
+    return out

@@ -1,0 +1,151 @@
+"""The wgmma kernels with the weight in the operand layout (kernels/qmv_wg.py): the packing puts every code
+where the module says and back; qmv_wg (1-16 rows, split over K or not) and qmm_wg give x @ W.T of MLX's
+quantized weights on every backend; compiled for sm_90 their loops keep the weight out of shared memory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kilnx.kernels import qmv_wg as W
+from kilnx.quant import QWeight
+
+BACKENDS = ["reference", "numba", "triton"]
+
+
+def _skip_triton(backend):
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton kernels run on CPU only under TRITON_INTERPRET=1")
+
+
+def _case(n, k, m, seed):
+    """MLX-quantized weights in the operand layout, x, and the product's meaning x @ dequantize().T (fp32)."""
+    rng = np.random.default_rng(seed)
+    w = mx.array(rng.standard_normal((n, k)).astype(np.float32) * 0.05).astype(mx.bfloat16)
+    wq, s, b = mx.quantize(w, group_size=64, bits=4)
+    words = torch.from_numpy(np.array(wq).view(np.int32)).view(torch.uint32)
+    s, b = (torch.from_numpy(np.array(v.astype(mx.float32))).bfloat16() for v in (s, b))
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).bfloat16()
+    dense = QWeight.from_mlx(words, s, b, bits=4, group_size=64).dequantize().float()
+    return words, s, b, x, x.float() @ dense.t()
+
+
+def _close(got, want):
+    """Within the output's bf16 rounding of the fp32 product (an ulp: the interpreter's conversion truncates)."""
+    return torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
+def test_the_packing_places_each_code_as_documented_and_unpacks_exactly():
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (128, 128), generator=g)
+    words = torch.zeros(128, 16, dtype=torch.int64)
+    for j in range(8):
+        words |= codes[:, j::8] << (4 * j)
+    wb = W.pack_operand(words.to(torch.int32).view(torch.uint32))
+    assert wb.shape == (2, 2, 2048) and torch.equal(W.unpack_operand(wb).long(), codes)
+    for pb, grp, e in [(0, 0, 0), (1, 1, 2047), (0, 1, 777), (1, 0, 1234)]:
+        o, lane, warp = e % 16, e // 16 % 32, e // 512
+        row, col = pb * 64 + 16 * warp + 8 * (o % 2) + lane // 4, lane % 4 + 4 * (o // 2)
+        byte = int(wb[pb, grp, e])
+        assert (byte & 15, byte >> 4) == (codes[row, grp * 64 + 2 * col], codes[row, grp * 64 + 2 * col + 1])
+
+
+def test_the_packing_names_what_it_cannot_take():
+    with pytest.raises(ValueError, match="multiples of 64"):
+        W.pack_operand(torch.zeros(100, 16, dtype=torch.uint32))
+    with pytest.raises(ValueError, match="MLX 4-bit words"):
+        W.pack_operand(torch.zeros(64, 16, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=3, deadline=None)
+@given(shape=st.sampled_from([(64, 64), (128, 192)]), m=st.sampled_from([1, 3, 16]), split=st.sampled_from([1, 2]),
+       seed=st.integers(0, 10_000))
+def test_the_gemv_gives_the_product(backend, shape, m, split, seed):
+    _skip_triton(backend)
+    words, s, b, x, want = _case(*shape, m, seed)
+    got = W.run_qmv_wg(x, W.pack_operand(words), W.group_major(s), W.group_major(b), backend=backend,
+                       config={"SPLIT_K": split})
+    assert got.shape == (m, shape[0]) and _close(got, want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=3, deadline=None)
+@given(shape=st.sampled_from([(64, 64), (128, 128)]), m=st.sampled_from([17, 64, 100]), seed=st.integers(0, 10_000))
+def test_the_gemm_gives_the_product(backend, shape, m, seed):
+    _skip_triton(backend)
+    words, s, b, x, want = _case(*shape, m, seed)
+    got = W.qmm_wg(x, W.pack_operand(words), W.group_major(s), W.group_major(b), backend=backend,
+                   config={"BLOCK_M": 64})
+    assert got.shape == (m, shape[0]) and got.dtype == x.dtype and _close(got, want)
+
+
+def test_more_than_16_rows_go_to_the_gemm():
+    words, s, b, x, _ = _case(64, 64, 17, 0)
+    with pytest.raises(ValueError, match="use qmm_wg"):
+        W.run_qmv_wg(x, W.pack_operand(words), W.group_major(s), W.group_major(b), backend="reference")
+
+
+SM90 = """
+import json, os, subprocess, sys, torch
+sys.path.insert(0, "bench/probes")
+from sass_count import NVDISASM, main_loop, opcodes
+from kilnx.codegen.aot import compile_for_target
+from kilnx.kernels import qmv_wg as W
+wb, sg = torch.zeros(4, 64, 2048, dtype=torch.uint8), torch.zeros(4, 64, 64).bfloat16()
+x = torch.zeros(4, 4096).bfloat16()
+xt, xsum = W._prep_spec(x)
+cases = {"qmv_wg": (W.qmv_wg, (xt, xsum, wb, sg, sg), {"SPLIT_K": 1, "num_stages": 1}, {"M": 4}),
+         "qmm_wg": (W.qmm_wg, (torch.zeros(512, 4096).bfloat16(), wb, sg, sg), {"BLOCK_M": 128, "num_stages": 3}, {})}
+facts = {}
+for name, (kernel, args, cfg, kw) in cases.items():
+    k = compile_for_target(kernel, args, cfg, kw=kw, aligned=True)
+    path = f"/tmp/{name}_{os.getpid()}.cubin"
+    open(path, "wb").write(k.asm["cubin"])
+    sass = subprocess.run([NVDISASM, "-c", path], capture_output=True, text=True, check=True).stdout
+    dots = [l for l in k.asm["ttgir"].splitlines() if "warp_group_dot " in l]
+    facts[name] = {"a_in_registers": bool(dots) and all("dot_op<{opIdx = 0" in d.split("*")[0] for d in dots),
+                   "loop": dict(opcodes(main_loop(sass)))}
+print(json.dumps(facts))
+"""
+
+
+def test_the_weight_reaches_wgmma_in_registers_for_sm90():
+    """qmv_wg's loop stores only x's (64 x 16) tile to shared memory (one 16-byte store a thread; the decoded
+    weight would take four or more); qmm_wg's pipelined loop stores nothing (cp.async brings x and bytes)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run = subprocess.run([sys.executable, "-c", SM90], env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    import json
+    facts = json.loads(run.stdout.strip().splitlines()[-1])
+    for name, f in facts.items():
+        stores = f["loop"].get("STS", 0) + f["loop"].get("STSM", 0)
+        assert f["a_in_registers"] and f["loop"].get("HGMMA", 0) >= 4, (name, f)
+        assert stores <= (1 if name == "qmv_wg" else 0), (name, f["loop"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_the_gemv_gives_the_product_on_the_gpu(m):
+    words, s, b, x, want = _case(256, 512, m, 5)
+    args = [t.cuda() for t in (W.pack_operand(words), W.group_major(s), W.group_major(b))]
+    for cfg in ({"SPLIT_K": 1, "num_stages": 1}, {"SPLIT_K": 4, "num_stages": 3}):
+        assert _close(W.run_qmv_wg(x.cuda(), *args, config=cfg).cpu(), want), cfg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [64, 300])
+def test_the_gemm_gives_the_product_on_the_gpu(m):
+    words, s, b, x, want = _case(256, 512, m, 7)
+    args = [t.cuda() for t in (W.pack_operand(words), W.group_major(s), W.group_major(b))]
+    for cfg in ({"BLOCK_M": 64, "num_stages": 2}, {"BLOCK_M": 128, "num_stages": 3}, {"BLOCK_M": 256, "num_stages": 3}):
+        assert _close(W.qmm_wg(x.cuda(), *args, config=cfg).cpu(), want), cfg

@@ -48,6 +48,9 @@ import torch
 import triton
 import triton.language as tl
 
+sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")]
+from kilnx.codegen.triton_rt import NIBBLE_ASM  # noqa: E402 - the asm of kd.nibbles (kernels/qmv_wg.py's form)
+
 BN, GS, BM = 64, 64, 16     # weight rows per warpgroup (wgmma's M), group size, padded x rows
 INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -98,17 +101,8 @@ def _nibbles(byt, ASM: tl.constexpr):
     """(low, high) nibbles of each byte as bf16 128 + q, joined along a new last axis. ASM: the same values,
     four bytes (one register) at a time: two byte permutes, two shifts, four LOP3 for 8 codes."""
     if ASM:
-        lo, hi = tl.inline_asm_elementwise(
-            """{ .reg .b32 t, u;
-            prmt.b32 t, $4, 0, 0x5150;
-            lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xea;
-            shr.u32 u, t, 4;
-            lop3.b32 $2, u, 0x000F000F, 0x43004300, 0xea;
-            prmt.b32 t, $4, 0, 0x5352;
-            lop3.b32 $1, t, 0x000F000F, 0x43004300, 0xea;
-            shr.u32 u, t, 4;
-            lop3.b32 $3, u, 0x000F000F, 0x43004300, 0xea; }""",
-            "=r,=r,=r,=r,r", [byt], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        lo, hi = tl.inline_asm_elementwise(NIBBLE_ASM, "=r,=r,=r,=r,r", [byt], dtype=(tl.bfloat16, tl.bfloat16),
+                                           is_pure=True, pack=4)
     else:
         lo = ((byt & 0xF).to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True)
         hi = ((byt >> 4).to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True)
@@ -199,23 +193,42 @@ def compiled_facts(fn, sig: dict, constexprs: dict, *, num_warps: int, num_stage
 
 
 # ----------------------------------------------------------------------------- GPU timing
+def cli(default_name: str) -> tuple[bool, str]:
+    """A probe's command line: (--smoke, the CSV path: argv's, else $OUT/default_name); the bench's modules
+    and kilnx made importable."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:0] = [os.path.join(here, ".."), os.path.join(here, "..", "..")]
+    smoke = "--smoke" in sys.argv           # CPU, TRITON_INTERPRET=1: the script's own path on tiny shapes
+    args = [a for a in sys.argv[1:] if a != "--smoke"]
+    path = args[0] if args else os.path.join(os.environ.get("OUT", ".scratch/out"), default_name)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    return smoke, path
+
+
+def write_rows(path: str, rows: list[dict], smoke: bool, **extra) -> None:
+    """The rows as CSV, each with the run's device, versions, date and commit."""
+    import csv
+    import datetime
+    meta = {"device": "cpu (interpreter smoke)" if smoke else torch.cuda.get_device_name(),
+            "torch": torch.__version__, "triton": triton.__version__, "date": datetime.date.today().isoformat(),
+            "commit": os.environ.get("KILNX_COMMIT", "?"), **extra}
+    with open(path, "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=list(rows[0]) + list(meta))
+        wr.writeheader()
+        for r in rows:
+            wr.writerow({**r, **meta})
+
+
 def main() -> None:
     """llama-3.1-8b's four projections at 1-16 rows: the probe (split over K 1/2/4, plain and asm decode)
     against qmv_h2's path (prep + GEMV) and cuBLAS bf16 on the dequantized weight, all in one run, each
     over rotating weight copies (more bytes than L2 holds), CUDA-graph replayed (bench_kernels.time_calls)."""
-    import csv
-    import datetime
+    smoke, path = cli("tc_gemv.csv")
     import itertools
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:0] = [os.path.join(here, ".."), os.path.join(here, "..", "..")]
     from bench_kernels import copies_for, copy_gbps, time_calls          # the bench's own protocol
     from kilnx.kernels import qmv_h2 as H
     from kilnx.kernels import qmv_wg as W
     from kilnx.quant import QWeight
-    smoke = "--smoke" in sys.argv           # CPU, TRITON_INTERPRET=1: the script's own path on tiny shapes
-    args = [a for a in sys.argv[1:] if a != "--smoke"]
-    path = args[0] if args else os.path.join(os.environ.get("OUT", ".scratch/out"), "tc_gemv.csv")
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     dev = torch.device("cpu" if smoke else "cuda")
     copy = copy_gbps(smoke)
     rows = []
@@ -253,15 +266,7 @@ def main() -> None:
                              "us_kilnx_qmv_wg_split1": round(us_wg[1], 2), "us_kilnx_qmv_wg_split4": round(us_wg[4], 2),
                              "rel_err": f"{err:.2e}"})
                 print(rows[-1], flush=True)
-    meta = {"device": "cpu (interpreter smoke)" if smoke else torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "date": datetime.date.today().isoformat(), "commit": os.environ.get("KILNX_COMMIT", "?"),
-            "copy_GBps": round(copy, 1)}
-    with open(path, "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(rows[0]) + list(meta))
-        wr.writeheader()
-        for r in rows:
-            wr.writerow({**r, **meta})
-
+    write_rows(path, rows, smoke, copy_GBps=round(copy, 1))
 
 if __name__ == "__main__":
     main()

@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tc_gemv import BN, GS, INTERP, compiled_facts, group_major, pack  # noqa: E402 - the shared byte layout
+from tc_gemv import BN, GS, INTERP, cli, compiled_facts, group_major, pack, write_rows  # noqa: E402
+from kilnx.codegen.triton_rt import NIBBLE_DEQUANT_ASM  # noqa: E402 - the asm of kd.nibbles with a scale
 
 
 @triton.jit
@@ -38,18 +39,8 @@ def _dequant(byt, s, b, ASM: tl.constexpr):
     """(low, high) codes of each byte dequantized to bf16 (q * s + b, one rounding), joined on a new last
     axis; s and b are each byte's row scale and bias (broadcast over the bytes)."""
     if ASM:
-        lo, hi = tl.inline_asm_elementwise(
-            """{ .reg .b32 t, u, v, q, one, m128;
-            mov.b32 one, 0x3F803F80; mov.b32 m128, 0xC300C300;
-            prmt.b32 t, $4, 0, 0x5150;
-            lop3.b32 v, t, 0x000F000F, 0x43004300, 0xea; fma.rn.bf16x2 q, v, one, m128; fma.rn.bf16x2 $0, q, $5, $7;
-            shr.u32 u, t, 4;
-            lop3.b32 v, u, 0x000F000F, 0x43004300, 0xea; fma.rn.bf16x2 q, v, one, m128; fma.rn.bf16x2 $2, q, $5, $7;
-            prmt.b32 t, $4, 0, 0x5352;
-            lop3.b32 v, t, 0x000F000F, 0x43004300, 0xea; fma.rn.bf16x2 q, v, one, m128; fma.rn.bf16x2 $1, q, $6, $8;
-            shr.u32 u, t, 4;
-            lop3.b32 v, u, 0x000F000F, 0x43004300, 0xea; fma.rn.bf16x2 q, v, one, m128; fma.rn.bf16x2 $3, q, $6, $8; }""",
-            "=r,=r,=r,=r,r,r,r,r,r", [byt, s, b], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        lo, hi = tl.inline_asm_elementwise(NIBBLE_DEQUANT_ASM, "=r,=r,=r,=r,r,r,r,r,r", [byt, s, b],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     else:
         sf, bf = s.to(tl.float32), b.to(tl.float32)
         lo = ((byt & 0xF).to(tl.float32) * sf + bf).to(tl.bfloat16)
@@ -107,18 +98,11 @@ def compile_report(wg: int = 2, block_m: int = 128, num_stages: int = 3, asm: bo
 def main() -> None:
     """llama-3.1-8b's four projections at 128-4096 rows: the probe over (warpgroups, BM, stages) against
     cuBLAS bf16 on the dequantized weight and kilnx's qmatmul route, one run, CUDA-graph replayed."""
-    import csv
-    import datetime
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:0] = [os.path.join(here, ".."), os.path.join(here, "..", "..")]
+    smoke, path = cli("tc_qmm.csv")
     from bench_kernels import time_calls          # the bench's own protocol
     from kilnx import ops
     from kilnx.kernels import qmv_wg as W
     from kilnx.quant import QWeight
-    smoke = "--smoke" in sys.argv           # CPU, TRITON_INTERPRET=1: the script's own path on tiny shapes
-    args = [a for a in sys.argv[1:] if a != "--smoke"]
-    path = args[0] if args else os.path.join(os.environ.get("OUT", ".scratch/out"), "tc_qmm.csv")
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     dev = torch.device("cpu" if smoke else "cuda")
     shapes = {"tiny": (128, 128)} if smoke else {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
                                                  "down": (4096, 14336)}
@@ -154,15 +138,7 @@ def main() -> None:
                              "us_kilnx_qmm_wg_bm128": round(us_wg, 2),
                              "tflops": round(2 * m * n * k / us / 1e6, 1), "rel_err": f"{err:.2e}"})
                 print(rows[-1], flush=True)
-    meta = {"device": "cpu (interpreter smoke)" if smoke else torch.cuda.get_device_name(),
-            "torch": torch.__version__, "triton": triton.__version__, "date": datetime.date.today().isoformat(),
-            "commit": os.environ.get("KILNX_COMMIT", "?")}
-    with open(path, "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(rows[0]) + list(meta))
-        wr.writeheader()
-        for r in rows:
-            wr.writerow({**r, **meta})
-
+    write_rows(path, rows, smoke)
 
 if __name__ == "__main__":
     main()

@@ -160,13 +160,13 @@ def byte_perm(a, b, sel):
 # kd.nibbles (kilnx/dsl/half2.py): four bytes (one register, pack=4) at a time. Output element j of `lo` / `hi`
 # is byte j's low / high code; the byte permutes bring bytes (0, 1) and (2, 3) into the halves of a word, one
 # LOP3 each masks a code pair into bf16 128.0's mantissa (exact 128 + q).
-_NIBBLE_ASM = tl.constexpr("""{ .reg .b32 t, u;
+NIBBLE_ASM = tl.constexpr("""{ .reg .b32 t, u;
     prmt.b32 t, $4, 0, 0x5150; lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xea;
     shr.u32 u, t, 4; lop3.b32 $2, u, 0x000F000F, 0x43004300, 0xea;
     prmt.b32 t, $4, 0, 0x5352; lop3.b32 $1, t, 0x000F000F, 0x43004300, 0xea;
     shr.u32 u, t, 4; lop3.b32 $3, u, 0x000F000F, 0x43004300, 0xea; }""")
 # ... and q * s + b: 128 + q minus 128 (exact), then one bf16x2 FMA with the bytes' scale and bias pairs
-_NIBBLE_DEQUANT_ASM = tl.constexpr("""{ .reg .b32 t, u, v, q, one, m128;
+NIBBLE_DEQUANT_ASM = tl.constexpr("""{ .reg .b32 t, u, v, q, one, m128;
     mov.b32 one, 0x3F803F80; mov.b32 m128, 0xC300C300;
     prmt.b32 t, $4, 0, 0x5150;
     lop3.b32 v, t, 0x000F000F, 0x43004300, 0xea; fma.rn.bf16x2 q, v, one, m128; fma.rn.bf16x2 $0, q, $5, $7;
@@ -185,7 +185,7 @@ def nibbles(x):
         lo = ((x & 0xF).to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True)
         hi = ((x >> 4).to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True)
     else:
-        lo, hi = tl.inline_asm_elementwise(_NIBBLE_ASM, "=r,=r,=r,=r,r", [x], dtype=(tl.bfloat16, tl.bfloat16),
+        lo, hi = tl.inline_asm_elementwise(NIBBLE_ASM, "=r,=r,=r,=r,r", [x], dtype=(tl.bfloat16, tl.bfloat16),
                                            is_pure=True, pack=4)
     return tl.join(lo, hi)
 
@@ -198,6 +198,6 @@ def nibbles_dequant(x, s, b):
         lo = _bf16_bits((x & 0xF).to(tl.float64) * sf + bf).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         hi = _bf16_bits((x >> 4).to(tl.float64) * sf + bf).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
-        lo, hi = tl.inline_asm_elementwise(_NIBBLE_DEQUANT_ASM, "=r,=r,=r,=r,r,r,r,r,r", [x, s, b],
+        lo, hi = tl.inline_asm_elementwise(NIBBLE_DEQUANT_ASM, "=r,=r,=r,=r,r,r,r,r,r", [x, s, b],
                                            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     return tl.join(lo, hi)

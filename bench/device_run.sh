@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU-machine driver: bash bench/device_run.sh STEP...   (needs .whl carried; everything lands in $OUT)
-# Steps: gputests gpuquick (TESTS=files) e2eab (AB_MODELS="8b 1b moe" AB_VAR=KILNX_PDL|KILNX_PREPARED_LAUNCH|KILNX_GEMV_PREFETCH|KILNX_FUSED_QKV_ROPE|KILNX_FUSED_ROPE|KILNX_DECODE_LOOKAHEAD|KILNX_MOE_PREPARED AB_VALUES="1 0" AB_PROMPTS=128,2048) quant qmv tc qmm ncu fusions moe e2e1b e2e8b (E2E_CSV=name) tune (TUNE_MODEL) tune8b cold8b moeprobe (MOEPROBE_ROUNDS) tcgemv tcqmm attnprobe qmmrows mmprefill (MMP_ROUNDS) splitk (SPLITK_SHAPES SPLITK_TILES SPLITK_SPLITS SPLITK_STAGES)   -- each has its own time limit and log.
+# Steps: gputests gpuquick (TESTS=files) e2eab (AB_MODELS="8b 1b moe" AB_VAR=KILNX_PDL|KILNX_PREPARED_LAUNCH|KILNX_WG|KILNX_GEMV_PREFETCH|KILNX_FUSED_QKV_ROPE|KILNX_FUSED_ROPE|KILNX_DECODE_LOOKAHEAD|KILNX_MOE_PREPARED AB_VALUES="1 0" AB_PROMPTS=128,2048) quant qmv tc qmm ncu fusions moe e2e1b e2e8b (E2E_CSV=name) tune (TUNE_MODEL) tune8b cold8b moeprobe (MOEPROBE_ROUNDS) tcgemv tcqmm attnprobe qmmrows mmprefill (MMP_ROUNDS) splitk (SPLITK_SHAPES SPLITK_TILES SPLITK_SPLITS SPLITK_STAGES)   -- each has its own time limit and log.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1

@@ -17,12 +17,19 @@ GPU here), the loop keeps the weight out of shared memory: qmv_wg's SASS is ~116
 a thread at any row count up to 16, qmm_wg's ~190 per 32 codes under m64n128k16 MMAs (bench/probes/tc_gemv.py,
 tc_qmm.py: the plain-Triton probes these were written from, timed there against qmv_h2 and cuBLAS).
 
+KILNX_WG=1 lets qmatmul take them (`server`): 2-16 rows qmv_wg, more qmm_wg, for 4-bit group-64 weights
+with bf16 activations, scales and biases; one row stays on qmv_h2 and its fused producers. The operand
+layout is kept beside MLX's (4-bit weights' bytes twice), packed at a weight's first such call outside a
+CUDA graph capture. Off by default until the GPU has timed it.
+
 Math, per group of 64 codes: qmv_wg sums (128 + q) x on the tensor cores (exact bf16 operands) and adds
 s * d + (b - 128 s) * sum(x) in fp32; qmm_wg dequantizes q * s + b to bf16 (one rounding, as MLX's
 dequantize) and accumulates one fp32 product. Not yet timed on a GPU: nothing routes here until it is.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -34,10 +41,10 @@ BLOCK_BYTES = ROWS * GS // 2
 
 # ----------------------------------------------------------------------------- the operand layout (host)
 def codes_of(wq: torch.Tensor) -> torch.Tensor:
-    """MLX 4-bit words (N, K/8), code j of word w at bits 4j -> (N, K) uint8 codes."""
-    w = wq.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(0, 32, 4, device=wq.device)
-    return ((w[:, :, None] >> shifts) & 0xF).reshape(wq.shape[0], -1).to(torch.uint8)
+    """MLX 4-bit words (N, K/8), code j of word w at bits 4j -> (N, K) uint8 codes (int32 shifts: the mask
+    drops the sign bits an arithmetic shift brings in)."""
+    shifts = torch.arange(0, 32, 4, device=wq.device, dtype=torch.int32)
+    return ((wq.view(torch.int32)[:, :, None] >> shifts) & 0xF).to(torch.uint8).reshape(wq.shape[0], -1)
 
 
 def pack_operand(wq: torch.Tensor) -> torch.Tensor:
@@ -177,3 +184,46 @@ def qmm_wg(x, wb, s_g, b_g, *, BLOCK_M):
     out = kd.output((M, P * ROWS), x.dtype)
     kd.store(out, mm[None, :], rows[:, None], acc)
     return out
+
+
+# ----------------------------------------------------------------------------- qmatmul's use (KILNX_WG=1)
+def enabled() -> bool:
+    """KILNX_WG=1: qmatmul serves 2+ rows of the weights these kernels take with them (see `server`)."""
+    return os.environ.get("KILNX_WG", "0") == "1"
+
+
+def serves(x: torch.Tensor, w) -> bool:
+    """Whether these kernels take x (M, K) @ w.T: an affine 4-bit group-64 (N, K) weight, N and K multiples
+    of 64, bf16 activations, scales and biases, on the GPU (or the CPU under the Triton interpreter)."""
+    from kilnx.codegen.launch import interpreting
+    f = w.format
+    return (w.mode == "affine" and f.bits == 4 and f.group_size == GS and len(w.shape) == 2
+            and w.shape[0] % ROWS == 0 and w.shape[1] % GS == 0 and x.dtype == torch.bfloat16
+            and w.scales.dtype == torch.bfloat16 and w.biases is not None and w.biases.dtype == torch.bfloat16
+            and (x.is_cuda or interpreting()))
+
+
+def operand_of(w):
+    """(bytes, scales, biases) of w in the operand layout, made at the first call and kept on w; None inside
+    a CUDA graph capture before that (packing there would be replayed with every step)."""
+    op = getattr(w, "_wg_operand", None)
+    if op is None:
+        if w.packed.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        op = (pack_operand(w.packed), group_major(w.scales), group_major(w.biases))
+        w._wg_operand = op
+    return op
+
+
+def server(x: torch.Tensor, w):
+    """qmatmul's call for x's row count (args: x, packed, scales, biases), or None where the usual route
+    serves: one row, a weight these kernels do not take, or no operand yet inside a capture."""
+    m = x.shape[0]
+    if m < 2 or not serves(x, w):
+        return None
+    op = operand_of(w)
+    if op is None:
+        return None
+    if m <= XROWS:
+        return lambda x2, *_: run_qmv_wg(x2, *op)
+    return lambda x2, *_: qmm_wg(x2, *op)

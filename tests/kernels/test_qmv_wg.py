@@ -149,3 +149,38 @@ def test_the_gemm_gives_the_product_on_the_gpu(m):
     args = [t.cuda() for t in (W.pack_operand(words), W.group_major(s), W.group_major(b))]
     for cfg in ({"BLOCK_M": 64, "num_stages": 2}, {"BLOCK_M": 128, "num_stages": 3}, {"BLOCK_M": 256, "num_stages": 3}):
         assert _close(W.qmm_wg(x.cuda(), *args, config=cfg).cpu(), want), cfg
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="qmatmul takes these kernels on the GPU "
+                    "or under the Triton interpreter")
+def test_kilnx_wg_lets_qmatmul_serve_two_or_more_rows_with_them(monkeypatch):
+    from kilnx.kernels import qmatmul as qm
+    words, s, b, x, want = _case(128, 128, 70, 3)
+    w = QWeight.from_mlx(words, s, b, bits=4, group_size=64)
+    monkeypatch.setenv("KILNX_WG", "0")
+    qm.qmatmul(x[:5], w)
+    assert getattr(w, "_wg_operand", None) is None              # off: the usual route, nothing packed
+    monkeypatch.setenv("KILNX_WG", "1")
+    w = QWeight.from_mlx(words, s, b, bits=4, group_size=64)
+    calls = []
+    for name in ("run_qmv_wg", "qmm_wg"):
+        real = getattr(W, name)
+        monkeypatch.setattr(W, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    assert _close(qm.qmatmul(x[:1], w), want[:1]) and calls == []           # one row: qmv_h2's route
+    assert _close(qm.qmatmul(x[:5], w), want[:5]) and calls == ["run_qmv_wg"]
+    assert _close(qm.qmatmul(x, w), want) and calls == ["run_qmv_wg", "qmm_wg"]
+    assert w._wg_operand[0].shape == (2, 2, 2048)
+    w32 = QWeight.from_mlx(words, s.float(), b.float(), bits=4, group_size=64)   # fp32 scales: not taken
+    qm.qmatmul(x[:5], w32)
+    assert getattr(w32, "_wg_operand", None) is None
+
+
+@pytest.mark.gpu
+def test_kilnx_wg_serves_qmatmul_on_the_gpu(monkeypatch):
+    from kilnx.kernels import qmatmul as qm
+    monkeypatch.setenv("KILNX_WG", "1")
+    words, s, b, x, want = _case(256, 512, 300, 9)
+    w = QWeight.from_mlx(words.cuda(), s.cuda(), b.cuda(), bits=4, group_size=64)
+    for m in (1, 4, 16, 17, 300):
+        assert _close(qm.qmatmul(x[:m].cuda(), w).cpu(), want[:m]), m
+    assert w._wg_operand is not None

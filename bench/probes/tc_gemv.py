@@ -56,32 +56,8 @@ INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ----------------------------------------------------------------------------- host side
-def codes_of(wq: torch.Tensor) -> torch.Tensor:
-    """MLX 4-bit words (N, K/8) uint32, code j of word w at bits 4j (LSB first) -> (N, K) uint8 codes."""
-    w = wq.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(0, 32, 4, device=wq.device)
-    return ((w[:, :, None] >> shifts) & 0xF).reshape(wq.shape[0], -1).to(torch.uint8)
-
-
-def pack(wq: torch.Tensor, wg: int = 1) -> torch.Tensor:
-    """MLX 4-bit group-64 words (N, K/8) -> (N/(64 wg), K/64, 2048 wg) bytes in the operand order of a
-    program of `wg` warpgroups (module doc; warps 4..7 of a second warpgroup take rows 64..127)."""
-    q = codes_of(wq)
-    n, k = q.shape
-    rows = BN * wg
-    if n % rows or k % GS:
-        raise ValueError(f"tc_gemv probe: N ({n}) and K ({k}) must be multiples of {rows} and {GS}")
-    # row = 16 warp + 8 o0 + lane_hi; k = 64 g + 2 (4 o_hi + lane_lo) + h
-    q = q.reshape(n // rows, 4 * wg, 2, 8, k // GS, 8, 4, 2)
-    byte = q[..., 0] | (q[..., 1] << 4)                         # (P, warp, o0, lane_hi, G, o_hi, lane_lo)
-    # memory order within a block: warp, lane (= 4 lane_hi + lane_lo), o (= 2 o_hi + o0)
-    return byte.permute(0, 4, 1, 3, 6, 5, 2).reshape(n // rows, k // GS, rows * GS // 2).contiguous()
-
-
-def group_major(t: torch.Tensor, wg: int = 1) -> torch.Tensor:
-    """Per-group scales or biases (N, G) -> (N/(64 wg), G, 64 wg): a program's values of a group contiguous."""
-    n, g = t.shape
-    return t.reshape(n // (BN * wg), BN * wg, g).transpose(1, 2).contiguous()
+# the operand layout is the library's (kernels/qmv_wg.py, written from this probe), for 1 or 2 warpgroups
+from kilnx.kernels.qmv_wg import group_major, pack_operand as pack  # noqa: E402,F401
 
 
 def prep_x(x: torch.Tensor):
@@ -179,7 +155,8 @@ def compiled_facts(fn, sig: dict, constexprs: dict, *, num_warps: int, num_stage
     names = list(sig)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a.endswith("_ptr") or a in ("N", "K")}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, attrs=attrs, constexprs=constexprs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": num_warps, "num_stages": num_stages})
     cubin = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"probe_{os.getpid()}.cubin")
     with open(cubin, "wb") as f:
         f.write(k.asm["cubin"])

@@ -112,7 +112,8 @@ class _Gen(StatementEmitter):
         if op == "permute":
             return f"{name} = tl.permute({r[0]}, {tuple(n.arg)})"
         if op == "nibbles":
-            return f"{name} = _rt.nibbles({r[0]})" if len(r) == 1 else f"{name} = _rt.nibbles_dequant({r[0]}, {r[1]}, {r[2]})"
+            call = "_rt.nibbles" if len(r) == 1 else "_rt.nibbles_dequant"
+            return f"{name} = {call}({', '.join(r)})"
         if op == "dot":
             a, b = n.srcs
             if min(a.shape[0], a.shape[1], b.shape[1]) >= 16:

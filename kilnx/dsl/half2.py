@@ -4,7 +4,7 @@ and lowerings are in kilnx/dsl/opdefs.py)."""
 from __future__ import annotations
 
 from .ir import broadcast_shapes, dsl_error
-from .lang import Value, builder, full, lift
+from .lang import Value, broadcast_to, builder, full, lift
 
 
 def _h2(x, like: Value | None, what: str) -> Value:
@@ -86,7 +86,6 @@ def nibbles(byt, scale=None, bias=None) -> Value:
         raise dsl_error("kd.nibbles takes both scale and bias (q * scale + bias) or neither (128 + q)")
     srcs = (byt.node,)
     if scale is not None:
-        from .lang import broadcast_to
         s, b = (broadcast_to(lift(v).to("bf16"), byt.shape) for v in (scale, bias))
         srcs += (s.node, b.node)
     return Value(builder().emit("nibbles", "bf16", (*byt.shape, 2), srcs))

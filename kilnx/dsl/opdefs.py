@@ -32,8 +32,8 @@ class OpDef:
 OPS: dict[str, OpDef] = {}
 
 STRUCTURAL = {"param", "dim", "const", "arange", "full", "program_id", "cast", "bitcast", "load", "store",
-              "atomic_add", "range", "var", "assign", "reshape", "expand", "broadcast", "trans", "permute", "join", "nibbles",
-              "reduce", "dot", "where", "stride", "prefetch", "grid_sync", "barrier"}
+              "atomic_add", "range", "var", "assign", "reshape", "expand", "broadcast", "trans", "permute", "join",
+              "nibbles", "reduce", "dot", "where", "stride", "prefetch", "grid_sync", "barrier"}
 
 
 def register(name, arity, infer, reference, triton, numba):

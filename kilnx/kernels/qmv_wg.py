@@ -24,7 +24,7 @@ CUDA graph capture. Off by default until the GPU has timed it.
 
 Math, per group of 64 codes: qmv_wg sums (128 + q) x on the tensor cores (exact bf16 operands) and adds
 s * d + (b - 128 s) * sum(x) in fp32; qmm_wg dequantizes q * s + b to bf16 (one rounding, as MLX's
-dequantize) and accumulates one fp32 product. Not yet timed on a GPU: nothing routes here until it is.
+dequantize) and accumulates one fp32 product. Not yet timed on a GPU.
 """
 
 from __future__ import annotations
@@ -47,19 +47,22 @@ def codes_of(wq: torch.Tensor) -> torch.Tensor:
     return ((wq.view(torch.int32)[:, :, None] >> shifts) & 0xF).to(torch.uint8).reshape(wq.shape[0], -1)
 
 
-def pack_operand(wq: torch.Tensor) -> torch.Tensor:
-    """MLX 4-bit group-64 words (N, K/8) -> (N/64, K/64, 2048) bytes in the operand order (module doc)."""
+def pack_operand(wq: torch.Tensor, wg: int = 1) -> torch.Tensor:
+    """MLX 4-bit group-64 words (N, K/8) -> (N/(64 wg), K/64, 2048 wg) bytes in the operand order (module doc)
+    of programs of `wg` warpgroups (warps 4..7 of a second one hold rows 64..127; the kernels here take wg=1,
+    bench/probes/tc_gemv.py times both)."""
     if wq.dtype not in (torch.uint32, torch.int32) or wq.dim() != 2:
         raise ValueError(f"pack_operand takes MLX 4-bit words (N, K/8) uint32, got {tuple(wq.shape)} {wq.dtype}")
     q = codes_of(wq)
     n, k = q.shape
-    if n % ROWS or k % GS:
-        raise ValueError(f"pack_operand: N ({n}) and K ({k}) must be multiples of {ROWS} and {GS}")
+    rows = ROWS * wg
+    if n % rows or k % GS:
+        raise ValueError(f"pack_operand: N ({n}) and K ({k}) must be multiples of {rows} and {GS}")
     # row = 16 warp + 8 o0 + lane_hi; k = 64 g + 2 (4 o_hi + lane_lo) + h
-    q = q.reshape(n // ROWS, 4, 2, 8, k // GS, 8, 4, 2)
+    q = q.reshape(n // rows, 4 * wg, 2, 8, k // GS, 8, 4, 2)
     byte = q[..., 0] | (q[..., 1] << 4)                  # (P, warp, o0, lane_hi, G, o_hi, lane_lo)
     # in memory: warp, lane (= 4 lane_hi + lane_lo), o (= 2 o_hi + o0)
-    return byte.permute(0, 4, 1, 3, 6, 5, 2).reshape(n // ROWS, k // GS, BLOCK_BYTES).contiguous()
+    return byte.permute(0, 4, 1, 3, 6, 5, 2).reshape(n // rows, k // GS, BLOCK_BYTES * wg).contiguous()
 
 
 def unpack_operand(wb: torch.Tensor) -> torch.Tensor:
@@ -70,10 +73,10 @@ def unpack_operand(wb: torch.Tensor) -> torch.Tensor:
     return q.reshape(p * ROWS, g * GS)
 
 
-def group_major(t: torch.Tensor) -> torch.Tensor:
-    """Per-group scales or biases (N, G) -> (N/64, G, 64): a program's 64 values of a group contiguous."""
+def group_major(t: torch.Tensor, wg: int = 1) -> torch.Tensor:
+    """Per-group scales or biases (N, G) -> (N/(64 wg), G, 64 wg): a program's values of a group contiguous."""
     n, g = t.shape
-    return t.reshape(n // ROWS, ROWS, g).transpose(1, 2).contiguous()
+    return t.reshape(n // (ROWS * wg), ROWS * wg, g).transpose(1, 2).contiguous()
 
 
 def dequantized(wb, s_g, b_g) -> torch.Tensor:

@@ -29,8 +29,6 @@ dequantize) and accumulates one fp32 product. Not yet timed on a GPU.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 import kilnx.dsl as kd
@@ -189,12 +187,7 @@ def qmm_wg(x, wb, s_g, b_g, *, BLOCK_M):
     return out
 
 
-# ----------------------------------------------------------------------------- qmatmul's use (KILNX_WG=1)
-def enabled() -> bool:
-    """KILNX_WG=1: qmatmul serves 2+ rows of the weights these kernels take with them (see `server`)."""
-    return os.environ.get("KILNX_WG", "0") == "1"
-
-
+# ----------------------------------------------------------------------------- qmatmul's use (KILNX_WG=1, read there)
 def serves(x: torch.Tensor, w) -> bool:
     """Whether these kernels take x (M, K) @ w.T: an affine 4-bit group-64 (N, K) weight, N and K multiples
     of 64, bf16 activations, scales and biases, on the GPU (or the CPU under the Triton interpreter)."""

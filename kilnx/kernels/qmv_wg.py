@@ -166,9 +166,17 @@ def _gemm_spec(x, wb, s_g, b_g, **_):
     return (x.float() @ w.t()).to(x.dtype)
 
 
+def _gemm_default(x, wb, s_g, b_g, **_):
+    """128 rows a program (a 64 x 128 fp32 accumulator is 64 registers a thread of one warpgroup; 256 would be
+    128), 64 where that leaves SMs without a program: each program walks all of K, so a grid smaller than the
+    GPU idles the rest (o at 128 rows: 64 programs). Not yet measured: `kilnx tune` would store the best."""
+    from kilnx.kernels.dense_mm import sm_count
+    return {"BLOCK_M": 128 if wb.shape[0] * -(-x.shape[0] // 128) >= sm_count(x) else 64}
+
+
 @kd.kernel(tune={"BLOCK_M": kd.choice(64, 128, 256, default=128), "num_stages": kd.choice(2, 3, 4, default=3)},
            key=lambda x, wb, s_g, b_g, **_: {"M": x.shape[0], "N": wb.shape[0] * ROWS, "K": x.shape[1]},
-           spec=_gemm_spec)
+           spec=_gemm_spec, default=_gemm_default)
 def qmm_wg(x, wb, s_g, b_g, *, BLOCK_M):
     """y (M, N) = x (M, K) @ W.T in x's dtype, W dequantized to x's dtype (bf16) in registers."""
     M, K = x.shape

@@ -98,38 +98,43 @@ def _prep_spec(x, **_):
     xp = torch.zeros(XROWS, k, dtype=torch.float32, device=x.device)
     xp[:m] = x.float()
     g = xp.reshape(XROWS, k // GS, GS)
-    return g.permute(1, 2, 0).to(x.dtype).contiguous(), g.sum(-1).t().contiguous()
+    return g.permute(1, 2, 0).to(x.dtype).contiguous(), g.sum(-1).t()[:, :m].contiguous()
 
 
 @kd.kernel(tune={"num_warps": kd.choice(1, 2, 4, default=2)},
            key=lambda x, **_: {"M": x.shape[0], "K": x.shape[1]}, spec=_prep_spec)
 def qmv_wg_prep(x):
     """x (M <= 16, K) -> (each group's (64, 16) B tile, rows past M zero: (G, 64, 16) in x's dtype; the groups'
-    sums of x: (G, 16) fp32)."""
+    sums of x: (G, M) fp32)."""
     M, K = x.shape
     g = kd.grid(kd.cdiv(K, GS))
     kk, mm = kd.arange(0, GS), kd.arange(0, XROWS)
     v = kd.load(x, mm[None, :], g * GS + kk[:, None])                 # (64, 16); rows past M read 0
     xt = kd.output((K // GS, GS, XROWS), x.dtype, name="xt")
     kd.store(xt, g, kk[:, None], mm[None, :], v)
-    xsum = kd.output((K // GS, XROWS), kd.f32, name="xsum")
+    xsum = kd.output((K // GS, M), kd.f32, name="xsum")              # its width carries M to qmv_wg
     kd.store(xsum, g, mm, kd.sum(v.f32(), axis=0))
     return xt, xsum
 
 
-def _gemv_spec(xt, xsum, wb, s_g, b_g, *, M, **_):
-    x = xt.float().permute(2, 0, 1).reshape(XROWS, -1)[:M]
-    return (x @ dequantized(wb, s_g, b_g).t()).to(s_g.dtype)
+def _x_of(xt, xsum):
+    """x (M, K) back from qmv_wg_prep's tiles (M: xsum's width)."""
+    return xt.permute(2, 0, 1).reshape(XROWS, -1)[:xsum.shape[1]]
+
+
+def _gemv_spec(xt, xsum, wb, s_g, b_g, **_):
+    return (_x_of(xt, xsum).float() @ dequantized(wb, s_g, b_g).t()).to(s_g.dtype)
 
 
 @kd.kernel(tune={"SPLIT_K": kd.choice(1, 2, 4, default=1), "num_stages": kd.choice(1, 3, default=1)},
-           key=lambda xt, xsum, wb, s_g, b_g, **kw: {"M": kw["M"], "N": wb.shape[0] * ROWS, "K": wb.shape[1] * GS},
+           key=lambda xt, xsum, wb, s_g, b_g, **_: {"M": xsum.shape[1], "N": wb.shape[0] * ROWS,
+                                                     "K": wb.shape[1] * GS},
            spec=_gemv_spec)
-def qmv_wg(xt, xsum, wb, s_g, b_g, *, M: int, SPLIT_K):
+def qmv_wg(xt, xsum, wb, s_g, b_g, *, SPLIT_K):
     """y (M, N) = x (M, K) @ W.T for M <= 16 from qmv_wg_prep's (xt, xsum) and pack_operand's weight, with
     group_major scales and biases; y in the scales' dtype (fp32 when split over K: added across splits)."""
     P, G, _ = wb.shape
-    N = P * ROWS
+    N, M = P * ROWS, xsum.shape[1]
     pid, pk = kd.grid(P, SPLIT_K)
     rows, r64, mm = pid * ROWS + kd.arange(0, ROWS), kd.arange(0, ROWS), kd.arange(0, XROWS)
     kk = kd.arange(0, GS)
@@ -142,7 +147,7 @@ def qmv_wg(xt, xsum, wb, s_g, b_g, *, M: int, SPLIT_K):
         s = kd.load(s_g, pid, g, r64, check=False).f32()
         b = kd.load(b_g, pid, g, r64, check=False).f32()
         acc += s[:, None] * d
-        acc += (b - 128.0 * s)[:, None] * kd.load(xsum, g, mm, check=False)[None, :]
+        acc += (b - 128.0 * s)[:, None] * kd.load(xsum, g, mm, check=(False, True))[None, :]
     if SPLIT_K == 1:
         out = kd.output((M, N), s_g.dtype)
         kd.store(out, mm[None, :], rows[:, None], acc)
@@ -157,7 +162,7 @@ def run_qmv_wg(x, wb, s_g, b_g, *, backend=None, config=None):
     if x.shape[0] > XROWS:
         raise ValueError(f"qmv_wg serves 1-{XROWS} activation rows, got {x.shape[0]}; use qmm_wg")
     xt, xsum = qmv_wg_prep(x, backend=backend)
-    return qmv_wg(xt, xsum, wb, s_g, b_g, M=x.shape[0], backend=backend, config=config)
+    return qmv_wg(xt, xsum, wb, s_g, b_g, backend=backend, config=config)
 
 
 # ----------------------------------------------------------------------------- the GEMM (more rows)
@@ -193,6 +198,42 @@ def qmm_wg(x, wb, s_g, b_g, *, BLOCK_M):
     out = kd.output((M, P * ROWS), x.dtype)
     kd.store(out, mm[None, :], rows[:, None], acc)
     return out
+
+
+# ----------------------------------------------------------------------------- tuning inputs
+def make_gemm_args(problem: dict, device: str):
+    """qmm_wg's inputs for a problem {M, N, K}: qmatmul's random 4-bit weight in the operand layout."""
+    from kilnx.kernels.qmatmul import make_qmatmul_args
+    x, wq, scales, biases = make_qmatmul_args({**problem, "bits": 4, "gs": GS}, device)
+    return x, pack_operand(wq), group_major(scales), group_major(biases)
+
+
+def make_gemv_args(problem: dict, device: str):
+    """qmv_wg's inputs: the same weight, x prepared as qmv_wg_prep makes it."""
+    x, wb, s_g, b_g = make_gemm_args(problem, device)
+    xt, xsum = _prep_spec(x)
+    return xt, xsum, wb, s_g, b_g
+
+
+def _dense(wb, s_g, b_g) -> torch.Tensor:
+    """The bf16 weight the peer multiplies, kept for the last weight asked (the tuner times one at a time)."""
+    cached = getattr(_dense, "cache", None)
+    if cached is None or cached[0] is not wb or cached[1] is not s_g:
+        _dense.cache = cached = (wb, s_g, dequantized(wb, s_g, b_g).to(torch.bfloat16))
+    return cached[2]
+
+
+def _tolerance(x, s_g, b_g):
+    from kilnx.kernels.dense_mm import dot_tolerance
+    return dot_tolerance(x, s_g.float().abs().max().item() * 15 + b_g.float().abs().max().item())
+
+
+qmv_wg.tuning(make_args=make_gemv_args, peer=lambda xt, xsum, wb, s_g, b_g: _x_of(xt, xsum) @ _dense(wb, s_g, b_g).t(),
+              problems=[{"M": m, "N": 4096, "K": 4096} for m in (4, 16)])
+qmv_wg.tolerance = lambda args: _tolerance(_x_of(*args[:2]), *args[3:])
+qmm_wg.tuning(make_args=make_gemm_args, peer=lambda x, wb, s_g, b_g: x @ _dense(wb, s_g, b_g).t(),
+              problems=[{"M": m, "N": 4096, "K": 4096} for m in (128, 512)])
+qmm_wg.tolerance = lambda args: _tolerance(args[0], *args[2:])
 
 
 # ----------------------------------------------------------------------------- qmatmul's use (KILNX_WG=1, read there)

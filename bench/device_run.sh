@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU-machine driver: bash bench/device_run.sh STEP...   (needs .whl carried; everything lands in $OUT)
-# Steps: gputests gpuquick (TESTS=files) e2eab (AB_MODELS="8b 1b moe" AB_VAR=KILNX_PDL|KILNX_PREPARED_LAUNCH|KILNX_WG|KILNX_GEMV_PREFETCH|KILNX_FUSED_QKV_ROPE|KILNX_FUSED_ROPE|KILNX_DECODE_LOOKAHEAD|KILNX_MOE_PREPARED AB_VALUES="1 0" AB_PROMPTS=128,2048) quant qmv tc qmm ncu fusions moe e2e1b e2e8b (E2E_CSV=name) tune (TUNE_MODEL) tune8b cold8b moeprobe (MOEPROBE_ROUNDS) tcgemv tcqmm attnprobe qmmrows mmprefill (MMP_ROUNDS) splitk (SPLITK_SHAPES SPLITK_TILES SPLITK_SPLITS SPLITK_STAGES)   -- each has its own time limit and log.
+# Steps: gputests gpuquick (TESTS=files) e2eab (AB_MODELS="8b 1b moe" AB_VAR=KILNX_PDL|KILNX_PREPARED_LAUNCH|KILNX_WG|KILNX_GEMV_PREFETCH|KILNX_FUSED_QKV_ROPE|KILNX_FUSED_ROPE|KILNX_DECODE_LOOKAHEAD|KILNX_MOE_PREPARED AB_VALUES="1 0" AB_PROMPTS=128,2048) quant qmv tc qmm ncu fusions moe e2e1b e2e8b (E2E_CSV=name) tune (TUNE_MODEL) tune8b tunewg cold8b moeprobe (MOEPROBE_ROUNDS) tcgemv tcqmm attnprobe qmmrows mmprefill (MMP_ROUNDS) splitk (SPLITK_SHAPES SPLITK_TILES SPLITK_SPLITS SPLITK_STAGES)   -- each has its own time limit and log.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -63,6 +63,7 @@ for s in "$@"; do case $s in
   e2e8b) step e2e8b 240 python3 -m kilnx.cli bench --model llama-3.1-8b --random --prompt-lens 128,2048 --gen 64 --device cuda --csv $OUT/${E2E_CSV:-e2e}.csv ;;
   tune) step tune_${TUNE_MODEL:-llama-3.2-1b} ${TUNE_SECS:-330} python3 -m kilnx.cli tune --device sm_90 --model ${TUNE_MODEL:-llama-3.2-1b} --budget ${TUNE_BUDGET:-290s} --workers 1 ${TUNE_ARGS:-} --csv $OUT/tune_${TUNE_MODEL:-llama-3.2-1b}.csv
         cp ${KILNX_DB#sqlite:///} $OUT/tune_${TUNE_MODEL:-llama-3.2-1b}.db 2>/dev/null ;;   # carried into a later call with KILNX_DB
+  tunewg) step tunewg ${TUNE_SECS:-330} python3 -m kilnx.cli tune --device sm_90 --kernel qmv_wg --kernel qmm_wg --budget ${TUNE_BUDGET:-290s} --workers 1 --csv $OUT/tune_wg.csv ;;
   tune8b) step tune8b ${TUNE_SECS:-330} python3 -m kilnx.cli tune --device sm_90 --model llama-3.1-8b --budget ${TUNE_BUDGET:-290s} --workers 1 ${TUNE_ARGS:-} --csv $OUT/tune.csv
           python3 -m kilnx.cli db export $OUT/tune.json > /dev/null 2>&1; cp /tmp/kilnx-tune.db $OUT/ 2>/dev/null ;;
 esac; done

@@ -205,7 +205,7 @@ def main() -> None:
     from bench_kernels import copies_for, copy_gbps, time_calls          # the bench's own protocol
     from kilnx.kernels import qmv_h2 as H
     from kilnx.kernels import qmv_wg as W
-    from kilnx.quant import QWeight
+    from kilnx.kernels.qmatmul import dequantize_on_device, make_qmatmul_args
     dev = torch.device("cpu" if smoke else "cuda")
     copy = copy_gbps(smoke)
     rows = []
@@ -216,10 +216,10 @@ def main() -> None:
         nbytes = n * k // 2 + 2 * 2 * n * k // GS
         weights = []
         for _ in range(copies_for(nbytes, smoke)):
-            w = QWeight.quantize(torch.randn(n, k, device=dev) * 0.02, bits=4, group_size=64)
-            wq, s, b = w.packed, w.scales.bfloat16(), w.biases.bfloat16()
+            # random words and scales, as the kernel bench makes them (quantizing on the host took seconds a copy)
+            _, wq, s, b = make_qmatmul_args({"M": 1, "N": n, "K": k, "bits": 4, "gs": GS}, str(dev))
             weights.append((wq, s, b, {wg: (pack(wq, wg), group_major(s, wg), group_major(b, wg)) for wg in (1, 2)}))
-        dense = [QWeight.from_mlx(*w[:3], bits=4, group_size=64).dequantize().bfloat16() for w in weights]
+        dense = [dequantize_on_device(*w[:3], 4, GS).bfloat16() for w in weights]
         for m in (1, 5) if smoke else (1, 2, 4, 8, 16):
             x = torch.randn(m, k, device=dev).bfloat16()
             ref = x.float() @ dense[0].float().t()

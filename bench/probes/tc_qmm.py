@@ -102,6 +102,7 @@ def main() -> None:
     from bench_kernels import time_calls          # the bench's own protocol
     from kilnx import ops
     from kilnx.kernels import qmv_wg as W
+    from kilnx.kernels.qmatmul import dequantize_on_device, make_qmatmul_args
     from kilnx.quant import QWeight
     dev = torch.device("cpu" if smoke else "cuda")
     shapes = {"tiny": (128, 128)} if smoke else {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
@@ -111,10 +112,9 @@ def main() -> None:
                                                 (2, 256, 2), (2, 64, 3)]] + [(2, 128, 3, False)]
     rows = []
     for name, (n, k) in shapes.items():
-        w = QWeight.quantize(torch.randn(n, k, device=dev) * 0.02, bits=4, group_size=64)
-        wq, s, b = w.packed, w.scales.bfloat16(), w.biases.bfloat16()
-        qw = QWeight.from_mlx(wq, s, b, bits=4, group_size=64)
-        dense = qw.dequantize().bfloat16()
+        _, wq, s, b = make_qmatmul_args({"M": 1, "N": n, "K": k, "bits": 4, "gs": GS}, str(dev))   # random words
+        qw = QWeight.from_mlx(wq, s, b, bits=4, group_size=GS)
+        dense = dequantize_on_device(wq, s, b, 4, GS).bfloat16()
         packs = {wg: (pack(wq, wg), group_major(s, wg), group_major(b, wg)) for wg in (1, 2)}
         for m in (64, 100) if smoke else (128, 512, 2048, 4096):
             x = torch.randn(m, k, device=dev).bfloat16()

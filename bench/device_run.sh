@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU-machine driver: bash bench/device_run.sh STEP...   (needs .whl carried; everything lands in $OUT)
-# Steps: gputests gpuquick (TESTS=files) e2eab (AB_MODELS="8b 1b moe" AB_VAR=KILNX_PDL|KILNX_PREPARED_LAUNCH|KILNX_WG|KILNX_GEMV_PREFETCH|KILNX_FUSED_QKV_ROPE|KILNX_FUSED_ROPE|KILNX_DECODE_LOOKAHEAD|KILNX_MOE_PREPARED AB_VALUES="1 0" AB_PROMPTS=128,2048) quant qmv tc qmm ncu fusions moe e2e1b e2e8b (E2E_CSV=name) tune (TUNE_MODEL) tune8b tunewg cold8b moeprobe (MOEPROBE_ROUNDS) tcgemv tcqmm attnprobe qmmrows mmprefill (MMP_ROUNDS) splitk (SPLITK_SHAPES SPLITK_TILES SPLITK_SPLITS SPLITK_STAGES)   -- each has its own time limit and log.
+# Steps: gputests gpuquick (TESTS=files GPUQUICK_SECS) e2eab (AB_MODELS="8b 1b moe" AB_VAR=KILNX_PDL|KILNX_PREPARED_LAUNCH|KILNX_WG|KILNX_GEMV_PREFETCH|KILNX_FUSED_QKV_ROPE|KILNX_FUSED_ROPE|KILNX_DECODE_LOOKAHEAD|KILNX_MOE_PREPARED AB_VALUES="1 0" AB_PROMPTS=128,2048) quant qmv tc qmm ncu fusions moe e2e1b e2e8b (E2E_CSV=name) tune (TUNE_MODEL) tune8b tunewg cold8b moeprobe (MOEPROBE_ROUNDS) tcgemv tcqmm attnprobe qmmrows mmprefill (MMP_ROUNDS) splitk (SPLITK_SHAPES SPLITK_TILES SPLITK_SPLITS SPLITK_STAGES)   -- each has its own time limit and log.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -21,7 +21,7 @@ step() {  # name seconds command...
 }
 for s in "$@"; do case $s in
   gputests) step gputests 240 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/kernels/test_qkv_rope.py tests/dsl/test_pdl.py tests/kernels/test_prepared.py tests/kernels/test_qmatmul_gpu.py tests/dsl/test_half2.py tests/runtime/test_engine_gpu.py tests/tuner/test_tuner_gpu.py ;;
-  gpuquick) step gpuquick 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider ${TESTS:-tests/kernels/test_qkv_rope.py} ;;
+  gpuquick) step gpuquick ${GPUQUICK_SECS:-200} python3 -m pytest -m gpu -q -x -p no:cacheprovider ${TESTS:-tests/kernels/test_qkv_rope.py} ;;
   quant) step quant 330 python3 bench/bench_kernels.py --suite quant --out $OUT ;;
   qmv) KILNX_BENCH_ONLY=qmv step qmv ${QMV_SECS:-400} python3 bench/bench_kernels.py --suite quant --out $OUT/qmv ;;
   gpuengine) step gpuengine 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_prepared.py tests/runtime/test_engine_gpu.py tests/tuner/test_tuner_gpu.py ;;

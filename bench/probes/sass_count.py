@@ -46,16 +46,31 @@ def main_loop(sass: str) -> list[str]:
     return []
 
 
+def sass_of(compiled) -> str:
+    """The SASS of a compiled Triton kernel (nvdisasm of its cubin)."""
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"kilnx_sass_{os.getpid()}.cubin")
+    with open(path, "wb") as f:
+        f.write(compiled.asm["cubin"])
+    return subprocess.run([NVDISASM, "-c", path], capture_output=True, text=True, check=True).stdout
+
+
+def operand_facts(compiled) -> dict:
+    """Where a wgmma kernel's A operand comes from: whether every warp_group_dot takes it as a register
+    tensor (TTGIR), the wgmma count (PTX), and the main loop's SASS opcodes (its shared-memory stores say
+    whether anything is staged there)."""
+    dots = [ln for ln in compiled.asm["ttgir"].splitlines() if "warp_group_dot " in ln]
+    return {"a_in_registers": bool(dots) and all("dot_op<{opIdx = 0" in d.split("*")[0] for d in dots),
+            "wgmma": compiled.asm["ptx"].count("wgmma.mma_async"),
+            "loop_ops": dict(opcodes(main_loop(sass_of(compiled))))}
+
+
 def count(kernel_name: str, problem: dict, config: dict, kw: dict | None = None) -> tuple[str, dict, dict]:
     """(SASS, whole-kernel opcode counts, main-loop opcode counts)."""
     kernel = registry.get(kernel_name)
     if kernel.make_args is None:
         raise SystemExit(f"{kernel_name} has no tuning inputs (make_args); pass a kernel that the tuner knows")
     compiled = compile_for_target(kernel, kernel.make_args(problem, "cpu"), config, aligned=True, kw=kw)
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"{kernel_name}.cubin")
-    with open(path, "wb") as f:
-        f.write(compiled.asm["cubin"])
-    sass = subprocess.run([NVDISASM, "-c", path], capture_output=True, text=True, check=True).stdout
+    sass = sass_of(compiled)
     return sass, dict(opcodes(sass.splitlines())), dict(opcodes(main_loop(sass)))
 
 

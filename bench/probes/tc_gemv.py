@@ -48,27 +48,15 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")]
-from kilnx.codegen.triton_rt import NIBBLE_ASM  # noqa: E402 - the asm of kd.nibbles (kernels/qmv_wg.py's form)
+from kilnx.codegen.triton_rt import NIBBLE_ASM  # the asm of kd.nibbles (kernels/qmv_wg.py's form)
 
 BN, GS, BM = 64, 64, 16     # weight rows per warpgroup (wgmma's M), group size, padded x rows
 INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ----------------------------------------------------------------------------- host side
-# the operand layout is the library's (kernels/qmv_wg.py, written from this probe), for 1 or 2 warpgroups
-from kilnx.kernels.qmv_wg import group_major, pack_operand as pack  # noqa: E402,F401
-
-
-def prep_x(x: torch.Tensor):
-    """x (M <= 16, K) bf16 -> (xt (G, 64, 16) bf16: each group's B tile, rows past M zero; xsum (G, 16) fp32)."""
-    m, k = x.shape
-    if m > BM:
-        raise ValueError(f"tc_gemv probe serves at most {BM} activation rows, got {m}")
-    xp = torch.zeros(BM, k, dtype=x.dtype, device=x.device)
-    xp[:m] = x
-    g = xp.reshape(BM, k // GS, GS)
-    return g.permute(1, 2, 0).contiguous(), g.float().sum(-1).t().contiguous()
+# the operand layout and x's prepared form are the library's (kernels/qmv_wg.py, written from this probe)
+from kilnx.kernels.qmv_wg import group_major, pack_operand as pack, prepared_x  # noqa: E402,F401
 
 
 # ----------------------------------------------------------------------------- the kernel
@@ -108,7 +96,7 @@ def tc_gemv_kernel(w_ptr, s_ptr, b_ptr, xt_ptr, xsum_ptr, y_ptr, N, G, M, GROUPS
             d = tl.dot(a, xt)
         s = tl.load(s_ptr + blk * ROWS + rr).to(tl.float32)
         b = tl.load(b_ptr + blk * ROWS + rr).to(tl.float32)
-        xs = tl.load(xsum_ptr + g * 16 + mm)
+        xs = tl.load(xsum_ptr + g * M + mm, mask=mm < M, other=0.0)        # xsum (G, M)
         acc = tl.fma(s[:, None], d, acc)                     # two FMAs a value (written as one sum: three ops)
         acc = tl.fma((b - 128.0 * s)[:, None], xs[None, :], acc)
     mask = (mm[None, :] < M) & (rows[:, None] < N)
@@ -123,7 +111,7 @@ def tc_gemv(x: torch.Tensor, packed: torch.Tensor, s_g: torch.Tensor, b_g: torch
     """x (M, K) bf16 times the packed weight: (M, N) bf16 (fp32 when split over K)."""
     p, g, block = packed.shape
     wg = block // (BN * GS // 2)
-    xt, xsum = prepared if prepared is not None else prep_x(x)
+    xt, xsum = prepared if prepared is not None else prepared_x(x)
     m, n = x.shape[0], p * BN * wg
     split = split_k > 1
     y = (torch.zeros if split else torch.empty)(m, n, dtype=torch.float32 if split else x.dtype, device=x.device)
@@ -145,36 +133,22 @@ def compile_report(asm: bool = True, num_stages: int = 1, wg: int = 1) -> dict:
 
 def compiled_facts(fn, sig: dict, constexprs: dict, *, num_warps: int, num_stages: int) -> dict:
     """Compile a probe kernel for sm_90 with the installed Triton (pointers and N, K declared 16-aligned, as
-    Triton specializes them on real tensors) and report where the weight goes: the TTGIR's shared-memory
-    allocations and layout conversions, whether every wgmma's A operand is a register tensor, and the
-    opcodes of the main loop's SASS (bench/probes/sass_count.py's loop finder)."""
-    import subprocess
+    Triton specializes them on real tensors) and report where the weight goes (sass_count.operand_facts)."""
     from triton.backends.compiler import GPUTarget
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from sass_count import NVDISASM, main_loop, opcodes
+    from sass_count import operand_facts
     names = list(sig)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a.endswith("_ptr") or a in ("N", "K")}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, attrs=attrs, constexprs=constexprs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": num_warps, "num_stages": num_stages})
-    cubin = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"probe_{os.getpid()}.cubin")
-    with open(cubin, "wb") as f:
-        f.write(k.asm["cubin"])
-    sass = subprocess.run([NVDISASM, "-c", cubin], capture_output=True, text=True, check=True).stdout
-    lines = k.asm["ttgir"].splitlines()
-    dots = [ln for ln in lines if "warp_group_dot " in ln]
-    return {"local_allocs": [ln.strip() for ln in lines if "ttg.local_alloc" in ln],
-            "converts": [ln.strip() for ln in lines if "ttg.convert_layout" in ln],
-            "a_in_registers": bool(dots) and all("dot_op<{opIdx = 0" in d.split("*")[0] for d in dots),
-            "wgmma": k.asm["ptx"].count("wgmma.mma_async"), "loop_ops": dict(opcodes(main_loop(sass)))}
+    return operand_facts(triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                        options={"num_warps": num_warps, "num_stages": num_stages}))
 
 
 # ----------------------------------------------------------------------------- GPU timing
 def cli(default_name: str) -> tuple[bool, str]:
-    """A probe's command line: (--smoke, the CSV path: argv's, else $OUT/default_name); the bench's modules
-    and kilnx made importable."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:0] = [os.path.join(here, ".."), os.path.join(here, "..", "..")]
+    """A probe's command line: (--smoke, the CSV path: argv's, else $OUT/default_name); the bench's own
+    modules (bench_kernels) made importable."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     smoke = "--smoke" in sys.argv           # CPU, TRITON_INTERPRET=1: the script's own path on tiny shapes
     args = [a for a in sys.argv[1:] if a != "--smoke"]
     path = args[0] if args else os.path.join(os.environ.get("OUT", ".scratch/out"), default_name)
@@ -223,7 +197,7 @@ def main() -> None:
         for m in (1, 5) if smoke else (1, 2, 4, 8, 16):
             x = torch.randn(m, k, device=dev).bfloat16()
             ref = x.float() @ dense[0].float().t()
-            prepared = prep_x(x)
+            prepared = prepared_x(x)
             us_cublas = 1e6 * time_calls(lambda d: x @ d.t(), [(d,) for d in dense])
             us_h2 = 1e6 * time_calls(lambda a, bq, c: H.run_qmv_h2(x, a, bq, c), [w[:3] for w in weights])
             # the DSL kernel written from this probe (kernels/qmv_wg.py; its layout is wg=1's), prep included

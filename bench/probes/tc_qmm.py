@@ -14,7 +14,8 @@ Compiled for sm_90 here (triton 3.6): the A operand stays in registers at 64 / 1
 activation rows a program, and the pipelined loop (3 stages) stores nothing to shared memory itself; its SASS
 is 180-239 instructions per 32 codes a thread (32 HFMA2, 26 PRMT, 16 LOP3, 4 HGMMA of m64n128k16 or
 m64n256k16): ~190 issue cycles a K step of a warpgroup against ~256 (BM=128) or ~512 (BM=256) cycles of
-its MMAs, so the decode may hide under them. The GPU decides.
+its MMAs at the tensor cores' peak bf16 rate (computed, not measured), so the decode may hide under them.
+The GPU decides.
 
   GPU run:   python bench/probes/tc_qmm.py [CSV]   (default $OUT/tc_qmm.csv; bench/device_run.sh tcqmm)
   CPU check: TRITON_INTERPRET=1 python -m pytest tests/kernels/test_tc_gemv_probe.py

@@ -177,8 +177,12 @@ def down_transposed(w_down):
     """The down stack's words, scales and biases as (E, F / codes per word, H) and (E, F / group, H): what
     the one pass reads along output rows (a copy; moe_onepass takes it in place of w_down)."""
     from types import SimpleNamespace
-    return SimpleNamespace(**{name: getattr(w_down, name).transpose(1, 2).contiguous()
-                              for name in ("packed", "scales", "biases")})
+    packed, scales, biases = _transposed(w_down.packed, w_down.scales, w_down.biases)
+    return SimpleNamespace(packed=packed, scales=scales, biases=biases)
+
+
+def _transposed(*stacks):
+    return tuple(t.transpose(1, 2).contiguous() for t in stacks)
 
 
 def moe_onepass(planes, sums, xs, w_gate_up, w_down, expert_ids, routing_weights, activation: str = "silu",
@@ -198,7 +202,7 @@ def make_args(problem: dict, device: str):
     x, wq, scales, biases, ids, rw = make_args_for(False, True)({**problem, "x": "token"}, "cpu")
     down = random_expert_weights(problem["E"], problem["K"], problem["N"] // 2, bits, gs)
     if problem.get("down") == "t":
-        down = tuple(t.transpose(1, 2).contiguous() for t in down)
+        down = _transposed(*down)
     args = (*H._prep_spec(x, PER=32 // bits, GROUP=gs), wq, scales, biases, *down, ids, rw)
     return tuple(a.to(device) for a in args)
 

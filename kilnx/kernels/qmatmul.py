@@ -442,7 +442,11 @@ def _matmul_tolerance(args):
     if len(args) == 5:   # qmv's prepared activations
         args = (_x_of(args[0]), *args[2:])
     x, wq, scales, biases = args
-    bits = _format_of(*args)["BITS"]
+    return affine_tolerance(x, scales, biases, _format_of(*args)["BITS"])
+
+
+def affine_tolerance(x, scales, biases, bits: int):
+    """dot_tolerance for x against an affine weight, whose largest element is at most max|s| (2^bits - 1) + max|b|."""
     return dot_tolerance(x, scales.float().abs().max().item() * (2 ** bits - 1) + biases.float().abs().max().item())
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 import kilnx.dsl as kd
+from kilnx.kernels.qmatmul import affine_tolerance     # qmatmul imports this module only when KILNX_WG=1
 
 GS, ROWS, XROWS = 64, 64, 16     # group size; weight rows per program (wgmma's M); x rows of the GEMV, padded
 BLOCK_BYTES = ROWS * GS // 2
@@ -93,7 +94,8 @@ def _operand_bytes(wb, pid, g):
 
 
 # ----------------------------------------------------------------------------- the GEMV (1-16 rows)
-def _prep_spec(x, **_):
+def prepared_x(x, **_):
+    """qmv_wg_prep's meaning in torch (its spec): x (M <= 16, K) -> (xt (G, 64, 16), xsum (G, M))."""
     m, k = x.shape
     xp = torch.zeros(XROWS, k, dtype=torch.float32, device=x.device)
     xp[:m] = x.float()
@@ -102,7 +104,7 @@ def _prep_spec(x, **_):
 
 
 @kd.kernel(tune={"num_warps": kd.choice(1, 2, 4, default=2)},
-           key=lambda x, **_: {"M": x.shape[0], "K": x.shape[1]}, spec=_prep_spec)
+           key=lambda x, **_: {"M": x.shape[0], "K": x.shape[1]}, spec=prepared_x)
 def qmv_wg_prep(x):
     """x (M <= 16, K) -> (each group's (64, 16) B tile, rows past M zero: (G, 64, 16) in x's dtype; the groups'
     sums of x: (G, M) fp32)."""
@@ -211,7 +213,7 @@ def make_gemm_args(problem: dict, device: str):
 def make_gemv_args(problem: dict, device: str):
     """qmv_wg's inputs: the same weight, x prepared as qmv_wg_prep makes it."""
     x, wb, s_g, b_g = make_gemm_args(problem, device)
-    xt, xsum = _prep_spec(x)
+    xt, xsum = prepared_x(x)
     return xt, xsum, wb, s_g, b_g
 
 
@@ -223,17 +225,12 @@ def _dense(wb, s_g, b_g) -> torch.Tensor:
     return cached[2]
 
 
-def _tolerance(x, s_g, b_g):
-    from kilnx.kernels.dense_mm import dot_tolerance
-    return dot_tolerance(x, s_g.float().abs().max().item() * 15 + b_g.float().abs().max().item())
-
-
 qmv_wg.tuning(make_args=make_gemv_args, peer=lambda xt, xsum, wb, s_g, b_g: _x_of(xt, xsum) @ _dense(wb, s_g, b_g).t(),
               problems=[{"M": m, "N": 4096, "K": 4096} for m in (4, 16)])
-qmv_wg.tolerance = lambda args: _tolerance(_x_of(*args[:2]), *args[3:])
+qmv_wg.tolerance = lambda args: affine_tolerance(_x_of(*args[:2]), *args[3:], 4)
 qmm_wg.tuning(make_args=make_gemm_args, peer=lambda x, wb, s_g, b_g: x @ _dense(wb, s_g, b_g).t(),
               problems=[{"M": m, "N": 4096, "K": 4096} for m in (128, 512)])
-qmm_wg.tolerance = lambda args: _tolerance(args[0], *args[2:])
+qmm_wg.tolerance = lambda args: affine_tolerance(args[0], *args[2:], 4)
 
 
 # ----------------------------------------------------------------------------- qmatmul's use (KILNX_WG=1, read there)

@@ -51,11 +51,13 @@ def test_the_packing_places_each_code_as_documented_and_unpacks_exactly():
         words |= codes[:, j::8] << (4 * j)
     wb = W.pack_operand(words.to(torch.int32).view(torch.uint32))
     assert wb.shape == (2, 2, 2048) and torch.equal(W.unpack_operand(wb).long(), codes)
-    for pb, grp, e in [(0, 0, 0), (1, 1, 2047), (0, 1, 777), (1, 0, 1234)]:
+    for pb, grp, e in [(0, 0, 0), (1, 1, 2047), (0, 1, 777), (1, 0, 1234), (1, 1, 513)]:
         o, lane, warp = e % 16, e // 16 % 32, e // 512
         row, col = pb * 64 + 16 * warp + 8 * (o % 2) + lane // 4, lane % 4 + 4 * (o // 2)
         byte = int(wb[pb, grp, e])
         assert (byte & 15, byte >> 4) == (codes[row, grp * 64 + 2 * col], codes[row, grp * 64 + 2 * col + 1])
+    two = W.pack_operand(words.to(torch.int32).view(torch.uint32), wg=2)   # two warpgroups: warps 4..7, rows 64..127
+    assert two.shape == (1, 2, 4096) and int(two[0, 1, 2048 + 5 * 16]) == int(wb[1, 1, 5 * 16])
 
 
 def test_the_packing_names_what_it_cannot_take():
@@ -95,26 +97,17 @@ def test_more_than_16_rows_go_to_the_gemm():
 
 
 SM90 = """
-import json, os, subprocess, sys, torch
+import json, sys, torch
 sys.path.insert(0, "bench/probes")
-from sass_count import NVDISASM, main_loop, opcodes
+from sass_count import operand_facts
 from kilnx.codegen.aot import compile_for_target
 from kilnx.kernels import qmv_wg as W
 wb, sg = torch.zeros(4, 64, 2048, dtype=torch.uint8), torch.zeros(4, 64, 64).bfloat16()
-x = torch.zeros(4, 4096).bfloat16()
-xt, xsum = W._prep_spec(x)
-cases = {"qmv_wg": (W.qmv_wg, (xt, xsum, wb, sg, sg), {"SPLIT_K": 1, "num_stages": 1}, {}),
-         "qmm_wg": (W.qmm_wg, (torch.zeros(512, 4096).bfloat16(), wb, sg, sg), {"BLOCK_M": 128, "num_stages": 3}, {})}
-facts = {}
-for name, (kernel, args, cfg, kw) in cases.items():
-    k = compile_for_target(kernel, args, cfg, kw=kw, aligned=True)
-    path = f"/tmp/{name}_{os.getpid()}.cubin"
-    open(path, "wb").write(k.asm["cubin"])
-    sass = subprocess.run([NVDISASM, "-c", path], capture_output=True, text=True, check=True).stdout
-    dots = [l for l in k.asm["ttgir"].splitlines() if "warp_group_dot " in l]
-    facts[name] = {"a_in_registers": bool(dots) and all("dot_op<{opIdx = 0" in d.split("*")[0] for d in dots),
-                   "loop": dict(opcodes(main_loop(sass)))}
-print(json.dumps(facts))
+xt, xsum = W.prepared_x(torch.zeros(4, 4096).bfloat16())
+cases = {"qmv_wg": (W.qmv_wg, (xt, xsum, wb, sg, sg), {"SPLIT_K": 1, "num_stages": 1}),
+         "qmm_wg": (W.qmm_wg, (torch.zeros(512, 4096).bfloat16(), wb, sg, sg), {"BLOCK_M": 128, "num_stages": 3})}
+print(json.dumps({name: operand_facts(compile_for_target(kernel, args, cfg, aligned=True))
+                  for name, (kernel, args, cfg) in cases.items()}))
 """
 
 
@@ -128,9 +121,9 @@ def test_the_weight_reaches_wgmma_in_registers_for_sm90():
     import json
     facts = json.loads(run.stdout.strip().splitlines()[-1])
     for name, f in facts.items():
-        stores = f["loop"].get("STS", 0) + f["loop"].get("STSM", 0)
-        assert f["a_in_registers"] and f["loop"].get("HGMMA", 0) >= 4, (name, f)
-        assert stores <= (1 if name == "qmv_wg" else 0), (name, f["loop"])
+        stores = f["loop_ops"].get("STS", 0) + f["loop_ops"].get("STSM", 0)
+        assert f["a_in_registers"] and f["loop_ops"].get("HGMMA", 0) >= 4, (name, f)
+        assert stores <= (1 if name == "qmv_wg" else 0), (name, f["loop_ops"])
 
 
 @pytest.mark.gpu

@@ -1,6 +1,7 @@
 """The tensor-core design probes (bench/probes/tc_gemv.py, tc_qmm.py): their host packing and kernels give
 MLX's product under the interpreter, and, compiled for sm_90 by the installed Triton, its weight reaches the
-wgmma as a register operand with no shared-memory round trip or layout conversion on the way."""
+wgmma as a register operand with no shared-memory round trip on the way. Their packing is the library's
+(kernels/qmv_wg.py, tested in test_qmv_wg.py)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import mlx.core as mx
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-
-from kilnx.quant import QWeight
+from test_qmv_wg import _case as _mlx_case, _close     # MLX-quantized weights, x, and x @ dequantize().T
 
 PROBE = Path(__file__).resolve().parents[2] / "bench" / "probes" / "tc_gemv.py"
 
@@ -29,47 +27,6 @@ def _probe(name: str = "tc_gemv"):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def _mlx_case(n, k, m, seed):
-    """Weights quantized by MLX (mx.quantize), and the product's meaning: x @ w.dequantize().T in fp32 (kilnx's
-    qmatmul; MLX's own bf16 quantized_matmul differs from it by ~2% of the largest output on these cases)."""
-    rng = np.random.default_rng(seed)
-    w = mx.array(rng.standard_normal((n, k)).astype(np.float32) * 0.05).astype(mx.bfloat16)
-    wq, s, b = mx.quantize(w, group_size=64, bits=4)
-    x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(mx.bfloat16)
-
-    def t(a):
-        return torch.from_numpy(np.array(a.astype(mx.float32)))
-    words = torch.from_numpy(np.array(wq).view(np.int32)).view(torch.uint32)
-    s, b, x = t(s).bfloat16(), t(b).bfloat16(), t(x).bfloat16()
-    dense = QWeight.from_mlx(words, s, b, bits=4, group_size=64).dequantize().float()
-    return words, s, b, x, x.float() @ dense.t()
-
-
-def _close(got, y):
-    """Within the output's bf16 rounding (an ulp: the interpreter's conversion truncates) of the fp32 product."""
-    return torch.allclose(got, y, rtol=1e-2, atol=1e-2 * y.abs().max().item())
-
-
-def test_packing_places_every_code_where_the_module_doc_says():
-    p = _probe()
-    n, k = 128, 128
-    codes = torch.randint(0, 16, (n, k), dtype=torch.int64)
-    words = torch.zeros(n, k // 8, dtype=torch.int64)
-    for j in range(8):
-        words |= codes[:, j::8] << (4 * j)
-    wq = words.to(torch.int32).view(torch.uint32)
-    packed = p.pack(wq)
-    assert packed.shape == (n // 64, k // 64, 2048)
-    for pb, g, e in [(0, 0, 0), (1, 1, 2047), (0, 1, 777), (1, 0, 1234), (1, 1, 513)]:
-        o, lane, warp = e % 16, e // 16 % 32, e // 512
-        row = pb * 64 + 16 * warp + 8 * (o % 2) + lane // 4
-        col = lane % 4 + 4 * (o // 2)
-        byte = int(packed[pb, g, e])
-        assert byte & 0xF == codes[row, g * 64 + 2 * col] and byte >> 4 == codes[row, g * 64 + 2 * col + 1]
-    two = p.pack(wq, wg=2)          # one program of two warpgroups: warps 4..7 hold rows 64..127
-    assert two.shape == (1, k // 64, 4096) and int(two[0, 1, 2048 + 5 * 16]) == int(packed[1, 1, 5 * 16])
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the kernel under the Triton interpreter")

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 
-import mlx.core as mx
 import numpy as np
 import pytest
 import torch
@@ -27,16 +26,22 @@ def _skip_triton(backend):
 
 
 def _case(n, k, m, seed):
-    """MLX-quantized weights in the operand layout, x, and the product's meaning x @ dequantize().T (fp32)."""
+    """MLX-quantized weights in MLX's layout, x, and the product's meaning x @ dequantize().T (fp32). MLX quantizes
+    where it is installed; elsewhere (the GPU machine) kilnx's quantizer, bit-exact with it (tests/quant)."""
     rng = np.random.default_rng(seed)
-    w = mx.array(rng.standard_normal((n, k)).astype(np.float32) * 0.05).astype(mx.bfloat16)
-    wq, s, b = mx.quantize(w, group_size=64, bits=4)
-    words = torch.from_numpy(np.array(wq).view(np.int32)).view(torch.uint32)
-    s, b = (torch.from_numpy(np.array(v.astype(mx.float32))).bfloat16() for v in (s, b))
+    w = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32) * 0.05).bfloat16()
+    try:
+        import mlx.core as mx
+    except ImportError:
+        q = QWeight.quantize(w, bits=4, group_size=64)
+        words, s, b = q.packed.view(torch.uint32), q.scales, q.biases
+    else:
+        wq, s, b = mx.quantize(mx.array(w.float().numpy()).astype(mx.bfloat16), group_size=64, bits=4)
+        words = torch.from_numpy(np.array(wq).view(np.int32)).view(torch.uint32)
+        s, b = (torch.from_numpy(np.array(v.astype(mx.float32))).bfloat16() for v in (s, b))
     x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).bfloat16()
     dense = QWeight.from_mlx(words, s, b, bits=4, group_size=64).dequantize().float()
     return words, s, b, x, x.float() @ dense.t()
-
 
 def _close(got, want):
     """Within the output's bf16 rounding of the fp32 product (an ulp: the interpreter's conversion truncates)."""

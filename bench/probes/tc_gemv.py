@@ -164,7 +164,8 @@ def write_rows(path: str, rows: list[dict], smoke: bool, **extra) -> None:
             "torch": torch.__version__, "triton": triton.__version__, "date": datetime.date.today().isoformat(),
             "commit": os.environ.get("KILNX_COMMIT", "?"), **extra}
     with open(path, "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(rows[0]) + list(meta))
+        keys = list(dict.fromkeys(k for r in rows for k in r))       # rows of two kinds: every column once
+        wr = csv.DictWriter(f, fieldnames=keys + list(meta))
         wr.writeheader()
         for r in rows:
             wr.writerow({**r, **meta})

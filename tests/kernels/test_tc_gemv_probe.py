@@ -69,13 +69,16 @@ def test_weight_reaches_the_wgmma_in_registers_for_sm90():
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the kernel under the Triton interpreter")
-@settings(max_examples=4, deadline=None)
-@given(st.sampled_from([1, 2]), st.sampled_from([17, 64, 100]), st.integers(0, 10_000))
-def test_the_gemm_matches_mlx_quantized_matmul(wg, m, seed):
+@settings(max_examples=6, deadline=None)
+@given(st.sampled_from([1, 2]), st.sampled_from([1, 5, 17, 64, 100]), st.sampled_from([(1, 1), (2, 1), (4, 2), (2, 2)]),
+       st.integers(0, 10_000))
+def test_the_gemm_matches_mlx_quantized_matmul(wg, m, gpi_split, seed):
+    """Any rows (16 a program at the GEMV's sizes), GPI groups a K step, K split over programs or not."""
     qmm = _probe("tc_qmm")
-    wq, s, b, x, y = _mlx_case(128, 128, m, seed)
-    got = qmm.tc_qmm(x, qmm.pack(wq, wg), qmm.group_major(s, wg), qmm.group_major(b, wg), block_m=64,
-                     asm=False, num_stages=1).float()
+    gpi, split = gpi_split
+    wq, s, b, x, y = _mlx_case(128, 512, m, seed)
+    got = qmm.tc_qmm(x, qmm.pack(wq, wg), qmm.group_major(s, wg), qmm.group_major(b, wg), block_m=16 if m < 16 else 64,
+                     asm=False, num_stages=1, gpi=gpi, split_k=split).float()
     assert _close(got, y)
 
 
@@ -97,7 +100,8 @@ def test_matches_mlx_on_the_gpu_with_either_decode(asm, split):
 def test_the_gemm_matches_mlx_on_the_gpu(asm):
     qmm = _probe("tc_qmm")
     wq, s, b, x, y = _mlx_case(256, 512, 300, 11)
-    for wg, bm, stages in ((1, 128, 3), (2, 128, 3), (2, 256, 3), (2, 64, 1)):
+    for wg, bm, stages, gpi, split in ((1, 128, 3, 1, 1), (2, 128, 3, 2, 1), (2, 256, 3, 1, 1), (2, 64, 1, 4, 2),
+                                       (1, 16, 3, 8, 1), (1, 16, 1, 4, 4)):
         args = [t.cuda() for t in (qmm.pack(wq, wg), qmm.group_major(s, wg), qmm.group_major(b, wg))]
-        got = qmm.tc_qmm(x.cuda(), *args, block_m=bm, asm=asm, num_stages=stages).float().cpu()
-        assert _close(got, y), (wg, bm, stages)
+        got = qmm.tc_qmm(x.cuda(), *args, block_m=bm, asm=asm, num_stages=stages, gpi=gpi, split_k=split).float().cpu()
+        assert _close(got, y), (wg, bm, stages, gpi, split)

@@ -117,6 +117,7 @@ def gemv_rows(smoke: bool) -> list[dict]:
     import itertools
     from bench_kernels import copies_for, copy_gbps, time_calls
     from kilnx.kernels import qmv_h2 as H
+    from kilnx.kernels import qmv_wg as W
     from kilnx.kernels.qmatmul import dequantize_on_device, make_qmatmul_args
     dev = torch.device("cpu" if smoke else "cuda")
     copy = copy_gbps(smoke)
@@ -136,6 +137,9 @@ def gemv_rows(smoke: bool) -> list[dict]:
             ref = x.float() @ dense.float().t()
             us_cublas = 1e6 * time_calls(lambda: x @ dense.t(), [()])     # one copy: its bf16 weight is 4x the bytes
             us_h2 = 1e6 * time_calls(lambda a, bq, c: H.run_qmv_h2(x, a, bq, c), [w[:3] for w in weights])
+            dsl = {"BLOCK_M": 16, "GPI": 2 if smoke else 8, "SPLIT_K": 4, "num_stages": 1 if smoke else 3}
+            us_dsl = 1e6 * time_calls(lambda p_, s_, b_: W.qmm_wg(x, W.flat(p_), s_, b_, config=dsl),
+                                      [w[3] for w in weights])
             for gpi, split, st in configs:
                 kw = {"block_m": 16, "gpi": gpi, "split_k": split, "num_stages": st, "asm": None if not smoke else False}
                 y = tc_qmm(x, *weights[0][3], **kw)
@@ -145,7 +149,8 @@ def gemv_rows(smoke: bool) -> list[dict]:
                              "split_k": split, "us": round(us, 2), "GBps": round(nbytes / us / 1e3, 1),
                              "pct_copy": round(100 * nbytes / us / 1e3 / copy, 1), "ratio_vs_cublas_time":
                              round(us / us_cublas, 3), "us_cublas_bf16": round(us_cublas, 2),
-                             "us_qmv_h2_path": round(us_h2, 2), "rel_err": f"{err:.2e}"})
+                             "us_qmv_h2_path": round(us_h2, 2), "us_kilnx_qmm_wg_gpi8_split4": round(us_dsl, 2),
+                             "rel_err": f"{err:.2e}"})
                 print(rows[-1], flush=True)
     return rows
 
@@ -178,7 +183,8 @@ def main() -> None:
             ref = x.float() @ dense.float().t()
             us_cublas = 1e6 * time_calls(lambda: x @ dense.t(), [()])
             us_route = 1e6 * time_calls(lambda: ops.qmatmul(x, qw), [()])
-            us_wg = 1e6 * time_calls(lambda: W.qmm_wg(x, *packs[1], config={"BLOCK_M": 64 if smoke else 128}), [()])
+            us_wg = 1e6 * time_calls(lambda: W.qmm_wg(x, W.flat(packs[1][0]), *packs[1][1:],
+                                                      config={"BLOCK_M": 64 if smoke else 128}), [()])
             for wg, bm, st, asm, gpi in configs:
                 def call():
                     return tc_qmm(x, *packs[wg], block_m=bm, asm=asm, num_stages=st, gpi=gpi)

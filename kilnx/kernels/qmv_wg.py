@@ -79,9 +79,9 @@ def group_major(t: torch.Tensor, wg: int = 1) -> torch.Tensor:
 
 
 def dequantized(wb, s_g, b_g) -> torch.Tensor:
-    """The packed weight's meaning: (N, K) fp32, q * s + b."""
-    q = unpack_operand(wb).float()
+    """The packed weight's meaning: (N, K) fp32, q * s + b (wb as pack_operand made it, or `flat`)."""
     p, g, _ = s_g.shape
+    q = unpack_operand(wb.reshape(p, g, -1)).float()
     s = s_g.transpose(1, 2).reshape(p * ROWS, g).float().repeat_interleave(GS, dim=1)
     b = b_g.transpose(1, 2).reshape(p * ROWS, g).float().repeat_interleave(GS, dim=1)
     return q * s + b
@@ -181,25 +181,53 @@ def _gemm_default(x, wb, s_g, b_g, **_):
     return {"BLOCK_M": 128 if wb.shape[0] * -(-x.shape[0] // 128) >= sm_count(x) else 64}
 
 
-@kd.kernel(tune={"BLOCK_M": kd.choice(64, 128, 256, default=128), "num_stages": kd.choice(2, 3, 4, default=3)},
+def _gemm_specialize(x, wb, s_g, b_g, *_):
+    """G_DIV: the largest step of groups (up to 8) that divides the groups, so a step never runs past K."""
+    return {"G_DIV": max(d for d in (1, 2, 4, 8) if s_g.shape[1] % d == 0)}
+
+
+@kd.kernel(tune={"BLOCK_M": kd.choice(16, 64, 128, 256, default=128), "GPI": kd.choice(1, 2, 4, 8, default=1),
+                 "SPLIT_K": kd.choice(1, 2, 4, 8, default=1), "num_stages": kd.choice(1, 2, 3, 4, default=3)},
            key=lambda x, wb, s_g, b_g, **_: {"M": x.shape[0], "N": wb.shape[0] * ROWS, "K": x.shape[1]},
-           spec=_gemm_spec, default=_gemm_default)
-def qmm_wg(x, wb, s_g, b_g, *, BLOCK_M):
-    """y (M, N) = x (M, K) @ W.T in x's dtype, W dequantized to x's dtype (bf16) in registers."""
+           spec=_gemm_spec, default=_gemm_default, specialize=_gemm_specialize)
+def qmm_wg(x, wb, s_g, b_g, *, G_DIV: kd.constexpr, BLOCK_M, GPI, SPLIT_K):
+    """y (M, N) = x (M, K) @ W.T, W dequantized to x's dtype (bf16) in registers; wb is pack_operand's weight
+    flattened to (N/64, K/64 * 2048) (`flat`), so GPI consecutive blocks are one contiguous load. GPI groups a
+    K step (one dot of K = 64 GPI): the weight bytes a program has in flight. y in x's dtype, or fp32 when K
+    is split over SPLIT_K programs (added across them)."""
     M, K = x.shape
-    P, G, _ = wb.shape
-    pid, pm = kd.grid(P, kd.cdiv(M, BLOCK_M))
-    rows, r64 = pid * ROWS + kd.arange(0, ROWS), kd.arange(0, ROWS)
-    mm, kk = pm * BLOCK_M + kd.arange(0, BLOCK_M), kd.arange(0, GS)
+    P, G, _ = s_g.shape
+    if G_DIV % GPI:
+        raise kd.DSLError(f"qmm_wg: GPI {GPI} groups a step must divide the {G_DIV}-multiple of groups (K/64)")
+    pid, pm, pk = kd.grid(P, kd.cdiv(M, BLOCK_M), SPLIT_K)
+    rows, r64, gi = pid * ROWS + kd.arange(0, ROWS), kd.arange(0, ROWS), kd.arange(0, GPI)
+    mm, kk = pm * BLOCK_M + kd.arange(0, BLOCK_M), kd.arange(0, GS * GPI)
+    steps = G // GPI
+    per = kd.cdiv(steps, SPLIT_K)
     acc = kd.zeros((ROWS, BLOCK_M), kd.f32)
-    for g in kd.range(0, G):
-        s = kd.load(s_g, pid, g, r64, check=False)
-        b = kd.load(b_g, pid, g, r64, check=False)
-        a = kd.reshape(kd.nibbles(_operand_bytes(wb, pid, g), s[:, None], b[:, None]), (ROWS, GS))
-        acc += kd.dot(a, kd.trans(kd.load(x, mm[:, None], g * GS + kk[None, :], check=(True, False))))
-    out = kd.output((M, P * ROWS), x.dtype)
-    kd.store(out, mm[None, :], rows[:, None], acc)
+    for step in kd.range(pk * per, kd.minimum(pk * per + per, steps)):
+        g0 = step * GPI
+        raw = kd.load(wb, pid, g0 * BLOCK_BYTES + kd.arange(0, BLOCK_BYTES * GPI), check=False)
+        # (group, warp, lane_hi, lane_lo, o_hi, o0) -> rows (warp, o0, lane_hi), columns (group, o_hi, lane_lo)
+        byt = kd.reshape(kd.permute(kd.reshape(raw, (GPI, 4, 8, 4, 8, 2)), (1, 5, 2, 0, 4, 3)), (ROWS, GPI * 32))
+        s = kd.load(s_g, pid, g0 + gi[None, :], r64[:, None], check=False)             # (64, GPI)
+        b = kd.load(b_g, pid, g0 + gi[None, :], r64[:, None], check=False)
+        s = kd.reshape(kd.broadcast_to(s[:, :, None], (ROWS, GPI, 32)), (ROWS, GPI * 32))
+        b = kd.reshape(kd.broadcast_to(b[:, :, None], (ROWS, GPI, 32)), (ROWS, GPI * 32))
+        a = kd.reshape(kd.nibbles(byt, s, b), (ROWS, GPI * GS))
+        acc += kd.dot(a, kd.trans(kd.load(x, mm[:, None], g0 * GS + kk[None, :], check=(True, False))))
+    if SPLIT_K == 1:
+        out = kd.output((M, P * ROWS), x.dtype)
+        kd.store(out, mm[None, :], rows[:, None], acc)
+    else:
+        out = kd.output((M, P * ROWS), kd.f32, zero=True)
+        kd.atomic_add(out, mm[None, :], rows[:, None], acc)
     return out
+
+
+def flat(wb: torch.Tensor) -> torch.Tensor:
+    """pack_operand's (N/64, K/64, 2048) bytes as qmm_wg reads them: (N/64, K/64 * 2048), a view."""
+    return wb.reshape(wb.shape[0], -1)
 
 
 # ----------------------------------------------------------------------------- tuning inputs
@@ -207,14 +235,14 @@ def make_gemm_args(problem: dict, device: str):
     """qmm_wg's inputs for a problem {M, N, K}: qmatmul's random 4-bit weight in the operand layout."""
     from kilnx.kernels.qmatmul import make_qmatmul_args
     x, wq, scales, biases = make_qmatmul_args({**problem, "bits": 4, "gs": GS}, device)
-    return x, pack_operand(wq), group_major(scales), group_major(biases)
+    return x, flat(pack_operand(wq)), group_major(scales), group_major(biases)
 
 
 def make_gemv_args(problem: dict, device: str):
     """qmv_wg's inputs: the same weight, x prepared as qmv_wg_prep makes it."""
     x, wb, s_g, b_g = make_gemm_args(problem, device)
     xt, xsum = prepared_x(x)
-    return xt, xsum, wb, s_g, b_g
+    return xt, xsum, wb.reshape(s_g.shape[0], s_g.shape[1], -1), s_g, b_g
 
 
 def _dense(wb, s_g, b_g) -> torch.Tensor:
@@ -268,4 +296,4 @@ def server(x: torch.Tensor, w):
         return None
     if m <= XROWS:
         return lambda x2, *_: run_qmv_wg(x2, *op)
-    return lambda x2, *_: qmm_wg(x2, *op)
+    return lambda x2, *_: qmm_wg(x2, flat(op[0]), *op[1:])

@@ -85,14 +85,28 @@ def test_the_gemv_gives_the_product(backend, shape, m, split, seed):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=3, deadline=None)
-@given(shape=st.sampled_from([(64, 64), (128, 128)]), m=st.sampled_from([17, 64, 100]), seed=st.integers(0, 10_000))
-def test_the_gemm_gives_the_product(backend, shape, m, seed):
+@settings(max_examples=4, deadline=None)
+@given(shape=st.sampled_from([(64, 64), (128, 512), (64, 384)]), m=st.sampled_from([1, 5, 17, 64, 100]),
+       cfg=st.sampled_from([(64, 1, 1), (16, 2, 1), (16, 4, 2), (64, 2, 2), (16, 8, 1), (64, 1, 4)]),
+       seed=st.integers(0, 10_000))
+def test_the_gemm_gives_the_product(backend, shape, m, cfg, seed):
+    """Any rows (16 a program serves the GEMV's sizes), GPI groups a K step where they divide K/64, K split
+    over programs (fp32 out) or not (x's dtype)."""
     _skip_triton(backend)
     words, s, b, x, want = _case(*shape, m, seed)
-    got = W.qmm_wg(x, W.pack_operand(words), W.group_major(s), W.group_major(b), backend=backend,
-                   config={"BLOCK_M": 64})
-    assert got.shape == (m, shape[0]) and got.dtype == x.dtype and _close(got, want)
+    block_m, gpi, split = cfg
+    gpi = max(d for d in (1, 2, 4, 8) if d <= gpi and (shape[1] // 64) % d == 0)
+    got = W.qmm_wg(x, W.flat(W.pack_operand(words)), W.group_major(s), W.group_major(b), backend=backend,
+                   config={"BLOCK_M": block_m, "GPI": gpi, "SPLIT_K": split})
+    assert got.shape == (m, shape[0]) and got.dtype == (x.dtype if split == 1 else torch.float32)
+    assert _close(got, want)
+
+
+def test_a_step_of_groups_must_divide_k():
+    words, s, b, x, _ = _case(64, 384, 3, 0)        # 6 groups: steps of 2, not of 4
+    with pytest.raises(Exception, match="GPI 4 groups a step must divide"):
+        W.qmm_wg(x, W.flat(W.pack_operand(words)), W.group_major(s), W.group_major(b), backend="reference",
+                 config={"BLOCK_M": 16, "GPI": 4})
 
 
 def test_more_than_16_rows_go_to_the_gemm():
@@ -110,7 +124,9 @@ from kilnx.kernels import qmv_wg as W
 wb, sg = torch.zeros(4, 64, 2048, dtype=torch.uint8), torch.zeros(4, 64, 64).bfloat16()
 xt, xsum = W.prepared_x(torch.zeros(4, 4096).bfloat16())
 cases = {"qmv_wg": (W.qmv_wg, (xt, xsum, wb, sg, sg), {"SPLIT_K": 1, "num_stages": 1}),
-         "qmm_wg": (W.qmm_wg, (torch.zeros(512, 4096).bfloat16(), wb, sg, sg), {"BLOCK_M": 128, "num_stages": 3})}
+         "qmm_wg": (W.qmm_wg, (torch.zeros(512, 4096).bfloat16(), W.flat(wb), sg, sg), {"BLOCK_M": 128, "num_stages": 3}),
+         "qmm_wg GEMV": (W.qmm_wg, (torch.zeros(4, 4096).bfloat16(), W.flat(wb), sg, sg),
+                         {"BLOCK_M": 16, "GPI": 8, "SPLIT_K": 4, "num_stages": 3})}
 print(json.dumps({name: operand_facts(compile_for_target(kernel, args, cfg, aligned=True))
                   for name, (kernel, args, cfg) in cases.items()}))
 """
@@ -129,6 +145,7 @@ def test_the_weight_reaches_wgmma_in_registers_for_sm90():
         stores = f["loop_ops"].get("STS", 0) + f["loop_ops"].get("STSM", 0)
         assert f["a_in_registers"] and f["loop_ops"].get("HGMMA", 0) >= 4, (name, f)
         assert stores <= (1 if name == "qmv_wg" else 0), (name, f["loop_ops"])
+    assert facts["qmm_wg GEMV"]["loop_ops"]["HGMMA"] == 32          # 8 groups a step, one m64n16k16 per 16 codes
 
 
 @pytest.mark.gpu
@@ -141,12 +158,14 @@ def test_the_gemv_gives_the_product_on_the_gpu(m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [64, 300])
+@pytest.mark.parametrize("m", [1, 5, 64, 300])
 def test_the_gemm_gives_the_product_on_the_gpu(m):
     words, s, b, x, want = _case(256, 512, m, 7)
     args = [t.cuda() for t in (W.pack_operand(words), W.group_major(s), W.group_major(b))]
-    for cfg in ({"BLOCK_M": 64, "num_stages": 2}, {"BLOCK_M": 128, "num_stages": 3}, {"BLOCK_M": 256, "num_stages": 3}):
-        assert _close(W.qmm_wg(x.cuda(), *args, config=cfg).cpu(), want), cfg
+    for cfg in ({"BLOCK_M": 64, "num_stages": 2}, {"BLOCK_M": 128, "num_stages": 3}, {"BLOCK_M": 256, "num_stages": 3},
+                {"BLOCK_M": 16, "GPI": 8, "SPLIT_K": 1, "num_stages": 3}, {"BLOCK_M": 16, "GPI": 4, "SPLIT_K": 2},
+                {"BLOCK_M": 64, "GPI": 2, "SPLIT_K": 4, "num_stages": 1}):
+        assert _close(W.qmm_wg(x.cuda(), W.flat(args[0]), *args[1:], config=cfg).cpu(), want), cfg
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="qmatmul takes these kernels on the GPU "

@@ -174,11 +174,17 @@ def _gemm_spec(x, wb, s_g, b_g, **_):
 
 
 def _gemm_default(x, wb, s_g, b_g, **_):
-    """128 rows a program (a 64 x 128 fp32 accumulator is 64 registers a thread of one warpgroup; 256 would be
-    128), 64 where that leaves SMs without a program: each program walks all of K, so a grid smaller than the
-    GPU idles the rest (o at 128 rows: 64 programs). Not yet measured: `kilnx tune` would store the best."""
+    """Up to 16 rows (the GEMV's sizes): 16 a program, 8 groups a K step where K/64 allows, and K split until
+    the grid has two programs an SM (the first GPU run, 2 KB a program in flight, waited ~0.7 us a step).
+    More rows: 128 a program (a 64 x 128 fp32 accumulator is 64 registers a thread of one warpgroup; 256
+    would be 128), 64 where that leaves SMs without a program (o at 128 rows: 64 programs). Starting points;
+    `kilnx tune` stores the measured best."""
     from kilnx.kernels.dense_mm import sm_count
-    return {"BLOCK_M": 128 if wb.shape[0] * -(-x.shape[0] // 128) >= sm_count(x) else 64}
+    sms = sm_count(x)
+    if x.shape[0] <= XROWS:
+        split = next((sp for sp in (1, 2, 4) if wb.shape[0] * sp >= 2 * sms), 8)
+        return {"BLOCK_M": XROWS, "GPI": _gemm_specialize(x, wb, s_g, b_g)["G_DIV"], "SPLIT_K": split}
+    return {"BLOCK_M": 128 if wb.shape[0] * -(-x.shape[0] // 128) >= sms else 64}
 
 
 def _gemm_specialize(x, wb, s_g, b_g, *_):

@@ -80,6 +80,25 @@ MM_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=
                                          (128, 128, 128, 8, 3)]]
 
 
+# qmm_wg at the GEMV's sizes (16 rows a program): groups a K step x split over K x stages
+WG_CONFIGS = [dict(BLOCK_M=16, GPI=g, SPLIT_K=sk, num_stages=st) for g in (2, 4, 8) for sk in (1, 2, 4, 8)
+              for st in (1, 3)]
+
+
+def _wg_path(sets, bits, dev, smoke):
+    """("qmm_wg", call, configs) over the same inputs, the operand layout packed once per weight copy
+    outside the timing; None where it does not serve (not 4-bit, or no GPU outside the interpreter)."""
+    from kilnx.codegen.launch import interpreting
+    from kilnx.kernels import qmv_wg as W
+    if bits != 4 or not (dev == "cuda" or interpreting()):
+        return None
+    ops = {id(wq): (W.flat(W.pack_operand(wq)), W.group_major(s), W.group_major(b)) for _, wq, s, b in sets}
+    x0, wq0 = sets[0][:2]
+    default = W.qmm_wg.default_config(x0, *ops[id(wq0)])
+    return "qmm_wg", lambda x, wq, s, b, config: W.qmm_wg(x, *ops[id(wq)], config=config), \
+        [default] + WG_CONFIGS[: (2 if smoke else None)]
+
+
 def bench_quant(rec, copy_bw: float, smoke: bool):
     """$KILNX_BENCH_ONLY=qmm limits the run to the qmm cases; $QMV_SHAPES (e.g. "gate_up,o"), $QMV_MS
     ("1,4") and $QMV_PATHS ("qmv_h2") narrow the qmv cases (default: all)."""
@@ -154,7 +173,7 @@ def _bench_qmv(rec, label, n, k, m, bits, dev, copy_bw, smoke):
     ref = qmatmul._dense_peer(*sets[0]).float()
     problem = {"M": m, "N": n, "K": k, "bits": bits, "gs": 64}
     # (path, call, its configs: the runtime's default first); each path's results are timed on the same inputs
-    wanted = os.environ.get("QMV_PATHS", "qmv,qmv_h2,qmv_tc,qmm").split(",")
+    wanted = os.environ.get("QMV_PATHS", "qmv,qmv_h2,qmv_tc,qmm,qmm_wg").split(",")
     extra = int(os.environ.get("QMV_CONFIGS_MAX", "1000")) if not smoke else 2   # configs per path past its default
     paths = []
     if "qmv" in wanted or bits not in qmv_h2.BITS_SERVED:
@@ -168,6 +187,8 @@ def _bench_qmv(rec, label, n, k, m, bits, dev, copy_bw, smoke):
         paths.append(("qmv_tc", qmv_tc.run_qmv_tc, [default] + TC_CONFIGS[:extra]))
     if (m > 1 or not smoke) and "qmm" in wanted:
         paths.append(("qmm", qmatmul.qmm, WIDE_CONFIGS[: (2 if smoke else None)]))
+    if "qmm_wg" in wanted and m <= 16 and (wg := _wg_path(sets, bits, dev, smoke)) is not None:
+        paths.append(wg)
     results = []   # (seconds, path, config)
     for path, call, configs in paths:
         for cfg in configs:
@@ -209,6 +230,11 @@ def _bench_qmv(rec, label, n, k, m, bits, dev, copy_bw, smoke):
     wide = [r for r in results if r[1] == "qmm"]
     if wide:
         rec.add("quant", case, "us_qmm_swap_best", min(wide, key=lambda r: r[0])[0] * 1e6)
+    wg = [r for r in results if r[1] == "qmm_wg"]
+    if wg:
+        wg_best = min(wg, key=lambda r: r[0])
+        rec.add("quant", case, "us_qmm_wg_best", wg_best[0] * 1e6, "config", str(wg_best[2]))
+        rec.add("quant", case, "us_qmm_wg_default", wg[0][0] * 1e6)
 
 
 def _bench_fp4(rec, label, n, k, mode, dev, copy_bw, smoke):

@@ -55,8 +55,18 @@ INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ----------------------------------------------------------------------------- host side
-# the operand layout and x's prepared form are the library's (kernels/qmv_wg.py, written from this probe)
-from kilnx.kernels.qmv_wg import group_major, pack_operand as pack, prepared_x  # noqa: E402,F401
+# the operand layout is the library's (kernels/qmv_wg.py, written from this probe and tc_qmm.py)
+from kilnx.kernels.qmv_wg import group_major, pack_operand as pack  # noqa: E402,F401
+
+
+def prepared_x(x):
+    """x (M <= 16, K) -> (each group's (64, 16) B tile, rows past M zero: (G, 64, 16) in x's dtype; the groups'
+    sums of x: (G, M) fp32), what a producer kernel would write on the GPU."""
+    m, k = x.shape
+    xp = torch.zeros(BM, k, dtype=torch.float32, device=x.device)
+    xp[:m] = x.float()
+    g = xp.reshape(BM, k // GS, GS)
+    return g.permute(1, 2, 0).to(x.dtype).contiguous(), g.sum(-1).t()[:, :m].contiguous()
 
 
 # ----------------------------------------------------------------------------- the kernel
@@ -179,7 +189,6 @@ def main() -> None:
     import itertools
     from bench_kernels import copies_for, copy_gbps, time_calls          # the bench's own protocol
     from kilnx.kernels import qmv_h2 as H
-    from kilnx.kernels import qmv_wg as W
     from kilnx.kernels.qmatmul import dequantize_on_device, make_qmatmul_args
     dev = torch.device("cpu" if smoke else "cuda")
     copy = copy_gbps(smoke)
@@ -201,9 +210,6 @@ def main() -> None:
             prepared = prepared_x(x)
             us_cublas = 1e6 * time_calls(lambda d: x @ d.t(), [(d,) for d in dense])
             us_h2 = 1e6 * time_calls(lambda a, bq, c: H.run_qmv_h2(x, a, bq, c), [w[:3] for w in weights])
-            # the DSL kernel written from this probe (kernels/qmv_wg.py; its layout is wg=1's), prep included
-            us_wg = {sp: 1e6 * time_calls(lambda p_, s_, b_: W.run_qmv_wg(x, p_, s_, b_, config={"SPLIT_K": sp}),
-                                          [w[3][1] for w in weights]) for sp in (1, 4)}
             # the asm decode over splits x stages x warpgroups, and the plain decode once as its reference
             configs = [(sp, not smoke, st, wg) for sp, st, wg in itertools.product((1, 2, 4), (1, 3), (1, 2))]
             for split, asm, st, wg in configs + ([] if smoke else [(1, False, 1, 1)]):
@@ -215,7 +221,6 @@ def main() -> None:
                              "us": round(us, 2),
                              "GBps": round(nbytes / us / 1e3, 1), "pct_copy": round(100 * nbytes / us / 1e3 / copy, 1),
                              "us_qmv_h2_path": round(us_h2, 2), "us_cublas_bf16": round(us_cublas, 2),
-                             "us_kilnx_qmv_wg_split1": round(us_wg[1], 2), "us_kilnx_qmv_wg_split4": round(us_wg[4], 2),
                              "rel_err": f"{err:.2e}"})
                 print(rows[-1], flush=True)
     write_rows(path, rows, smoke, copy_GBps=round(copy, 1))

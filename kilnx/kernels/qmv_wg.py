@@ -1,9 +1,9 @@
-"""4-bit affine (group 64) products on Hopper's wgmma with the weight decoded straight into the tensor
-cores' register operand: `qmv_wg` for 1-16 activation rows, `qmm_wg` for more.
+"""The 4-bit affine (group 64) product on Hopper's wgmma with the weight decoded straight into the tensor
+cores' register operand: `qmm_wg`, 16 activation rows a program for the GEMV's sizes (2-16 rows), more for
+larger M.
 
-Why: qmv_h2 multiplies on the CUDA cores, so its cost grows with the rows (sm_90 SASS of its loop per 128
-codes a thread at gate_up's defaults: 394 / 781 / 1305 instructions at 1 / 4 / 8 rows; on the H200 1.85x /
-3.42x its one-row time at 4 / 8 rows). The tensor-core kernels tried before (qmv_tc, qmm PACKED) stored the
+Why: qmv_h2 multiplies on the CUDA cores, so its cost grows with the rows (on the H200 1.85x / 3.42x its
+one-row time at 4 / 8 rows, session 14). The tensor-core kernels tried before (qmv_tc, qmm PACKED) stored the
 decoded weight tile to shared memory and read it back in the MMA's operand layout. Here nothing moves:
 Triton keeps wgmma's A operand in registers when it comes from elementwise ops, one `join` and reshapes of a
 loaded tile, so the weight is stored (`pack_operand`) in the order a warpgroup's 128 threads hold the
@@ -11,20 +11,20 @@ operand, 16 contiguous bytes a thread per (64 rows x 64 codes) block:
     byte e of a block: o = e % 16, lane = e // 16 % 32, warp = e // 512
     row = 16 warp + 8 (o % 2) + lane // 4, byte column c = lane % 4 + 4 (o // 2)
     the byte holds codes k = 2c (bits 0-3) and 2c + 1 (bits 4-7) of the block's group,
-a 1-d load (16-byte vectors) regrouped by reshape / permute (`_operand_bytes`) is the operand's layout, and
-`kd.nibbles` decodes four bytes per instruction group into it. Compiled for sm_90 (triton 3.6 and 3.9; no
-GPU here), the loop keeps the weight out of shared memory: qmv_wg's SASS is ~116 instructions per 32 codes
-a thread at any row count up to 16, qmm_wg's ~190 per 32 codes under m64n128k16 MMAs (bench/probes/tc_gemv.py,
-tc_qmm.py: the plain-Triton probes these were written from, timed there against qmv_h2 and cuBLAS).
+a 1-d load (16-byte vectors) regrouped by reshape / permute is the operand's layout, and `kd.nibbles`
+dequantizes four bytes per instruction group into it (q * s + b rounded once to bf16, as MLX's dequantize).
+A K step takes GPI consecutive groups (one contiguous load of the `flat` blocks): with one group a step the
+first GPU run waited ~0.7 us a 2 KB step, a latency bound, not a bandwidth one.
 
-KILNX_WG=1 lets qmatmul take them (`server`): 2-16 rows qmv_wg, more qmm_wg, for 4-bit group-64 weights
-with bf16 activations, scales and biases; one row stays on qmv_h2 and its fused producers. The operand
-layout is kept beside MLX's (4-bit weights' bytes twice), packed at a weight's first such call outside a
-CUDA graph capture. Off by default until the GPU has timed it.
+Measured on the H200 (bench/results README, session 20; bench/probes/tc_qmm.py, the plain-Triton form): at
+2-16 rows the time is flat in the rows (qkv 10.2 / 10.2 / 10.4 us at 1 / 4 / 16 rows; qmv_h2 7.2 / 13.1 /
+82.5), faster than qmv_h2 from 4 rows on all four llama-3.1-8b projections, slower at one row (qmv_h2 keeps
+it). From 2048 rows qmatmul's route (dequantize + cuBLAS) is faster (1.10-1.17x cuBLAS's time against the
+probe's best 1.56-1.85x); at 128-512 rows which wins depends on the projection.
 
-Math, per group of 64 codes: qmv_wg sums (128 + q) x on the tensor cores (exact bf16 operands) and adds
-s * d + (b - 128 s) * sum(x) in fp32; qmm_wg dequantizes q * s + b to bf16 (one rounding, as MLX's
-dequantize) and accumulates one fp32 product. Not yet timed on a GPU.
+KILNX_WG=1 lets qmatmul take it for 2-16 rows (`server`) of 4-bit group-64 weights with bf16 activations,
+scales and biases. The operand layout is kept beside MLX's (the 4-bit weight's bytes twice), packed at a
+weight's first such call outside a CUDA graph capture: opt-in for that memory.
 """
 
 from __future__ import annotations
@@ -87,103 +87,24 @@ def dequantized(wb, s_g, b_g) -> torch.Tensor:
     return q * s + b
 
 
-def _operand_bytes(wb, pid, g):
-    """Block (pid, g)'s bytes as the (64, 32) logical tile, already in the operand's register layout."""
-    raw = kd.load(wb, pid, g, kd.arange(0, BLOCK_BYTES), check=False)
-    return kd.reshape(kd.permute(kd.reshape(raw, (4, 8, 4, 8, 2)), (0, 4, 1, 3, 2)), (ROWS, GS // 2))
-
-
-# ----------------------------------------------------------------------------- the GEMV (1-16 rows)
-def prepared_x(x, **_):
-    """qmv_wg_prep's meaning in torch (its spec): x (M <= 16, K) -> (xt (G, 64, 16), xsum (G, M))."""
-    m, k = x.shape
-    xp = torch.zeros(XROWS, k, dtype=torch.float32, device=x.device)
-    xp[:m] = x.float()
-    g = xp.reshape(XROWS, k // GS, GS)
-    return g.permute(1, 2, 0).to(x.dtype).contiguous(), g.sum(-1).t()[:, :m].contiguous()
-
-
-@kd.kernel(tune={"num_warps": kd.choice(1, 2, 4, default=2)},
-           key=lambda x, **_: {"M": x.shape[0], "K": x.shape[1]}, spec=prepared_x)
-def qmv_wg_prep(x):
-    """x (M <= 16, K) -> (each group's (64, 16) B tile, rows past M zero: (G, 64, 16) in x's dtype; the groups'
-    sums of x: (G, M) fp32)."""
-    M, K = x.shape
-    g = kd.grid(kd.cdiv(K, GS))
-    kk, mm = kd.arange(0, GS), kd.arange(0, XROWS)
-    v = kd.load(x, mm[None, :], g * GS + kk[:, None])                 # (64, 16); rows past M read 0
-    xt = kd.output((K // GS, GS, XROWS), x.dtype, name="xt")
-    kd.store(xt, g, kk[:, None], mm[None, :], v)
-    xsum = kd.output((K // GS, M), kd.f32, name="xsum")              # its width carries M to qmv_wg
-    kd.store(xsum, g, mm, kd.sum(v.f32(), axis=0))
-    return xt, xsum
-
-
-def _x_of(xt, xsum):
-    """x (M, K) back from qmv_wg_prep's tiles (M: xsum's width)."""
-    return xt.permute(2, 0, 1).reshape(XROWS, -1)[:xsum.shape[1]]
-
-
-def _gemv_spec(xt, xsum, wb, s_g, b_g, **_):
-    return (_x_of(xt, xsum).float() @ dequantized(wb, s_g, b_g).t()).to(s_g.dtype)
-
-
-@kd.kernel(tune={"SPLIT_K": kd.choice(1, 2, 4, default=1), "num_stages": kd.choice(1, 3, default=1)},
-           key=lambda xt, xsum, wb, s_g, b_g, **_: {"M": xsum.shape[1], "N": wb.shape[0] * ROWS,
-                                                     "K": wb.shape[1] * GS},
-           spec=_gemv_spec)
-def qmv_wg(xt, xsum, wb, s_g, b_g, *, SPLIT_K):
-    """y (M, N) = x (M, K) @ W.T for M <= 16 from qmv_wg_prep's (xt, xsum) and pack_operand's weight, with
-    group_major scales and biases; y in the scales' dtype (fp32 when split over K: added across splits)."""
-    P, G, _ = wb.shape
-    N, M = P * ROWS, xsum.shape[1]
-    pid, pk = kd.grid(P, SPLIT_K)
-    rows, r64, mm = pid * ROWS + kd.arange(0, ROWS), kd.arange(0, ROWS), kd.arange(0, XROWS)
-    kk = kd.arange(0, GS)
-    per = kd.cdiv(G, SPLIT_K)
-    acc = kd.zeros((ROWS, XROWS), kd.f32)
-    for g in kd.range(pk * per, kd.minimum(pk * per + per, G)):
-        a = kd.reshape(kd.nibbles(_operand_bytes(wb, pid, g)), (ROWS, GS))          # 128 + q, exact
-        x = kd.load(xt, g, kk[:, None], mm[None, :], check=False)                  # (64, 16)
-        d = kd.dot(a, x)
-        s = kd.load(s_g, pid, g, r64, check=False).f32()
-        b = kd.load(b_g, pid, g, r64, check=False).f32()
-        acc += s[:, None] * d
-        acc += (b - 128.0 * s)[:, None] * kd.load(xsum, g, mm, check=(False, True))[None, :]
-    if SPLIT_K == 1:
-        out = kd.output((M, N), s_g.dtype)
-        kd.store(out, mm[None, :], rows[:, None], acc)
-    else:
-        out = kd.output((M, N), kd.f32, zero=True)
-        kd.atomic_add(out, mm[None, :], rows[:, None], acc)
-    return out
-
-
-def run_qmv_wg(x, wb, s_g, b_g, *, backend=None, config=None):
-    """x (M <= 16, K) -> (M, N): prep, then the GEMV."""
-    if x.shape[0] > XROWS:
-        raise ValueError(f"qmv_wg serves 1-{XROWS} activation rows, got {x.shape[0]}; use qmm_wg")
-    xt, xsum = qmv_wg_prep(x, backend=backend)
-    return qmv_wg(xt, xsum, wb, s_g, b_g, backend=backend, config=config)
-
-
-# ----------------------------------------------------------------------------- the GEMM (more rows)
+# ----------------------------------------------------------------------------- the kernel (any rows)
 def _gemm_spec(x, wb, s_g, b_g, **_):
     w = dequantized(wb, s_g, b_g).to(x.dtype).float()          # rounded to bf16 once, as the kernel's operand
     return (x.float() @ w.t()).to(x.dtype)
 
 
 def _gemm_default(x, wb, s_g, b_g, **_):
-    """Up to 16 rows (the GEMV's sizes): 16 a program, 8 groups a K step where K/64 allows, and K split until
-    the grid has two programs an SM (the first GPU run, 2 KB a program in flight, waited ~0.7 us a step).
-    More rows: 128 a program (a 64 x 128 fp32 accumulator is 64 registers a thread of one warpgroup; 256
-    would be 128), 64 where that leaves SMs without a program (o at 128 rows: 64 programs). Starting points;
-    `kilnx tune` stores the measured best."""
+    """Up to 16 rows (the GEMV's sizes): 16 a program, 4 groups a K step where K/64 allows, K split until the
+    grid has ~2.5 programs an SM, 3 stages: on the H200 (bench/results README, session 20) that shape was the
+    best or within ~10% of it on llama-3.1-8b's four projections (one group a step waited ~0.7 us a 2 KB step;
+    8 a step was slower than 4). More rows: 128 a program, 64 where that leaves SMs without a program.
+    Starting points; `kilnx tune` stores the measured best."""
     from kilnx.kernels.dense_mm import sm_count
     sms = sm_count(x)
     if x.shape[0] <= XROWS:
-        split = next((sp for sp in (1, 2, 4) if wb.shape[0] * sp >= 2 * sms), 8)
-        return {"BLOCK_M": XROWS, "GPI": _gemm_specialize(x, wb, s_g, b_g)["G_DIV"], "SPLIT_K": split}
+        split = next((sp for sp in (1, 2, 4) if wb.shape[0] * sp >= 2.5 * sms), 8)
+        gpi = min(4, _gemm_specialize(x, wb, s_g, b_g)["G_DIV"])
+        return {"BLOCK_M": XROWS, "GPI": gpi, "SPLIT_K": split, "num_stages": 3}
     return {"BLOCK_M": 128 if wb.shape[0] * -(-x.shape[0] // 128) >= sms else 64}
 
 
@@ -244,13 +165,6 @@ def make_gemm_args(problem: dict, device: str):
     return x, flat(pack_operand(wq)), group_major(scales), group_major(biases)
 
 
-def make_gemv_args(problem: dict, device: str):
-    """qmv_wg's inputs: the same weight, x prepared as qmv_wg_prep makes it."""
-    x, wb, s_g, b_g = make_gemm_args(problem, device)
-    xt, xsum = prepared_x(x)
-    return xt, xsum, wb.reshape(s_g.shape[0], s_g.shape[1], -1), s_g, b_g
-
-
 def _dense(wb, s_g, b_g) -> torch.Tensor:
     """The bf16 weight the peer multiplies, kept for the last weight asked (the tuner times one at a time)."""
     cached = getattr(_dense, "cache", None)
@@ -259,11 +173,8 @@ def _dense(wb, s_g, b_g) -> torch.Tensor:
     return cached[2]
 
 
-qmv_wg.tuning(make_args=make_gemv_args, peer=lambda xt, xsum, wb, s_g, b_g: _x_of(xt, xsum) @ _dense(wb, s_g, b_g).t(),
-              problems=[{"M": m, "N": 4096, "K": 4096} for m in (4, 16)])
-qmv_wg.tolerance = lambda args: affine_tolerance(_x_of(*args[:2]), *args[3:], 4)
 qmm_wg.tuning(make_args=make_gemm_args, peer=lambda x, wb, s_g, b_g: x @ _dense(wb, s_g, b_g).t(),
-              problems=[{"M": m, "N": 4096, "K": 4096} for m in (128, 512)])
+              problems=[{"M": m, "N": 4096, "K": 4096} for m in (4, 16, 128)])
 qmm_wg.tolerance = lambda args: affine_tolerance(args[0], *args[2:], 4)
 
 
@@ -286,20 +197,20 @@ def operand_of(w):
     if op is None:
         if w.packed.is_cuda and torch.cuda.is_current_stream_capturing():
             return None
-        op = (pack_operand(w.packed), group_major(w.scales), group_major(w.biases))
+        op = (flat(pack_operand(w.packed)), group_major(w.scales), group_major(w.biases))
         w._wg_operand = op
     return op
 
 
 def server(x: torch.Tensor, w):
     """qmatmul's call for x's row count (args: x, packed, scales, biases), or None where the usual route
-    serves: one row, a weight these kernels do not take, or no operand yet inside a capture."""
+    serves: one row (qmv_h2 is faster there), more than 16 (dequantize + cuBLAS or the tile GEMM were faster
+    from 512 rows; between 17 and 256 the best shape differs by projection and is the tuner's to find), a
+    weight this kernel does not take, or no operand yet inside a capture."""
     m = x.shape[0]
-    if m < 2 or not serves(x, w):
+    if not 2 <= m <= XROWS or not serves(x, w):
         return None
     op = operand_of(w)
     if op is None:
         return None
-    if m <= XROWS:
-        return lambda x2, *_: run_qmv_wg(x2, *op)
-    return lambda x2, *_: qmm_wg(x2, flat(op[0]), *op[1:])
+    return lambda x2, *_: qmm_wg(x2, *op)

@@ -1,6 +1,7 @@
-"""The wgmma kernels with the weight in the operand layout (kernels/qmv_wg.py): the packing puts every code
-where the module says and back; qmv_wg (1-16 rows, split over K or not) and qmm_wg give x @ W.T of MLX's
-quantized weights on every backend; compiled for sm_90 their loops keep the weight out of shared memory."""
+"""The wgmma kernel with the weight in the operand layout (kernels/qmv_wg.py): the packing puts every code
+where the module says and back; qmm_wg (any rows, GPI groups a K step, split over K or not) gives x @ W.T of
+MLX's quantized weights on every backend; compiled for sm_90 its loop keeps the weight out of shared memory;
+qmatmul takes it for 2-16 rows under KILNX_WG=1."""
 
 from __future__ import annotations
 
@@ -73,18 +74,6 @@ def test_the_packing_names_what_it_cannot_take():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=3, deadline=None)
-@given(shape=st.sampled_from([(64, 64), (128, 192)]), m=st.sampled_from([1, 3, 16]), split=st.sampled_from([1, 2]),
-       seed=st.integers(0, 10_000))
-def test_the_gemv_gives_the_product(backend, shape, m, split, seed):
-    _skip_triton(backend)
-    words, s, b, x, want = _case(*shape, m, seed)
-    got = W.run_qmv_wg(x, W.pack_operand(words), W.group_major(s), W.group_major(b), backend=backend,
-                       config={"SPLIT_K": split})
-    assert got.shape == (m, shape[0]) and _close(got, want)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=4, deadline=None)
 @given(shape=st.sampled_from([(64, 64), (128, 512), (64, 384)]), m=st.sampled_from([1, 5, 17, 64, 100]),
        cfg=st.sampled_from([(64, 1, 1), (16, 2, 1), (16, 4, 2), (64, 2, 2), (16, 8, 1), (64, 1, 4)]),
@@ -109,12 +98,6 @@ def test_a_step_of_groups_must_divide_k():
                  config={"BLOCK_M": 16, "GPI": 4})
 
 
-def test_more_than_16_rows_go_to_the_gemm():
-    words, s, b, x, _ = _case(64, 64, 17, 0)
-    with pytest.raises(ValueError, match="use qmm_wg"):
-        W.run_qmv_wg(x, W.pack_operand(words), W.group_major(s), W.group_major(b), backend="reference")
-
-
 SM90 = """
 import json, sys, torch
 sys.path.insert(0, "bench/probes")
@@ -122,9 +105,7 @@ from sass_count import operand_facts
 from kilnx.codegen.aot import compile_for_target
 from kilnx.kernels import qmv_wg as W
 wb, sg = torch.zeros(4, 64, 2048, dtype=torch.uint8), torch.zeros(4, 64, 64).bfloat16()
-xt, xsum = W.prepared_x(torch.zeros(4, 4096).bfloat16())
-cases = {"qmv_wg": (W.qmv_wg, (xt, xsum, wb, sg, sg), {"SPLIT_K": 1, "num_stages": 1}),
-         "qmm_wg": (W.qmm_wg, (torch.zeros(512, 4096).bfloat16(), W.flat(wb), sg, sg), {"BLOCK_M": 128, "num_stages": 3}),
+cases = {"qmm_wg": (W.qmm_wg, (torch.zeros(512, 4096).bfloat16(), W.flat(wb), sg, sg), {"BLOCK_M": 128, "num_stages": 3}),
          "qmm_wg GEMV": (W.qmm_wg, (torch.zeros(4, 4096).bfloat16(), W.flat(wb), sg, sg),
                          {"BLOCK_M": 16, "GPI": 8, "SPLIT_K": 4, "num_stages": 3})}
 print(json.dumps({name: operand_facts(compile_for_target(kernel, args, cfg, aligned=True))
@@ -133,8 +114,8 @@ print(json.dumps({name: operand_facts(compile_for_target(kernel, args, cfg, alig
 
 
 def test_the_weight_reaches_wgmma_in_registers_for_sm90():
-    """qmv_wg's loop stores only x's (64 x 16) tile to shared memory (one 16-byte store a thread; the decoded
-    weight would take four or more); qmm_wg's pipelined loop stores nothing (cp.async brings x and bytes)."""
+    """qmm_wg's pipelined loop stores nothing to shared memory (cp.async brings x and the bytes; the decoded
+    weight would take four or more 16-byte stores a thread), at 128 rows a program and at the GEMV's shape."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     run = subprocess.run([sys.executable, "-c", SM90], env=env, cwd=root, capture_output=True, text=True, timeout=900)
@@ -144,17 +125,8 @@ def test_the_weight_reaches_wgmma_in_registers_for_sm90():
     for name, f in facts.items():
         stores = f["loop_ops"].get("STS", 0) + f["loop_ops"].get("STSM", 0)
         assert f["a_in_registers"] and f["loop_ops"].get("HGMMA", 0) >= 4, (name, f)
-        assert stores <= (1 if name == "qmv_wg" else 0), (name, f["loop_ops"])
+        assert stores == 0, (name, f["loop_ops"])
     assert facts["qmm_wg GEMV"]["loop_ops"]["HGMMA"] == 32          # 8 groups a step, one m64n16k16 per 16 codes
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 5, 16])
-def test_the_gemv_gives_the_product_on_the_gpu(m):
-    words, s, b, x, want = _case(256, 512, m, 5)
-    args = [t.cuda() for t in (W.pack_operand(words), W.group_major(s), W.group_major(b))]
-    for cfg in ({"SPLIT_K": 1, "num_stages": 1}, {"SPLIT_K": 4, "num_stages": 3}):
-        assert _close(W.run_qmv_wg(x.cuda(), *args, config=cfg).cpu(), want), cfg
 
 
 @pytest.mark.gpu
@@ -180,13 +152,13 @@ def test_kilnx_wg_lets_qmatmul_serve_two_or_more_rows_with_them(monkeypatch):
     monkeypatch.setenv("KILNX_WG", "1")
     w = QWeight.from_mlx(words, s, b, bits=4, group_size=64)
     calls = []
-    for name in ("run_qmv_wg", "qmm_wg"):
-        real = getattr(W, name)
-        monkeypatch.setattr(W, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    real = W.qmm_wg
+    monkeypatch.setattr(W, "qmm_wg", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     assert _close(qm.qmatmul(x[:1], w), want[:1]) and calls == []           # one row: qmv_h2's route
-    assert _close(qm.qmatmul(x[:5], w), want[:5]) and calls == ["run_qmv_wg"]
-    assert _close(qm.qmatmul(x, w), want) and calls == ["run_qmv_wg", "qmm_wg"]
-    assert w._wg_operand[0].shape == (2, 2, 2048)
+    assert _close(qm.qmatmul(x[:5], w), want[:5]) and calls == [5]
+    assert _close(qm.qmatmul(x[:16], w), want[:16]) and calls == [5, 16]
+    assert _close(qm.qmatmul(x, w), want) and calls == [5, 16]             # 70 rows: the usual route
+    assert w._wg_operand[0].shape == (2, 2 * 2048)
     w32 = QWeight.from_mlx(words, s.float(), b.float(), bits=4, group_size=64)   # fp32 scales: not taken
     qm.qmatmul(x[:5], w32)
     assert getattr(w32, "_wg_operand", None) is None
@@ -203,13 +175,13 @@ def test_kilnx_wg_serves_qmatmul_on_the_gpu(monkeypatch):
     assert w._wg_operand is not None
 
 
-@pytest.mark.parametrize("name", ["qmv_wg", "qmm_wg"])
-def test_tuning_inputs_pass_the_kernels_own_gate(name):
-    """What `kilnx tune --kernel qmv_wg / qmm_wg` builds (scaled down): the spec, the tolerance and the cuBLAS
-    peer agree with the kernel's output; both kernels are in the registry the tuner reads."""
+@pytest.mark.parametrize("m", [5, 70])
+def test_tuning_inputs_pass_the_kernels_own_gate(m):
+    """What `kilnx tune --kernel qmm_wg` builds (scaled down): the spec, the tolerance and the cuBLAS peer agree
+    with the kernel's output at the GEMV's sizes and more; the kernel is in the registry the tuner reads."""
     from kilnx.kernels import registry
-    kernel = registry.get(name)
-    problem = {"M": 5 if name == "qmv_wg" else 70, "N": 128, "K": 128}
+    kernel = registry.get("qmm_wg")
+    problem = {"M": m, "N": 128, "K": 128}
     args = kernel.make_args(problem, "cpu")
     got = kernel(*args, backend="reference", config={})
     rtol, atol = kernel.tolerance(args)

@@ -80,12 +80,13 @@ MM_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=
                                          (128, 128, 128, 8, 3)]]
 
 
-# qmm_wg at the GEMV's sizes (16 rows a program): groups a K step x split over K x stages
-WG_CONFIGS = [dict(BLOCK_M=16, GPI=g, SPLIT_K=sk, num_stages=st) for g in (2, 4, 8) for sk in (1, 2, 4, 8)
-              for st in (1, 3)]
+# qmm_wg at the GEMV's sizes (16 rows a program): groups a K step x split over K x stages (4 groups a step,
+# the probe's best, first: $QMV_CONFIGS_MAX keeps the first few)
+WG_CONFIGS = [dict(BLOCK_M=16, GPI=g, SPLIT_K=sk, num_stages=st) for g in (4, 8, 2) for sk in (2, 4, 8, 1)
+              for st in (3, 1)]
 
 
-def _wg_path(sets, bits, dev, smoke):
+def _wg_path(sets, bits, dev, extra):
     """("qmm_wg", call, configs) over the same inputs, the operand layout packed once per weight copy
     outside the timing; None where it does not serve (not 4-bit, or no GPU outside the interpreter)."""
     from kilnx.codegen.launch import interpreting
@@ -96,7 +97,7 @@ def _wg_path(sets, bits, dev, smoke):
     x0, wq0 = sets[0][:2]
     default = W.qmm_wg.default_config(x0, *ops[id(wq0)])
     return "qmm_wg", lambda x, wq, s, b, config: W.qmm_wg(x, *ops[id(wq)], config=config), \
-        [default] + WG_CONFIGS[: (2 if smoke else None)]
+        [default] + WG_CONFIGS[:extra]
 
 
 def bench_quant(rec, copy_bw: float, smoke: bool):
@@ -187,7 +188,7 @@ def _bench_qmv(rec, label, n, k, m, bits, dev, copy_bw, smoke):
         paths.append(("qmv_tc", qmv_tc.run_qmv_tc, [default] + TC_CONFIGS[:extra]))
     if (m > 1 or not smoke) and "qmm" in wanted:
         paths.append(("qmm", qmatmul.qmm, WIDE_CONFIGS[: (2 if smoke else None)]))
-    if "qmm_wg" in wanted and m <= 16 and (wg := _wg_path(sets, bits, dev, smoke)) is not None:
+    if "qmm_wg" in wanted and m <= 16 and (wg := _wg_path(sets, bits, dev, extra)) is not None:
         paths.append(wg)
     results = []   # (seconds, path, config)
     for path, call, configs in paths:

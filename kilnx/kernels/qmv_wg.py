@@ -213,4 +213,4 @@ def server(x: torch.Tensor, w):
     op = operand_of(w)
     if op is None:
         return None
-    return lambda x2, *_: qmm_wg(x2, *op)
+    return lambda x2, *_: qmm_wg(x2, *op).to(x2.dtype)      # split over K, the kernel adds in fp32

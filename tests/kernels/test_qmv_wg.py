@@ -155,7 +155,7 @@ def test_kilnx_wg_lets_qmatmul_serve_two_or_more_rows_with_them(monkeypatch):
     real = W.qmm_wg
     monkeypatch.setattr(W, "qmm_wg", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     assert _close(qm.qmatmul(x[:1], w), want[:1]) and calls == []           # one row: qmv_h2's route
-    assert _close(qm.qmatmul(x[:5], w), want[:5]) and calls == [5]
+    assert _close(y := qm.qmatmul(x[:5], w), want[:5]) and calls == [5] and y.dtype == x.dtype
     assert _close(qm.qmatmul(x[:16], w), want[:16]) and calls == [5, 16]
     assert _close(qm.qmatmul(x, w), want) and calls == [5, 16]             # 70 rows: the usual route
     assert w._wg_operand[0].shape == (2, 2 * 2048)
@@ -171,7 +171,8 @@ def test_kilnx_wg_serves_qmatmul_on_the_gpu(monkeypatch):
     words, s, b, x, want = _case(256, 512, 300, 9)
     w = QWeight.from_mlx(words.cuda(), s.cuda(), b.cuda(), bits=4, group_size=64)
     for m in (1, 4, 16, 17, 300):
-        assert _close(qm.qmatmul(x[:m].cuda(), w).cpu(), want[:m]), m
+        y = qm.qmatmul(x[:m].cuda(), w)
+        assert y.dtype == x.dtype and _close(y.cpu(), want[:m]), m
     assert w._wg_operand is not None
 
 

@@ -1,6 +1,9 @@
-"""Design probe (not a kilnx kernel): the 4-bit GEMM for 64-4096 activation rows with the weight dequantized
-straight into wgmma's register operand, on tc_gemv.py's byte layout (the same packing: each (64 rows x 64
-codes) block stored in the order a warpgroup's threads hold the operand).
+"""Design probe (not a kilnx kernel; kernels/qmv_wg.py's qmm_wg is its DSL form): the 4-bit product for 1-4096
+activation rows (16 a program up to 16 rows, the GEMV's sizes) with the weight dequantized straight into
+wgmma's register operand, on tc_gemv.py's byte layout (the same packing: each (64 rows x 64 codes) block stored
+in the order a warpgroup's threads hold the operand), GPI groups a K step, split over K or not.
+Timed on the H200 in session 20 (bench/results README): flat in the rows up to 16, faster than qmv_h2 from 4
+rows, slower at one; at 2048-4096 rows 1.56-1.85x cuBLAS against qmatmul's route's 1.10-1.17x.
 
 Why: qmm at 512 rows stays at 1.8x cuBLAS bf16's time (dequantize to a bf16 copy, then the dense GEMM; the
 copy costs ~0.6x cuBLAS's time), and the fused kernel (qmm PACKED: decode in the K loop) reached 2.2x: its

@@ -63,7 +63,7 @@ for s in "$@"; do case $s in
   e2e8b) step e2e8b 240 python3 -m kilnx.cli bench --model llama-3.1-8b --random --prompt-lens 128,2048 --gen 64 --device cuda --csv $OUT/${E2E_CSV:-e2e}.csv ;;
   tune) step tune_${TUNE_MODEL:-llama-3.2-1b} ${TUNE_SECS:-330} python3 -m kilnx.cli tune --device sm_90 --model ${TUNE_MODEL:-llama-3.2-1b} --budget ${TUNE_BUDGET:-290s} --workers 1 ${TUNE_ARGS:-} --csv $OUT/tune_${TUNE_MODEL:-llama-3.2-1b}.csv
         cp ${KILNX_DB#sqlite:///} $OUT/tune_${TUNE_MODEL:-llama-3.2-1b}.db 2>/dev/null ;;   # carried into a later call with KILNX_DB
-  tunewg) step tunewg ${TUNE_SECS:-330} python3 -m kilnx.cli tune --device sm_90 --kernel qmv_wg --kernel qmm_wg --budget ${TUNE_BUDGET:-290s} --workers 1 --csv $OUT/tune_wg.csv ;;
+  tunewg) step tunewg ${TUNE_SECS:-330} python3 -m kilnx.cli tune --device sm_90 --kernel qmm_wg --budget ${TUNE_BUDGET:-290s} --workers 1 --csv $OUT/tune_wg.csv ;;
   tune8b) step tune8b ${TUNE_SECS:-330} python3 -m kilnx.cli tune --device sm_90 --model llama-3.1-8b --budget ${TUNE_BUDGET:-290s} --workers 1 ${TUNE_ARGS:-} --csv $OUT/tune.csv
           python3 -m kilnx.cli db export $OUT/tune.json > /dev/null 2>&1; cp /tmp/kilnx-tune.db $OUT/ 2>/dev/null ;;
 esac; done

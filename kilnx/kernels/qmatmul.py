@@ -361,7 +361,7 @@ def qmatmul(x: torch.Tensor, w) -> torch.Tensor:
     if x2.shape[0] == 0:
         return x.new_empty(*lead, w.shape[0])
     args = (x2, w.packed, w.scales, w.biases)
-    if os.environ.get("KILNX_WG", "0") == "1":     # an experiment, off: kernels/qmv_wg.py (not imported otherwise)
+    if os.environ.get("KILNX_WG", "0") == "1":     # opt-in, 2-16 rows: kernels/qmv_wg.py (not imported otherwise)
         from kilnx.kernels import qmv_wg
         if (call := qmv_wg.server(x2, w)) is not None:
             return _SERVED.put((w,), key, call)(*args).reshape(*lead, w.shape[0])

@@ -34,7 +34,7 @@ import torch
 import kilnx.dsl as kd
 from kilnx.kernels.qmatmul import affine_tolerance     # qmatmul imports this module only when KILNX_WG=1
 
-GS, ROWS, XROWS = 64, 64, 16     # group size; weight rows per program (wgmma's M); x rows of the GEMV, padded
+GS, ROWS, XROWS = 64, 64, 16     # group size; weight rows per program (wgmma's M); most x rows qmatmul sends here
 BLOCK_BYTES = ROWS * GS // 2
 
 

@@ -100,6 +100,21 @@ def _wg_path(sets, bits, dev, extra):
         [default] + WG_CONFIGS[:extra]
 
 
+def _wg_direct_path(sets, bits, dev, extra):
+    """("qmm_wg_direct", call, configs): the same kernel reading MLX's layout (kernels/wg_direct.py); None
+    where it does not serve."""
+    from kilnx.codegen.launch import interpreting
+    from kilnx.kernels import wg_direct as D
+    x0, wq0, s0, b0 = sets[0]
+    if bits != 4 or not (dev == "cuda" or interpreting()) or wq0.shape[1] * 8 % 128:
+        return None
+    as_bytes = lambda wq: wq.view(torch.uint8).reshape(wq.shape[0], -1)  # noqa: E731
+    default = D.qmm_wg_direct.default_config(x0, as_bytes(wq0), s0, b0)
+    configs = [c for c in WG_CONFIGS if c["GPI"] > 1]
+    return "qmm_wg_direct", lambda x, wq, s, b, config: D.qmm_wg_direct(x, as_bytes(wq), s, b, config=config), \
+        [default] + configs[:extra]
+
+
 def bench_quant(rec, copy_bw: float, smoke: bool):
     """$KILNX_BENCH_ONLY=qmm limits the run to the qmm cases; $QMV_SHAPES (e.g. "gate_up,o"), $QMV_MS
     ("1,4") and $QMV_PATHS ("qmv_h2") narrow the qmv cases (default: all)."""
@@ -174,7 +189,7 @@ def _bench_qmv(rec, label, n, k, m, bits, dev, copy_bw, smoke):
     ref = qmatmul._dense_peer(*sets[0]).float()
     problem = {"M": m, "N": n, "K": k, "bits": bits, "gs": 64}
     # (path, call, its configs: the runtime's default first); each path's results are timed on the same inputs
-    wanted = os.environ.get("QMV_PATHS", "qmv,qmv_h2,qmv_tc,qmm,qmm_wg").split(",")
+    wanted = os.environ.get("QMV_PATHS", "qmv,qmv_h2,qmv_tc,qmm,qmm_wg,qmm_wg_direct").split(",")
     extra = int(os.environ.get("QMV_CONFIGS_MAX", "1000")) if not smoke else 2   # configs per path past its default
     paths = []
     if "qmv" in wanted or bits not in qmv_h2.BITS_SERVED:
@@ -190,6 +205,8 @@ def _bench_qmv(rec, label, n, k, m, bits, dev, copy_bw, smoke):
         paths.append(("qmm", qmatmul.qmm, WIDE_CONFIGS[: (2 if smoke else None)]))
     if "qmm_wg" in wanted and m <= 16 and (wg := _wg_path(sets, bits, dev, extra)) is not None:
         paths.append(wg)
+    if "qmm_wg_direct" in wanted and m <= 16 and (wgd := _wg_direct_path(sets, bits, dev, extra)) is not None:
+        paths.append(wgd)
     results = []   # (seconds, path, config)
     for path, call, configs in paths:
         for cfg in configs:
@@ -231,11 +248,12 @@ def _bench_qmv(rec, label, n, k, m, bits, dev, copy_bw, smoke):
     wide = [r for r in results if r[1] == "qmm"]
     if wide:
         rec.add("quant", case, "us_qmm_swap_best", min(wide, key=lambda r: r[0])[0] * 1e6)
-    wg = [r for r in results if r[1] == "qmm_wg"]
-    if wg:
-        wg_best = min(wg, key=lambda r: r[0])
-        rec.add("quant", case, "us_qmm_wg_best", wg_best[0] * 1e6, "config", str(wg_best[2]))
-        rec.add("quant", case, "us_qmm_wg_default", wg[0][0] * 1e6)
+    for name in ("qmm_wg", "qmm_wg_direct"):
+        wg = [r for r in results if r[1] == name]
+        if wg:
+            wg_best = min(wg, key=lambda r: r[0])
+            rec.add("quant", case, f"us_{name}_best", wg_best[0] * 1e6, "config", str(wg_best[2]))
+            rec.add("quant", case, f"us_{name}_default", wg[0][0] * 1e6)
 
 
 def _bench_fp4(rec, label, n, k, mode, dev, copy_bw, smoke):

@@ -1,0 +1,150 @@
+"""The 4-bit affine (group 64) product on Hopper's wgmma, the weight decoded into the tensor cores' register
+operand straight from MLX's layout: `qmm_wg_direct`, no second copy of the weight (kernels/qmv_wg.py's
+`qmm_wg` reads a repacked copy).
+
+Why it can: a product's sum over K does not care in which order K is walked, so the weight's K order in the
+operand may be any permutation as long as x is read in the same one. wgmma's A operand gives thread `lane` of
+a quad (lane % 4 = l) the byte columns c = 4 j + l of its two rows (r and r + 8); here column c of a step of
+GPI groups holds the row's byte
+    m(c) = 64 half + 16 l + o,    with c = 4 (16 half + o) + l,   half < GPI / 2, o < 16,
+so each thread's bytes of a row are 16 contiguous ones a half: one 16-byte load (cp.async) each, as the
+repacked layout had. x is read at the same permutation (code 2 m(c) + h sits in K slot 2 c + h): its loads
+are 4-byte pieces instead of 16-byte ones, a few kilobytes a step. The scales follow the bytes: column c is in
+group 2 half + l // 2 of the step, so a step takes an even number of groups (GPI 2, 4, 8: K a multiple of 128).
+
+Compiled for sm_90 the loop keeps the weight out of shared memory apart from cp.async's staging, as
+qmm_wg's (tests/kernels/test_wg_direct.py asserts it); it has ~20% more instructions a step than qmm_wg's
+(628 against 527 SASS lines at 4 groups, mostly the scales' 2-byte reads): whether that costs time is the
+GPU's to say (bench/bench_quant.py times both in the qmv cases).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import kilnx.dsl as kd
+
+GS, ROWS, XROWS = 64, 64, 16     # group size; weight rows a program (wgmma's M); most x rows qmatmul sends here
+
+
+def _spec(x, wb, scales, biases, **_):
+    """x @ W.T with W dequantized and rounded to x's dtype once, as the kernel's operand is."""
+    from kilnx.quant import QWeight
+    w = QWeight.from_mlx(wb.view(torch.uint32), scales, biases, bits=4, group_size=GS).dequantize()
+    return (x.float() @ w.to(x.dtype).float().t()).to(x.dtype)
+
+
+def _specialize(x, wb, scales, biases, *_):
+    """G_DIV: the largest step of groups (up to 8) that divides the groups, so a step never runs past K."""
+    return {"G_DIV": max(d for d in (1, 2, 4, 8) if scales.shape[1] % d == 0)}
+
+
+def _default(x, wb, scales, biases, **_):
+    """Up to 16 rows: 16 a program, 4 groups a K step where K/64 allows, K split until the grid has ~2.5
+    programs an SM, 3 stages (qmm_wg's measured shape, bench/results README session 20). More rows: 128 a
+    program, 64 where that leaves SMs without one. Starting points; `kilnx tune` stores the measured best."""
+    from kilnx.kernels.dense_mm import sm_count
+    sms, programs = sm_count(x), wb.shape[0] // ROWS
+    gpi = min(4, _specialize(x, wb, scales, biases)["G_DIV"])
+    if x.shape[0] <= XROWS:
+        split = next((sp for sp in (1, 2, 4) if programs * sp >= 2.5 * sms), 8)
+        return {"BLOCK_M": XROWS, "GPI": gpi, "SPLIT_K": split, "num_stages": 3}
+    return {"BLOCK_M": 128 if programs * -(-x.shape[0] // 128) >= sms else 64, "GPI": 2}
+
+
+@kd.kernel(tune={"BLOCK_M": kd.choice(16, 64, 128, 256, default=128), "GPI": kd.choice(2, 4, 8, default=2),
+                 "SPLIT_K": kd.choice(1, 2, 4, 8, default=1), "num_stages": kd.choice(1, 2, 3, 4, default=3)},
+           key=lambda x, wb, scales, biases, **_: {"M": x.shape[0], "N": wb.shape[0], "K": x.shape[1]},
+           spec=_spec, default=_default, specialize=_specialize)
+def qmm_wg_direct(x, wb, scales, biases, *, G_DIV: kd.constexpr, BLOCK_M, GPI, SPLIT_K):
+    """y (M, N) = x (M, K) @ W.T; wb is MLX's 4-bit words as bytes (N, K/2) u8 (`w.packed.view(torch.uint8)`),
+    scales and biases (N, K/64) bf16. GPI groups a K step (one dot of K = 64 GPI). y in x's dtype, or fp32 when
+    K is split over SPLIT_K programs (added across them)."""
+    M, K = x.shape
+    N, G = scales.shape
+    if G_DIV % GPI:
+        raise kd.DSLError(f"qmm_wg_direct: GPI {GPI} groups a step must divide the {G_DIV}-multiple of groups "
+                          "(K/64); K a multiple of 128 takes GPI 2")
+    pid, pm, pk = kd.grid(kd.cdiv(N, ROWS), kd.cdiv(M, BLOCK_M), SPLIT_K)
+    HALF = GPI // 2
+    # the bytes a step loads, in thread order: (o0, half, warp, lane // 4, lane % 4, o), 16 contiguous a thread
+    e = kd.arange(0, 2048 * GPI)
+    o, lo, hi, warp, half, o0 = e % 16, e // 16 % 4, e // 64 % 8, e // 512 % 4, e // 2048 % HALF, e // (2048 * HALF)
+    wrow, wcol = pid * ROWS + 16 * warp + 8 * o0 + hi, 64 * half + 16 * lo + o
+    # K slot k of the operand holds code 2 m(c) + h of the step's span (c = k // 2, h = k % 2; module doc)
+    slot = kd.arange(0, GPI * GS)
+    c = slot // 2
+    code = 2 * (c // 64 * 64 + 16 * (c % 4) + c // 4 % 16) + slot % 2
+    r64, gi = kd.arange(0, ROWS), kd.arange(0, GPI)
+    mm = pm * BLOCK_M + kd.arange(0, BLOCK_M)
+    steps = G // GPI
+    per = kd.cdiv(steps, SPLIT_K)
+    acc = kd.zeros((ROWS, BLOCK_M), kd.f32)
+    for step in kd.range(pk * per, kd.minimum(pk * per + per, steps)):
+        g0 = step * GPI
+        raw = kd.load(wb, wrow, g0 * 32 + wcol, check=False)
+        # -> rows (warp, o0, lane // 4), byte columns (half, o, lane % 4): the operand's order
+        byt = kd.reshape(kd.permute(kd.reshape(raw, (2, HALF, 4, 8, 4, 16)), (2, 0, 3, 1, 5, 4)), (ROWS, GPI * 32))
+        # a step's GPI scales a row, spread to the columns: column (half, o, lane % 4) is in group 2 half + lane % 4 // 2
+        s = kd.load(scales, pid * ROWS + r64[:, None], g0 + gi[None, :], check=False)
+        b = kd.load(biases, pid * ROWS + r64[:, None], g0 + gi[None, :], check=False)
+        s = kd.reshape(kd.broadcast_to(kd.reshape(s, (ROWS, HALF, 1, 2, 1)), (ROWS, HALF, 16, 2, 2)), (ROWS, GPI * 32))
+        b = kd.reshape(kd.broadcast_to(kd.reshape(b, (ROWS, HALF, 1, 2, 1)), (ROWS, HALF, 16, 2, 2)), (ROWS, GPI * 32))
+        a = kd.reshape(kd.nibbles(byt, s, b), (ROWS, GPI * GS))
+        acc += kd.dot(a, kd.trans(kd.load(x, mm[:, None], g0 * GS + code[None, :], check=(True, False))))
+    rows = pid * ROWS + r64
+    if SPLIT_K == 1:
+        out = kd.output((M, N), x.dtype)
+        kd.store(out, mm[None, :], rows[:, None], acc)
+    else:
+        out = kd.output((M, N), kd.f32, zero=True)
+        kd.atomic_add(out, mm[None, :], rows[:, None], acc)
+    return out
+
+
+# ----------------------------------------------------------------------------- tuning inputs
+def make_args(problem: dict, device: str):
+    """qmm_wg_direct's inputs for a problem {M, N, K}: qmatmul's random 4-bit weight, its words as bytes."""
+    from kilnx.kernels.qmatmul import make_qmatmul_args
+    x, wq, scales, biases = make_qmatmul_args({**problem, "bits": 4, "gs": GS}, device)
+    return x, wq.view(torch.uint8).reshape(wq.shape[0], -1), scales, biases
+
+
+def _dense(wb, scales, biases) -> torch.Tensor:
+    """The bf16 weight the peer multiplies, kept for the last weight asked (the tuner times one at a time)."""
+    cached = getattr(_dense, "cache", None)
+    if cached is None or cached[0] is not wb or cached[1] is not scales:
+        from kilnx.quant import QWeight
+        w = QWeight.from_mlx(wb.view(torch.uint32), scales, biases, bits=4, group_size=GS).dequantize()
+        _dense.cache = cached = (wb, scales, w.to(torch.bfloat16))
+    return cached[2]
+
+
+def _tolerance(args):
+    from kilnx.kernels.qmatmul import affine_tolerance
+    return affine_tolerance(args[0], *args[2:], 4)
+
+
+qmm_wg_direct.tuning(make_args=make_args, peer=lambda x, wb, s, b: x @ _dense(wb, s, b).t(),
+                     problems=[{"M": m, "N": 4096, "K": 4096} for m in (4, 16, 128)])
+qmm_wg_direct.tolerance = _tolerance
+
+
+# ----------------------------------------------------------------------------- qmatmul's use
+def serves(x: torch.Tensor, w) -> bool:
+    """Whether qmm_wg_direct takes x (M, K) @ w.T: an affine 4-bit group-64 (N, K) weight, N a multiple of 64
+    and K of 128, bf16 activations, scales and biases, on the GPU (or the CPU under the Triton interpreter)."""
+    from kilnx.codegen.launch import interpreting
+    f = w.format
+    return (w.mode == "affine" and f.bits == 4 and f.group_size == GS and len(w.shape) == 2
+            and w.shape[0] % ROWS == 0 and w.shape[1] % (2 * GS) == 0 and x.dtype == torch.bfloat16
+            and w.scales.dtype == torch.bfloat16 and w.biases is not None and w.biases.dtype == torch.bfloat16
+            and (x.is_cuda or interpreting()))
+
+
+def server(x: torch.Tensor, w):
+    """qmatmul's call for x's row count (args: x, packed, scales, biases), or None where the usual route
+    serves: one row (qmv_h2 is faster there), more than 16, or a weight this kernel does not take."""
+    if not 2 <= x.shape[0] <= XROWS or not serves(x, w):
+        return None
+    return lambda x2, wq, s, b: qmm_wg_direct(x2, wq.view(torch.uint8).reshape(wq.shape[0], -1), s, b).to(x2.dtype)

@@ -1,0 +1,137 @@
+"""qmm_wg_direct (kernels/wg_direct.py): wgmma with the 4-bit weight decoded into its register operand straight
+from MLX's layout, K walked in a permuted order that x follows. It gives x @ W.T of MLX's quantized weights on
+every backend, for any rows, GPI groups a step and split K; it names the K it cannot take; compiled for sm_90
+its loop keeps the weight out of shared memory; qmatmul takes it for 2-16 rows under KILNX_WG=direct."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kilnx.kernels import wg_direct as D
+from kilnx.quant import QWeight
+from test_qmv_wg import _case, _close, _skip_triton   # pytest puts this folder on sys.path
+
+BACKENDS = ["reference", "numba", "triton"]
+
+
+def _bytes(words):
+    return words.view(torch.uint8).reshape(words.shape[0], -1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=4, deadline=None)
+@given(shape=st.sampled_from([(64, 128), (128, 512), (64, 384)]), m=st.sampled_from([1, 5, 17, 64, 100]),
+       cfg=st.sampled_from([(64, 2, 1), (16, 2, 1), (16, 4, 2), (64, 2, 2), (16, 8, 1), (64, 4, 4)]),
+       seed=st.integers(0, 10_000))
+def test_the_gemm_gives_the_product(backend, shape, m, cfg, seed):
+    """Any rows, GPI groups a K step (the largest of 2, 4, 8 up to cfg's that divides K/64), K split over
+    programs (fp32 out) or not (x's dtype)."""
+    _skip_triton(backend)
+    words, s, b, x, want = _case(*shape, m, seed)
+    block_m, gpi, split = cfg
+    gpi = max(d for d in (2, 4, 8) if d <= gpi and (shape[1] // 64) % d == 0)
+    got = D.qmm_wg_direct(x, _bytes(words), s, b, backend=backend,
+                          config={"BLOCK_M": block_m, "GPI": gpi, "SPLIT_K": split})
+    assert got.shape == (m, shape[0]) and got.dtype == (x.dtype if split == 1 else torch.float32)
+    assert _close(got, want)
+
+
+def test_a_step_of_groups_must_divide_k():
+    words, s, b, x, _ = _case(64, 384, 3, 0)        # 6 groups: steps of 2, not of 4
+    with pytest.raises(Exception, match="GPI 4 groups a step must divide"):
+        D.qmm_wg_direct(x, _bytes(words), s, b, backend="reference", config={"BLOCK_M": 16, "GPI": 4})
+
+
+SM90 = """
+import json, sys, torch
+sys.path.insert(0, "bench/probes")
+from sass_count import operand_facts
+from kilnx.codegen.aot import compile_for_target
+from kilnx.kernels import wg_direct as D
+wb, sg = torch.zeros(256, 2048, dtype=torch.uint8), torch.zeros(256, 64).bfloat16()
+cases = {"GEMM": (torch.zeros(512, 4096).bfloat16(), {"BLOCK_M": 128, "GPI": 2, "num_stages": 3}),
+         "GEMV": (torch.zeros(4, 4096).bfloat16(), {"BLOCK_M": 16, "GPI": 4, "SPLIT_K": 4, "num_stages": 3})}
+print(json.dumps({name: operand_facts(compile_for_target(D.qmm_wg_direct, (x, wb, sg, sg), cfg, aligned=True))
+                  for name, (x, cfg) in cases.items()}))
+"""
+
+
+def test_the_weight_reaches_wgmma_in_registers_for_sm90():
+    """The pipelined loop stores nothing to shared memory (cp.async stages the bytes, the scales and x; a
+    decoded weight going through shared memory would take 16-byte stores a thread), and the bytes arrive in
+    16-byte pieces: one wgmma m64n16k16 a 16 codes of the step (4 groups: 16)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run = subprocess.run([sys.executable, "-c", SM90], env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    facts = json.loads(run.stdout.strip().splitlines()[-1])
+    for name, f in facts.items():
+        stores = f["loop_ops"].get("STS", 0) + f["loop_ops"].get("STSM", 0)
+        assert f["a_in_registers"] and f["loop_ops"].get("HGMMA", 0) >= 4, (name, f)
+        assert stores == 0, (name, f["loop_ops"])
+    assert facts["GEMV"]["loop_ops"]["HGMMA"] == 16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 5, 64, 300])
+def test_the_gemm_gives_the_product_on_the_gpu(m):
+    words, s, b, x, want = _case(256, 512, m, 7)
+    args = [t.cuda() for t in (_bytes(words), s, b)]
+    for cfg in ({"BLOCK_M": 64, "GPI": 2, "num_stages": 2}, {"BLOCK_M": 128, "GPI": 2, "num_stages": 3},
+                {"BLOCK_M": 256, "GPI": 4, "num_stages": 3}, {"BLOCK_M": 16, "GPI": 8, "SPLIT_K": 1, "num_stages": 3},
+                {"BLOCK_M": 16, "GPI": 4, "SPLIT_K": 2}, {"BLOCK_M": 64, "GPI": 2, "SPLIT_K": 4, "num_stages": 1}):
+        assert _close(D.qmm_wg_direct(x.cuda(), *args, config=cfg).cpu(), want), cfg
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="qmatmul takes these kernels on the GPU "
+                    "or under the Triton interpreter")
+def test_kilnx_wg_direct_lets_qmatmul_serve_two_to_sixteen_rows_with_it(monkeypatch):
+    from kilnx.kernels import qmatmul as qm
+    words, s, b, x, want = _case(128, 256, 70, 3)
+    monkeypatch.setenv("KILNX_WG", "direct")
+    w = QWeight.from_mlx(words, s, b, bits=4, group_size=64)
+    calls = []
+    real = D.qmm_wg_direct
+    monkeypatch.setattr(D, "qmm_wg_direct", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    assert _close(qm.qmatmul(x[:1], w), want[:1]) and calls == []           # one row: qmv_h2's route
+    assert _close(y := qm.qmatmul(x[:5], w), want[:5]) and calls == [5] and y.dtype == x.dtype
+    assert _close(qm.qmatmul(x[:16], w), want[:16]) and calls == [5, 16]
+    assert _close(qm.qmatmul(x, w), want) and calls == [5, 16]             # 70 rows: the usual route
+    assert getattr(w, "_wg_operand", None) is None                          # no second copy of the weight
+    odd = _case(64, 192, 4, 1)                                              # K/64 odd: not taken
+    qm.qmatmul(odd[3], QWeight.from_mlx(*odd[:3], bits=4, group_size=64))
+    assert calls == [5, 16]
+
+
+@pytest.mark.gpu
+def test_kilnx_wg_direct_serves_qmatmul_on_the_gpu(monkeypatch):
+    from kilnx.kernels import qmatmul as qm
+    monkeypatch.setenv("KILNX_WG", "direct")
+    words, s, b, x, want = _case(256, 512, 300, 9)
+    w = QWeight.from_mlx(words.cuda(), s.cuda(), b.cuda(), bits=4, group_size=64)
+    for m in (1, 4, 16, 17, 300):
+        y = qm.qmatmul(x[:m].cuda(), w)
+        assert y.dtype == x.dtype and _close(y.cpu(), want[:m]), m
+
+
+@pytest.mark.parametrize("m", [5, 70])
+def test_tuning_inputs_pass_the_kernels_own_gate(m):
+    """What `kilnx tune --kernel qmm_wg_direct` builds (scaled down): the spec, the tolerance and the cuBLAS
+    peer agree with the kernel's output; the kernel is in the registry the tuner reads."""
+    from kilnx.kernels import registry
+    kernel = registry.get("qmm_wg_direct")
+    problem = {"M": m, "N": 128, "K": 256}
+    args = kernel.make_args(problem, "cpu")
+    got = kernel(*args, backend="reference", config={})
+    rtol, atol = kernel.tolerance(args)
+    assert torch.allclose(got.float(), kernel.reference(*args).float(), rtol=rtol, atol=atol)
+    assert torch.allclose(got.float(), kernel.peer(*args).float(), rtol=rtol, atol=atol)
+    assert kernel.key(*args) == f"M={m},N=128,K=256"

@@ -109,9 +109,11 @@ def _wg_direct_path(sets, bits, dev, extra):
     if bits != 4 or not (dev == "cuda" or interpreting()) or wq0.shape[1] * 8 % 128:
         return None
     as_bytes = lambda wq: wq.view(torch.uint8).reshape(wq.shape[0], -1)  # noqa: E731
-    default = D.qmm_wg_direct.default_config(x0, as_bytes(wq0), s0, b0)
     configs = [c for c in WG_CONFIGS if c["GPI"] > 1]
-    return "qmm_wg_direct", lambda x, wq, s, b, config: D.qmm_wg_direct(x, as_bytes(wq), s, b, config=config), \
+    done = D.counters_for(x0, wq0.shape[0])
+    default = D.qmm_wg_direct.default_config(x0, as_bytes(wq0), s0, b0, done)
+    return "qmm_wg_direct", \
+        lambda x, wq, s, b, config: D.qmm_wg_direct(x, as_bytes(wq), s, b, done, config=config), \
         [default] + configs[:extra]
 
 

@@ -12,6 +12,10 @@ repacked layout had. x is read at the same permutation (code 2 m(c) + h sits in 
 are 4-byte pieces instead of 16-byte ones, a few kilobytes a step. The scales follow the bytes: column c is in
 group 2 half + l // 2 of the step, so a step takes an even number of groups (GPI 2, 4, 8: K a multiple of 128).
 
+Split over K, the last of a tile's programs to finish (an acquire-release count a tile) adds the partial sums
+and writes y in x's dtype: qmm_wg's split wrote fp32 atomics into a zeroed output that qmatmul then cast, two
+more kernels a call.
+
 Compiled for sm_90 the loop keeps the weight out of shared memory apart from cp.async's staging, as
 qmm_wg's (tests/kernels/test_wg_direct.py asserts it); it has ~20% more instructions a step than qmm_wg's
 (628 against 527 SASS lines at 4 groups, mostly the scales' 2-byte reads): whether that costs time is the
@@ -27,7 +31,7 @@ import kilnx.dsl as kd
 GS, ROWS, XROWS = 64, 64, 16     # group size; weight rows a program (wgmma's M); most x rows qmatmul sends here
 
 
-def _spec(x, wb, scales, biases, **_):
+def _spec(x, wb, scales, biases, done, **_):
     """x @ W.T with W dequantized and rounded to x's dtype once, as the kernel's operand is."""
     from kilnx.quant import QWeight
     w = QWeight.from_mlx(wb.view(torch.uint32), scales, biases, bits=4, group_size=GS).dequantize()
@@ -39,7 +43,7 @@ def _specialize(x, wb, scales, biases, *_):
     return {"G_DIV": max(d for d in (1, 2, 4, 8) if scales.shape[1] % d == 0)}
 
 
-def _default(x, wb, scales, biases, **_):
+def _default(x, wb, scales, biases, done, **_):
     """Up to 16 rows: 16 a program, 4 groups a K step where K/64 allows, K split until the grid has ~2.5
     programs an SM, 3 stages (qmm_wg's measured shape, bench/results README session 20). More rows: 128 a
     program, 64 where that leaves SMs without one. Starting points; `kilnx tune` stores the measured best."""
@@ -54,12 +58,13 @@ def _default(x, wb, scales, biases, **_):
 
 @kd.kernel(tune={"BLOCK_M": kd.choice(16, 64, 128, 256, default=128), "GPI": kd.choice(2, 4, 8, default=2),
                  "SPLIT_K": kd.choice(1, 2, 4, 8, default=1), "num_stages": kd.choice(1, 2, 3, 4, default=3)},
-           key=lambda x, wb, scales, biases, **_: {"M": x.shape[0], "N": wb.shape[0], "K": x.shape[1]},
+           key=lambda x, wb, scales, biases, done, **_: {"M": x.shape[0], "N": wb.shape[0], "K": x.shape[1]},
            spec=_spec, default=_default, specialize=_specialize)
-def qmm_wg_direct(x, wb, scales, biases, *, G_DIV: kd.constexpr, BLOCK_M, GPI, SPLIT_K):
+def qmm_wg_direct(x, wb, scales, biases, done, *, G_DIV: kd.constexpr, BLOCK_M, GPI, SPLIT_K):
     """y (M, N) = x (M, K) @ W.T; wb is MLX's 4-bit words as bytes (N, K/2) u8 (`w.packed.view(torch.uint8)`),
-    scales and biases (N, K/64) bf16. GPI groups a K step (one dot of K = 64 GPI). y in x's dtype, or fp32 when
-    K is split over SPLIT_K programs (added across them)."""
+    scales and biases (N, K/64) bf16, `done` zeroed int32 tile counters (`counters_for`; left zeroed). GPI
+    groups a K step (one dot of K = 64 GPI); K split over SPLIT_K programs, the last to finish a tile adds
+    the partial sums. y (M, N) in x's dtype."""
     M, K = x.shape
     N, G = scales.shape
     if G_DIV % GPI:
@@ -93,13 +98,43 @@ def qmm_wg_direct(x, wb, scales, biases, *, G_DIV: kd.constexpr, BLOCK_M, GPI, S
         a = kd.reshape(kd.nibbles(byt, s, b), (ROWS, GPI * GS))
         acc += kd.dot(a, kd.trans(kd.load(x, mm[:, None], g0 * GS + code[None, :], check=(True, False))))
     rows = pid * ROWS + r64
+    out = kd.output((M, N), x.dtype)
     if SPLIT_K == 1:
-        out = kd.output((M, N), x.dtype)
         kd.store(out, mm[None, :], rows[:, None], acc)
     else:
-        out = kd.output((M, N), kd.f32, zero=True)
-        kd.atomic_add(out, mm[None, :], rows[:, None], acc)
+        # the last of a tile's SPLIT_K programs to finish adds the partial sums and writes y: no zeroed output
+        # and no cast after (two more kernels in a decode graph, each a launch's latency at these sizes)
+        part = kd.output((SPLIT_K, M, N), kd.f32, name="partials")
+        kd.store(part, pk, mm[None, :], rows[:, None], acc)
+        kd.barrier()                      # the program's partial stored before its count is published
+        tile = pid * kd.cdiv(M, BLOCK_M) + pm
+        last = kd.atomic_add(done, tile, 1, check=False) == SPLIT_K - 1
+        total = kd.zeros((ROWS, BLOCK_M), kd.f32)
+        for j in kd.static_range(SPLIT_K):
+            total += kd.load(part, j, mm[None, :], rows[:, None], mask=last, check=(False, True, False))
+        kd.store(out, mm[None, :], rows[:, None], total, mask=last)
+        kd.store(done, tile, 0, mask=last, check=False)      # left as found, for the next call
     return out
+
+
+def tile_counters(device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 counters, at least `tiles` of them, that qmm_wg_direct leaves zeroed: one buffer a device,
+    made once (a larger one when asked; the old ones stay alive for CUDA graphs that captured them). Calls
+    on concurrent streams of one device would share it: qmatmul runs on one stream."""
+    device = torch.device(device)
+    have = _COUNTERS.setdefault(str(device), [])
+    if not have or have[-1].numel() < tiles:
+        have.append(torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device))
+    return have[-1]
+
+
+_COUNTERS: dict[str, list[torch.Tensor]] = {}
+
+
+def counters_for(x: torch.Tensor, n: int) -> torch.Tensor:
+    """The counters a call of x (M, K) against an (n, K) weight can use: a tile of 64 weight rows and 16
+    of x's rows (the smallest BLOCK_M) each."""
+    return tile_counters(x.device, n // ROWS * -(-x.shape[0] // XROWS))
 
 
 # ----------------------------------------------------------------------------- tuning inputs
@@ -107,7 +142,7 @@ def make_args(problem: dict, device: str):
     """qmm_wg_direct's inputs for a problem {M, N, K}: qmatmul's random 4-bit weight, its words as bytes."""
     from kilnx.kernels.qmatmul import make_qmatmul_args
     x, wq, scales, biases = make_qmatmul_args({**problem, "bits": 4, "gs": GS}, device)
-    return x, wq.view(torch.uint8).reshape(wq.shape[0], -1), scales, biases
+    return x, wq.view(torch.uint8).reshape(wq.shape[0], -1), scales, biases, counters_for(x, wq.shape[0])
 
 
 def _dense(wb, scales, biases) -> torch.Tensor:
@@ -122,10 +157,10 @@ def _dense(wb, scales, biases) -> torch.Tensor:
 
 def _tolerance(args):
     from kilnx.kernels.qmatmul import affine_tolerance
-    return affine_tolerance(args[0], *args[2:], 4)
+    return affine_tolerance(args[0], *args[2:4], 4)
 
 
-qmm_wg_direct.tuning(make_args=make_args, peer=lambda x, wb, s, b: x @ _dense(wb, s, b).t(),
+qmm_wg_direct.tuning(make_args=make_args, peer=lambda x, wb, s, b, done: x @ _dense(wb, s, b).t(),
                      problems=[{"M": m, "N": 4096, "K": 4096} for m in (4, 16, 128)])
 qmm_wg_direct.tolerance = _tolerance
 
@@ -147,4 +182,5 @@ def server(x: torch.Tensor, w):
     serves: one row (qmv_h2 is faster there), more than 16, or a weight this kernel does not take."""
     if not 2 <= x.shape[0] <= XROWS or not serves(x, w):
         return None
-    return lambda x2, wq, s, b: qmm_wg_direct(x2, wq.view(torch.uint8).reshape(wq.shape[0], -1), s, b).to(x2.dtype)
+    return lambda x2, wq, s, b: qmm_wg_direct(x2, wq.view(torch.uint8).reshape(wq.shape[0], -1), s, b,
+                                              counters_for(x2, wq.shape[0]))

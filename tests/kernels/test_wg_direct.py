@@ -33,21 +33,24 @@ def _bytes(words):
        seed=st.integers(0, 10_000))
 def test_the_gemm_gives_the_product(backend, shape, m, cfg, seed):
     """Any rows, GPI groups a K step (the largest of 2, 4, 8 up to cfg's that divides K/64), K split over
-    programs (fp32 out) or not (x's dtype)."""
+    programs (the last of a tile's to finish adds the partial sums) or not; y in x's dtype either way."""
     _skip_triton(backend)
     words, s, b, x, want = _case(*shape, m, seed)
     block_m, gpi, split = cfg
     gpi = max(d for d in (2, 4, 8) if d <= gpi and (shape[1] // 64) % d == 0)
-    got = D.qmm_wg_direct(x, _bytes(words), s, b, backend=backend,
+    done = D.counters_for(x, shape[0])
+    got = D.qmm_wg_direct(x, _bytes(words), s, b, done, backend=backend,
                           config={"BLOCK_M": block_m, "GPI": gpi, "SPLIT_K": split})
-    assert got.shape == (m, shape[0]) and got.dtype == (x.dtype if split == 1 else torch.float32)
+    assert got.shape == (m, shape[0]) and got.dtype == x.dtype
     assert _close(got, want)
+    assert not done.any()                              # the tile counters are left as found
 
 
 def test_a_step_of_groups_must_divide_k():
     words, s, b, x, _ = _case(64, 384, 3, 0)        # 6 groups: steps of 2, not of 4
     with pytest.raises(Exception, match="GPI 4 groups a step must divide"):
-        D.qmm_wg_direct(x, _bytes(words), s, b, backend="reference", config={"BLOCK_M": 16, "GPI": 4})
+        D.qmm_wg_direct(x, _bytes(words), s, b, D.counters_for(x, 64), backend="reference",
+                        config={"BLOCK_M": 16, "GPI": 4})
 
 
 SM90 = """
@@ -56,10 +59,10 @@ sys.path.insert(0, "bench/probes")
 from sass_count import operand_facts
 from kilnx.codegen.aot import compile_for_target
 from kilnx.kernels import wg_direct as D
-wb, sg = torch.zeros(256, 2048, dtype=torch.uint8), torch.zeros(256, 64).bfloat16()
+wb, sg, done = torch.zeros(256, 2048, dtype=torch.uint8), torch.zeros(256, 64).bfloat16(), torch.zeros(4096, dtype=torch.int32)
 cases = {"GEMM": (torch.zeros(512, 4096).bfloat16(), {"BLOCK_M": 128, "GPI": 2, "num_stages": 3}),
          "GEMV": (torch.zeros(4, 4096).bfloat16(), {"BLOCK_M": 16, "GPI": 4, "SPLIT_K": 4, "num_stages": 3})}
-print(json.dumps({name: operand_facts(compile_for_target(D.qmm_wg_direct, (x, wb, sg, sg), cfg, aligned=True))
+print(json.dumps({name: operand_facts(compile_for_target(D.qmm_wg_direct, (x, wb, sg, sg, done), cfg, aligned=True))
                   for name, (x, cfg) in cases.items()}))
 """
 
@@ -85,10 +88,12 @@ def test_the_weight_reaches_wgmma_in_registers_for_sm90():
 def test_the_gemm_gives_the_product_on_the_gpu(m):
     words, s, b, x, want = _case(256, 512, m, 7)
     args = [t.cuda() for t in (_bytes(words), s, b)]
+    done = D.counters_for(x.cuda(), 256)
     for cfg in ({"BLOCK_M": 64, "GPI": 2, "num_stages": 2}, {"BLOCK_M": 128, "GPI": 2, "num_stages": 3},
                 {"BLOCK_M": 256, "GPI": 4, "num_stages": 3}, {"BLOCK_M": 16, "GPI": 8, "SPLIT_K": 1, "num_stages": 3},
                 {"BLOCK_M": 16, "GPI": 4, "SPLIT_K": 2}, {"BLOCK_M": 64, "GPI": 2, "SPLIT_K": 4, "num_stages": 1}):
-        assert _close(D.qmm_wg_direct(x.cuda(), *args, config=cfg).cpu(), want), cfg
+        assert _close(D.qmm_wg_direct(x.cuda(), *args, done, config=cfg).cpu(), want), cfg
+        assert not done.any(), cfg
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="qmatmul takes these kernels on the GPU "

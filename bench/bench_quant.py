@@ -109,7 +109,8 @@ def _wg_direct_path(sets, bits, dev, extra):
     if bits != 4 or not (dev == "cuda" or interpreting()) or wq0.shape[1] * 8 % 128:
         return None
     as_bytes = lambda wq: wq.view(torch.uint8).reshape(wq.shape[0], -1)  # noqa: E731
-    configs = [c for c in WG_CONFIGS if c["GPI"] > 1]
+    configs = [dict(BLOCK_M=16, GPI=g, SPLIT_K=sk, num_stages=st) for g in (4, 8) for st in (1, 3)
+               for sk in (4, 2, 8, 1)]
     done = D.counters_for(x0, wq0.shape[0])
     default = D.qmm_wg_direct.default_config(x0, as_bytes(wq0), s0, b0, done)
     return "qmm_wg_direct", \

@@ -361,10 +361,9 @@ def qmatmul(x: torch.Tensor, w) -> torch.Tensor:
     if x2.shape[0] == 0:
         return x.new_empty(*lead, w.shape[0])
     args = (x2, w.packed, w.scales, w.biases)
-    wg = os.environ.get("KILNX_WG", "0")
-    if wg in ("1", "direct"):   # opt-in, 2-16 rows: kernels/qmv_wg.py (a repacked copy) or wg_direct.py (MLX's)
-        from kilnx.kernels import qmv_wg, wg_direct
-        if (call := (qmv_wg if wg == "1" else wg_direct).server(x2, w)) is not None:
+    if os.environ.get("KILNX_WG", "0") == "1":     # opt-in, 2-16 rows: kernels/qmv_wg.py (a repacked copy)
+        from kilnx.kernels import qmv_wg
+        if (call := qmv_wg.server(x2, w)) is not None:
             return _SERVED.put((w,), key, call)(*args).reshape(*lead, w.shape[0])
     from kilnx.kernels.routing import qmatmul_rows
     # which GEMV, and up to how many rows, is the tuned choice of this device (kilnx tune stores it)

@@ -11,18 +11,26 @@ stored choice through `kilnx.runtime.dispatch.config_for`, like a kernel reads i
 from __future__ import annotations
 
 import hashlib
+import os
 
 import torch
 
 from kilnx.dsl.kernel import _tuning_generation, format_key
 from kilnx.dsl.tunables import Space, choice
 
-ROUTING_VERSION = "6"   # 6: narrow fused tiles before the two kernels on starved grids (session 16)
+ROUTING_VERSION = "7"   # 7: qmm_wg_direct for 4-16 rows on sm_90 (session 21)
 TC_NEVER = 65            # past qmv_tc.MAX_ROWS: the tensor-core GEMV is never chosen
 # On the H200 qmv_tc took the same time at 1, 4 and 8 rows and beat qmv_h2 at 8 on every llama-3.1-8b
 # shape (by 9-15%), lost at 4 (by 29-71%) (bench/results/2026-12-03_h200_quant_s5.csv); kilnx tune
 # stores the crossover per device.
 TC_MIN_ROWS = 8
+# From these rows up to wg_direct.XROWS (16) bf16 calls of 4-bit group-64 weights take qmm_wg_direct (wgmma, the
+# weight decoded into its register operand; kernels/wg_direct.py) on sm_90 and later. On the H200 at 4 rows it
+# took 10.5 / 9.9 / 43.1 / 26.3 us on llama-3.1-8b's qkv / o / gate_up / down against qmv_h2's path 13.6 /
+# 12.2 / 42.8 / 31.9, at 16 rows 11.2 / 10.0 / 45.1 / 24.1 against 46.1 / 42.3 / 191.5 / 140.8, and lost at
+# one row (bench/results/2026-12-05_h200_qmv_direct_s21.csv).
+WG_MIN_ROWS = 4
+WG_NEVER = 17
 
 
 # Rows from which the GPU dequantizes the weight to bf16 once and runs the dense GEMM: at M=512 and 4096 on
@@ -74,7 +82,8 @@ def two_kernels_win(m: int, n: int, min_rows: int, narrow_max_rows: int, sms: in
 class QmatmulRowsRoute:
     """Which GEMV `qmatmul` uses (`GEMV`: the fp32 qmv or the packed-fp16 qmv_h2, where its bit width
     allows) and up to how many rows (`QMV_MAX_ROWS`); more rows take the tile GEMM. From `TC_MIN_ROWS`
-    rows up to qmv_tc.MAX_ROWS, 16-bit activations take the tensor-core GEMV (qmv_tc) instead.
+    rows up to qmv_tc.MAX_ROWS, 16-bit activations take the tensor-core GEMV (qmv_tc) instead; before that,
+    from `WG_MIN_ROWS` up to 16 rows, bf16 calls of 4-bit group-64 weights take qmm_wg_direct.
 
     Args are those of one qmatmul call at the largest row count of the sweep: x (ROWS[-1], K) and the
     packed weight. The bucket is the weight's shape and format (the choice does not depend on M).
@@ -85,17 +94,18 @@ class QmatmulRowsRoute:
 
     def __init__(self):
         from kilnx.kernels import qmatmul as qm
-        from kilnx.kernels import qmv_cpu, qmv_h2, qmv_tc
-        self._qm, self._h2, self._tc, self._il = qm, qmv_h2, qmv_tc, qmv_cpu
+        from kilnx.kernels import qmv_cpu, qmv_h2, qmv_tc, wg_direct
+        self._qm, self._h2, self._tc, self._il, self._wg = qm, qmv_h2, qmv_tc, qmv_cpu, wg_direct
         self.space = Space({"QMV_MAX_ROWS": choice(0, 1, 2, 4, 8, 16, 32, default=qm.QMV_MAX_ROWS),
                             # qmv_h2 was 1.06-1.53x faster than qmv at every llama-3.1-8b shape, M = 1..8
                             # (H200, bench/results/2026-12-02_h200_qmv_h2_s3.csv)
                             "GEMV": choice("qmv", "qmv_h2", "qmv_il", default="qmv_h2"),
-                            "TC_MIN_ROWS": choice(1, 2, 4, 6, 8, 12, 16, TC_NEVER, default=TC_MIN_ROWS)})
+                            "TC_MIN_ROWS": choice(1, 2, 4, 6, 8, 12, 16, TC_NEVER, default=TC_MIN_ROWS),
+                            "WG_MIN_ROWS": choice(2, 3, 4, 6, 8, 12, 16, WG_NEVER, default=WG_MIN_ROWS)})
         self._chosen: dict = {}
         parts = (ROUTING_VERSION + qm.qmv.source_hash + qm.qmm.source_hash + qm.qmv_prep.source_hash
                  + qmv_h2.qmv_h2.source_hash + qmv_h2.qmv_h2_prep.source_hash + qmv_tc.qmv_tc.source_hash
-                 + qmv_cpu.qmv_il.source_hash)
+                 + qmv_cpu.qmv_il.source_hash + wg_direct.qmm_wg_direct.source_hash)
         self.source_hash = hashlib.sha256(parts.encode()).hexdigest()
         self.tolerance = qm._matmul_tolerance
         self.peer = None
@@ -112,7 +122,10 @@ class QmatmulRowsRoute:
             # does (the GEMM's weight decoding dominates it here), and they cross between 32 and 64 rows
             # on SmolLM2's shapes (0.65-4.05 ms against 1.06-7.02 at 32 rows, 1.6-7.5 against 1.6-7.4 at
             # 64): prompts and prefill chunks up to 32 rows take the GEMV
-            return self.space.validate({"QMV_MAX_ROWS": 32, "GEMV": "qmv_il", "TC_MIN_ROWS": TC_NEVER})
+            return self.space.validate({"QMV_MAX_ROWS": 32, "GEMV": "qmv_il", "TC_MIN_ROWS": TC_NEVER,
+                                        "WG_MIN_ROWS": WG_NEVER})
+        if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:   # wgmma: sm_90
+            return self.space.validate({"WG_MIN_ROWS": WG_NEVER})
         return self.space.default()
 
     def sample_problems(self) -> list[dict]:
@@ -145,6 +158,9 @@ class QmatmulRowsRoute:
         qm = self._qm
         f = qm._format_of(x, wq, scales, biases)
         bits, group = f["BITS"], f["GROUP"]
+        wg_rows = chosen.get("WG_MIN_ROWS", WG_NEVER) if os.environ.get("KILNX_WG") != "0" else WG_NEVER  # 0: an A/B
+        if wg_rows <= x.shape[0] <= self._wg.XROWS and self._wg.takes(x, wq, scales, biases):
+            return self._wg.server_of(x, wq)
         if x.shape[0] >= chosen.get("TC_MIN_ROWS", TC_NEVER) and self._tc.serves(x, wq, scales, biases):
             return lambda x, wq, scales, biases: self._tc.run_qmv_tc(x, wq, scales, biases, backend=backend)
         if x.shape[0] <= chosen["QMV_MAX_ROWS"] and 32 % bits == 0:

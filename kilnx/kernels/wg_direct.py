@@ -166,21 +166,19 @@ qmm_wg_direct.tolerance = _tolerance
 
 
 # ----------------------------------------------------------------------------- qmatmul's use
-def serves(x: torch.Tensor, w) -> bool:
-    """Whether qmm_wg_direct takes x (M, K) @ w.T: an affine 4-bit group-64 (N, K) weight, N a multiple of 64
-    and K of 128, bf16 activations, scales and biases, on the GPU (or the CPU under the Triton interpreter)."""
+def takes(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, biases) -> bool:
+    """Whether qmm_wg_direct takes x (M, K) @ W.T for MLX 4-bit group-64 words wq (N, K/8): N a multiple of 64,
+    K of 128, bf16 activations, scales and biases, on the GPU (or the CPU under the Triton interpreter).
+    The caller (the route) has the format's bits and group size from the shapes: K/8 words a row, K/64 groups."""
     from kilnx.codegen.launch import interpreting
-    f = w.format
-    return (w.mode == "affine" and f.bits == 4 and f.group_size == GS and len(w.shape) == 2
-            and w.shape[0] % ROWS == 0 and w.shape[1] % (2 * GS) == 0 and x.dtype == torch.bfloat16
-            and w.scales.dtype == torch.bfloat16 and w.biases is not None and w.biases.dtype == torch.bfloat16
+    k = x.shape[1]
+    return (wq.dim() == 2 and wq.shape[1] * 8 == k and scales.dim() == 2 and scales.shape[1] * GS == k
+            and wq.shape[0] % ROWS == 0 and k % (2 * GS) == 0 and x.dtype == torch.bfloat16
+            and scales.dtype == torch.bfloat16 and biases is not None and biases.dtype == torch.bfloat16
             and (x.is_cuda or interpreting()))
 
 
-def server(x: torch.Tensor, w):
-    """qmatmul's call for x's row count (args: x, packed, scales, biases), or None where the usual route
-    serves: one row (qmv_h2 is faster there), more than 16, or a weight this kernel does not take."""
-    if not 2 <= x.shape[0] <= XROWS or not serves(x, w):
-        return None
-    return lambda x2, wq, s, b: qmm_wg_direct(x2, wq.view(torch.uint8).reshape(wq.shape[0], -1), s, b,
-                                              counters_for(x2, wq.shape[0]))
+def server_of(x: torch.Tensor, wq: torch.Tensor):
+    """The qmatmul call (x, wq, scales, biases) -> y through qmm_wg_direct, its tile counters fetched once."""
+    done = counters_for(x, wq.shape[0])
+    return lambda x2, wq, s, b: qmm_wg_direct(x2, wq.view(torch.uint8).reshape(wq.shape[0], -1), s, b, done)

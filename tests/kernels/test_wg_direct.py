@@ -1,7 +1,7 @@
 """qmm_wg_direct (kernels/wg_direct.py): wgmma with the 4-bit weight decoded into its register operand straight
 from MLX's layout, K walked in a permuted order that x follows. It gives x @ W.T of MLX's quantized weights on
 every backend, for any rows, GPI groups a step and split K; it names the K it cannot take; compiled for sm_90
-its loop keeps the weight out of shared memory; qmatmul takes it for 2-16 rows under KILNX_WG=direct."""
+its loop keeps the weight out of shared memory; qmatmul's route takes it for 4-16 rows on sm_90."""
 
 from __future__ import annotations
 
@@ -90,41 +90,45 @@ def test_the_gemm_gives_the_product_on_the_gpu(m):
     args = [t.cuda() for t in (_bytes(words), s, b)]
     done = D.counters_for(x.cuda(), 256)
     for cfg in ({"BLOCK_M": 64, "GPI": 2, "num_stages": 2}, {"BLOCK_M": 128, "GPI": 2, "num_stages": 3},
-                {"BLOCK_M": 256, "GPI": 4, "num_stages": 3}, {"BLOCK_M": 16, "GPI": 8, "SPLIT_K": 1, "num_stages": 3},
+                {"BLOCK_M": 256, "GPI": 2, "num_stages": 2}, {"BLOCK_M": 16, "GPI": 8, "SPLIT_K": 1, "num_stages": 3},
                 {"BLOCK_M": 16, "GPI": 4, "SPLIT_K": 2}, {"BLOCK_M": 64, "GPI": 2, "SPLIT_K": 4, "num_stages": 1}):
         assert _close(D.qmm_wg_direct(x.cuda(), *args, done, config=cfg).cpu(), want), cfg
         assert not done.any(), cfg
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="qmatmul takes these kernels on the GPU "
-                    "or under the Triton interpreter")
-def test_kilnx_wg_direct_lets_qmatmul_serve_two_to_sixteen_rows_with_it(monkeypatch):
-    from kilnx.kernels import qmatmul as qm
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernel runs on the CPU only "
+                    "under the Triton interpreter")
+def test_the_route_serves_wg_min_rows_to_sixteen_rows_with_it(monkeypatch):
+    """qmatmul's route (kernels/routing.py) takes qmm_wg_direct from WG_MIN_ROWS up to 16 rows of a weight it
+    takes, without a second copy of the weight; KILNX_WG=0 turns it off (an A/B switch)."""
+    from kilnx.kernels.routing import qmatmul_rows
     words, s, b, x, want = _case(128, 256, 70, 3)
-    monkeypatch.setenv("KILNX_WG", "direct")
-    w = QWeight.from_mlx(words, s, b, bits=4, group_size=64)
     calls = []
     real = D.qmm_wg_direct
     monkeypatch.setattr(D, "qmm_wg_direct", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
-    assert _close(qm.qmatmul(x[:1], w), want[:1]) and calls == []           # one row: qmv_h2's route
-    assert _close(y := qm.qmatmul(x[:5], w), want[:5]) and calls == [5] and y.dtype == x.dtype
-    assert _close(qm.qmatmul(x[:16], w), want[:16]) and calls == [5, 16]
-    assert _close(qm.qmatmul(x, w), want) and calls == [5, 16]             # 70 rows: the usual route
-    assert getattr(w, "_wg_operand", None) is None                          # no second copy of the weight
+    chosen = {**qmatmul_rows.space.default(), "WG_MIN_ROWS": 4, "TC_MIN_ROWS": 8}
+    for m in (1, 2, 4, 16, 17, 70):
+        assert _close(qmatmul_rows.serve(x[:m], words, s, b, chosen, backend="triton"), want[:m]), m
+    assert calls == [4, 16]
     odd = _case(64, 192, 4, 1)                                              # K/64 odd: not taken
-    qm.qmatmul(odd[3], QWeight.from_mlx(*odd[:3], bits=4, group_size=64))
-    assert calls == [5, 16]
+    qmatmul_rows.serve(odd[3], *odd[:3], chosen, backend="triton")
+    monkeypatch.setenv("KILNX_WG", "0")
+    qmatmul_rows.serve(x[:8], words, s, b, chosen, backend="triton")
+    assert calls == [4, 16]
 
 
 @pytest.mark.gpu
-def test_kilnx_wg_direct_serves_qmatmul_on_the_gpu(monkeypatch):
+def test_qmatmul_takes_it_by_default_on_the_gpu(monkeypatch):
     from kilnx.kernels import qmatmul as qm
-    monkeypatch.setenv("KILNX_WG", "direct")
     words, s, b, x, want = _case(256, 512, 300, 9)
+    calls = []
+    real = D.qmm_wg_direct
+    monkeypatch.setattr(D, "qmm_wg_direct", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     w = QWeight.from_mlx(words.cuda(), s.cuda(), b.cuda(), bits=4, group_size=64)
     for m in (1, 4, 16, 17, 300):
         y = qm.qmatmul(x[:m].cuda(), w)
         assert y.dtype == x.dtype and _close(y.cpu(), want[:m]), m
+    assert calls == [4, 16]
 
 
 @pytest.mark.parametrize("m", [5, 70])

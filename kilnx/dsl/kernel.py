@@ -60,6 +60,9 @@ class PerObjectMemo:
         self._store[(tuple(map(id, objs)), key, _tuning_generation[0])] = (tuple(map(weakref.ref, objs)), value)
         return value
 
+    def clear(self):
+        self._store.clear()
+
 
 def _call_key(args, backend, kw):
     """What decides a call's config and specialization, or None when an argument is not hashable."""

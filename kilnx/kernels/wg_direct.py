@@ -44,16 +44,20 @@ def _specialize(x, wb, scales, biases, *_):
 
 
 def _default(x, wb, scales, biases, done, **_):
-    """Up to 16 rows: 16 a program, 4 groups a K step where K/64 allows, K split until the grid has ~2.5
-    programs an SM, 3 stages (qmm_wg's measured shape, bench/results README session 20). More rows: 128 a
-    program, 64 where that leaves SMs without one. Starting points; `kilnx tune` stores the measured best."""
+    """Up to 16 rows, 16 a program, and on the H200 (llama-3.1-8b's projections at 4 rows, bench/results/
+    2026-12-05_h200_qmv_direct_s21.csv) the best of 16 settings came from three rules: split K until the grid
+    has ~1.9 programs an SM (qkv 4, o 4, down 4, gate_up 1); 8 groups a step where that grid still fits two
+    programs an SM in one wave, else 4 (qkv at 8: 14.5 us against 10.5 at 4, its 384 programs past the SMs'
+    room); one stage where a program walks at most 8 steps, else 3. More rows: 128 a program, 64 where that
+    leaves SMs without one. Starting points; `kilnx tune` stores the measured best."""
     from kilnx.kernels.dense_mm import sm_count
-    sms, programs = sm_count(x), wb.shape[0] // ROWS
-    gpi = min(4, _specialize(x, wb, scales, biases)["G_DIV"])
-    if x.shape[0] <= XROWS:
-        split = next((sp for sp in (1, 2, 4) if programs * sp >= 2.5 * sms), 8)
-        return {"BLOCK_M": XROWS, "GPI": gpi, "SPLIT_K": split, "num_stages": 3}
-    return {"BLOCK_M": 128 if programs * -(-x.shape[0] // 128) >= sms else 64, "GPI": 2}
+    sms, programs, g_div = sm_count(x), wb.shape[0] // ROWS, _specialize(x, wb, scales, biases)["G_DIV"]
+    if x.shape[0] > XROWS:
+        return {"BLOCK_M": 128 if programs * -(-x.shape[0] // 128) >= sms else 64, "GPI": 2}
+    split = next((sp for sp in (1, 2, 4) if programs * sp >= 1.9 * sms), 8)
+    gpi = 8 if g_div == 8 and programs * split <= 2 * sms else min(4, g_div)
+    steps = scales.shape[1] // gpi // split
+    return {"BLOCK_M": XROWS, "GPI": gpi, "SPLIT_K": split, "num_stages": 1 if steps <= 8 else 3}
 
 
 @kd.kernel(tune={"BLOCK_M": kd.choice(16, 64, 128, 256, default=128), "GPI": kd.choice(2, 4, 8, default=2),

@@ -144,3 +144,16 @@ def test_tuning_inputs_pass_the_kernels_own_gate(m):
     assert torch.allclose(got.float(), kernel.reference(*args).float(), rtol=rtol, atol=atol)
     assert torch.allclose(got.float(), kernel.peer(*args).float(), rtol=rtol, atol=atol)
     assert kernel.key(*args) == f"M={m},N=128,K=256"
+
+
+@pytest.mark.parametrize("n,k,want", [(6144, 4096, (4, 4, 1)), (4096, 4096, (8, 4, 1)), (28672, 4096, (4, 1, 3)),
+                                      (4096, 14336, (8, 4, 1))])
+def test_the_default_is_what_the_h200_measured_best_at_four_rows(monkeypatch, n, k, want):
+    """llama-3.1-8b's qkv / o / gate_up / down on 132 SMs: (GPI, SPLIT_K, stages) of the best of 16 settings
+    (bench/results/2026-12-05_h200_qmv_direct_s21.csv); the rules in _default give them."""
+    from kilnx.kernels import dense_mm
+    monkeypatch.setattr(dense_mm, "sm_count", lambda t: 132)
+    args = (torch.zeros(4, k).bfloat16(), torch.zeros(n, k // 2, dtype=torch.uint8), torch.zeros(n, k // 64).bfloat16(),
+            torch.zeros(n, k // 64).bfloat16(), torch.zeros(1, dtype=torch.int32))
+    cfg = D.qmm_wg_direct.default_config(*args)
+    assert (cfg["GPI"], cfg["SPLIT_K"], cfg["num_stages"], cfg["BLOCK_M"]) == (*want, 16)

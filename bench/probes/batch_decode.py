@@ -1,0 +1,82 @@
+"""Batched decode throughput: B sequences stepped together through the engine's CUDA graph of that batch,
+with qmatmul's wgmma route for 4-16 rows (kernels/wg_direct.py) on and off, in one process.
+
+    python bench/probes/batch_decode.py OUT.csv [MODEL] [BATCHES] [STEPS]
+    (defaults: llama-3.1-8b, 1,2,4,8,16, 64)
+
+Why: `kilnx bench` times one sequence; a server steps several at once, and every projection of such a
+step is a qmatmul of B rows (B = 2-16: the GEMV's sizes, where qmv_h2's time grows with the rows and the
+wgmma kernel's does not). Random 4-bit group-64 weights at the model's real size; each row's prompt is
+128 random tokens, prefilled into its cache row; then STEPS decode steps are timed (wall time around the
+graph replays, synchronized, after two untimed steps), tok/s = B * STEPS / seconds. The route is the qmatmul choice
+`WG_MIN_ROWS` (KILNX_WG=0 turns it off): the two settings alternate twice, each in a fresh engine (its
+graphs captured under that setting), and the peer in the same run is the route off.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import sys
+
+import torch
+
+
+def decode_rate(lm, batch: int, steps: int, prompt: int = 128) -> float:
+    import time
+
+    from kilnx.runtime.engine import Engine
+    engine = Engine(lm.model, max_seq=prompt + steps + 8, max_batch=batch)
+    dev = engine.device
+    g = torch.Generator().manual_seed(batch)
+    for row in range(batch):
+        engine.prefill(torch.randint(0, lm.config.vocab_size, (prompt,), generator=g), row=row)
+    tokens = torch.randint(0, lm.config.vocab_size, (batch,), generator=g).to(dev)
+    positions = torch.full((batch,), prompt, dtype=torch.long, device=dev)
+    for _ in range(2):                                   # captures the graphs, then one replay
+        engine.decode(tokens, positions, max_position=prompt + 1)
+    engine.synchronize()
+    t0 = time.perf_counter()
+    for i in range(steps):
+        tokens = engine.decode(tokens, positions + i, max_position=prompt + i + 1).argmax(-1)
+    engine.synchronize()
+    seconds = time.perf_counter() - t0
+    del engine
+    return batch * steps / seconds
+
+
+def main():
+    from kilnx.models.loaders import load_model
+    from kilnx.runtime.bench import provenance
+    out = sys.argv[1]
+    model = sys.argv[2] if len(sys.argv) > 2 else "llama-3.1-8b"
+    batches = [int(b) for b in (sys.argv[3] if len(sys.argv) > 3 else "1,2,4,8,16").split(",")]
+    steps = int(sys.argv[4]) if len(sys.argv) > 4 else 64
+    dev = os.environ.get("BATCH_DECODE_DEVICE", "cuda")     # cpu: a smoke run of the probe itself
+    lm = load_model(model, device=dev, random=True, random_format="q4")
+    prov = provenance(dev)
+    with open(out, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["model", "batch", "wg_route", "round", "decode_tok_s", "device", "torch", "triton", "commit",
+                    "date"])
+        for rnd in range(2):
+            for batch in batches:
+                for route in ("on", "off"):
+                    os.environ["KILNX_WG"] = "0" if route == "off" else ""
+                    _forget_served(lm)
+                    rate = decode_rate(lm, batch, steps)
+                    print(f"{model} B={batch} route {route} round {rnd}: {rate:.1f} tok/s", flush=True)
+                    w.writerow([model, batch, route, rnd, f"{rate:.1f}", prov["gpu"], prov["torch"], prov["triton"],
+                                os.environ.get("KILNX_COMMIT", prov["commit"]), prov["date"]])
+                    f.flush()
+
+
+def _forget_served(lm):
+    """qmatmul keeps its chosen call per weight and row count: drop them so the next engine's graphs are
+    captured under the current KILNX_WG."""
+    from kilnx.kernels import qmatmul
+    qmatmul._SERVED.clear()
+
+
+if __name__ == "__main__":
+    main()

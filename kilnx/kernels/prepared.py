@@ -79,7 +79,7 @@ def _prepared_format(parts, x):
             return None
         else:
             chosen = qmatmul_rows.choice_for(x, w.packed, w.scales, w.biases)
-            if rows > chosen["QMV_MAX_ROWS"] or chosen["GEMV"] != "qmv_h2":
+            if rows > chosen["QMV_MAX_ROWS"] or chosen["GEMV"] != "qmv_h2" or qmatmul_rows.takes_wg(x, w, chosen):
                 return None
         f = (32 // w.bits, w.group_size)
         if fmt not in (None, f) or k % w.group_size:

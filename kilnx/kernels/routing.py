@@ -158,8 +158,7 @@ class QmatmulRowsRoute:
         qm = self._qm
         f = qm._format_of(x, wq, scales, biases)
         bits, group = f["BITS"], f["GROUP"]
-        wg_rows = chosen.get("WG_MIN_ROWS", WG_NEVER) if os.environ.get("KILNX_WG") != "0" else WG_NEVER  # 0: an A/B
-        if wg_rows <= x.shape[0] <= self._wg.XROWS and self._wg.takes(x, wq, scales, biases):
+        if self._wg_serves(x, wq, scales, biases, chosen):
             return self._wg.server_of(x, wq)
         if x.shape[0] >= chosen.get("TC_MIN_ROWS", TC_NEVER) and self._tc.serves(x, wq, scales, biases):
             return lambda x, wq, scales, biases: self._tc.run_qmv_tc(x, wq, scales, biases, backend=backend)
@@ -176,6 +175,15 @@ class QmatmulRowsRoute:
         if 32 % bits == 0 and takes_dequant_mm(x, wq, scales, biases):
             return qm.dequant_mm
         return lambda x, wq, scales, biases: qm.qmm(x, wq, scales, biases, backend=backend)
+
+    def _wg_serves(self, x, wq, scales, biases, chosen: dict) -> bool:
+        wg_rows = chosen.get("WG_MIN_ROWS", WG_NEVER) if os.environ.get("KILNX_WG") != "0" else WG_NEVER  # 0: an A/B
+        return wg_rows <= x.shape[0] <= self._wg.XROWS and self._wg.takes(x, wq, scales, biases)
+
+    def takes_wg(self, x, w, chosen: dict) -> bool:
+        """Whether qmatmul of x (rows, K) by QWeight w goes to qmm_wg_direct under `chosen`: its producers
+        then emit plain activations, not qmv_h2's prepared ones (kernels/prepared.py)."""
+        return self._wg_serves(x, w.packed, w.scales, w.biases, chosen)
 
     def choice_for(self, x, wq, scales, biases) -> dict:
         """The stored choice for this device and weight (the default where none was tuned), looked up

@@ -157,3 +157,19 @@ def test_the_default_is_what_the_h200_measured_best_at_four_rows(monkeypatch, n,
             torch.zeros(n, k // 64).bfloat16(), torch.zeros(1, dtype=torch.int32))
     cfg = D.qmm_wg_direct.default_config(*args)
     assert (cfg["GPI"], cfg["SPLIT_K"], cfg["num_stages"], cfg["BLOCK_M"]) == (*want, 16)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the route takes it on the GPU or under the "
+                    "Triton interpreter")
+def test_producers_emit_plain_activations_where_the_route_takes_it(monkeypatch):
+    """A norm or SwiGLU before a GEMV emits qmv_h2's prepared activations only where qmv_h2 will take them:
+    rows the route sends to qmm_wg_direct get plain ones (B = 4 decode ran qmv_h2 through the prepared
+    path whatever the route said, before this)."""
+    from kilnx.kernels import prepared
+    from kilnx.kernels.routing import WG_NEVER, qmatmul_rows
+    words, s, b, x, _ = _case(128, 256, 4, 5)
+    w = QWeight.from_mlx(words, s, b, bits=4, group_size=64)
+    for wg_rows, want in ((4, None), (WG_NEVER, (8, 64))):
+        chosen = {"QMV_MAX_ROWS": 8, "GEMV": "qmv_h2", "TC_MIN_ROWS": 65, "WG_MIN_ROWS": wg_rows}
+        monkeypatch.setattr(qmatmul_rows, "choice_for", lambda *a, chosen=chosen: chosen)
+        assert prepared._prepared_format([w], x) == want, wg_rows

@@ -45,7 +45,7 @@ def _specialize(x, wb, scales, biases, *_):
 
 def _default(x, wb, scales, biases, done, **_):
     """Up to 16 rows, 16 a program, and on the H200 (llama-3.1-8b's projections at 4 rows, bench/results/
-    2026-12-05_h200_qmv_direct_s21.csv) the best of 16 settings came from three rules: split K until the grid
+    2026-12-05_h200_qmv_direct_sweep_s21.csv) the best of 16 settings came from three rules: split K until the grid
     has ~1.9 programs an SM (qkv 4, o 4, down 4, gate_up 1); 8 groups a step where that grid still fits two
     programs an SM in one wave, else 4 (qkv at 8: 14.5 us against 10.5 at 4, its 384 programs past the SMs'
     room); one stage where a program walks at most 8 steps, else 3. More rows: 128 a program, 64 where that
@@ -94,7 +94,8 @@ def qmm_wg_direct(x, wb, scales, biases, done, *, G_DIV: kd.constexpr, BLOCK_M, 
         raw = kd.load(wb, wrow, g0 * 32 + wcol, check=False)
         # -> rows (warp, o0, lane // 4), byte columns (half, o, lane % 4): the operand's order
         byt = kd.reshape(kd.permute(kd.reshape(raw, (2, HALF, 4, 8, 4, 16)), (2, 0, 3, 1, 5, 4)), (ROWS, GPI * 32))
-        # a step's GPI scales a row, spread to the columns: column (half, o, lane % 4) is in group 2 half + lane % 4 // 2
+        # a step's GPI scales a row, spread to the columns: column (half, o, lane % 4) is in group
+        # 2 half + lane % 4 // 2
         s = kd.load(scales, pid * ROWS + r64[:, None], g0 + gi[None, :], check=False)
         b = kd.load(biases, pid * ROWS + r64[:, None], g0 + gi[None, :], check=False)
         s = kd.reshape(kd.broadcast_to(kd.reshape(s, (ROWS, HALF, 1, 2, 1)), (ROWS, HALF, 16, 2, 2)), (ROWS, GPI * 32))

@@ -59,7 +59,8 @@ sys.path.insert(0, "bench/probes")
 from sass_count import operand_facts
 from kilnx.codegen.aot import compile_for_target
 from kilnx.kernels import wg_direct as D
-wb, sg, done = torch.zeros(256, 2048, dtype=torch.uint8), torch.zeros(256, 64).bfloat16(), torch.zeros(4096, dtype=torch.int32)
+wb, sg = torch.zeros(256, 2048, dtype=torch.uint8), torch.zeros(256, 64).bfloat16()
+done = torch.zeros(4096, dtype=torch.int32)
 cases = {"GEMM": (torch.zeros(512, 4096).bfloat16(), {"BLOCK_M": 128, "GPI": 2, "num_stages": 3}),
          "GEMV": (torch.zeros(4, 4096).bfloat16(), {"BLOCK_M": 16, "GPI": 4, "SPLIT_K": 4, "num_stages": 3})}
 print(json.dumps({name: operand_facts(compile_for_target(D.qmm_wg_direct, (x, wb, sg, sg, done), cfg, aligned=True))
@@ -150,7 +151,7 @@ def test_tuning_inputs_pass_the_kernels_own_gate(m):
                                       (4096, 14336, (8, 4, 1))])
 def test_the_default_is_what_the_h200_measured_best_at_four_rows(monkeypatch, n, k, want):
     """llama-3.1-8b's qkv / o / gate_up / down on 132 SMs: (GPI, SPLIT_K, stages) of the best of 16 settings
-    (bench/results/2026-12-05_h200_qmv_direct_s21.csv); the rules in _default give them."""
+    (bench/results/2026-12-05_h200_qmv_direct_sweep_s21.csv); the rules in _default give them."""
     from kilnx.kernels import dense_mm
     monkeypatch.setattr(dense_mm, "sm_count", lambda t: 132)
     args = (torch.zeros(4, k).bfloat16(), torch.zeros(n, k // 2, dtype=torch.uint8), torch.zeros(n, k // 64).bfloat16(),

@@ -208,7 +208,7 @@ def _bench_qmv(rec, label, n, k, m, bits, dev, copy_bw, smoke):
         paths.append(("qmm", qmatmul.qmm, WIDE_CONFIGS[: (2 if smoke else None)]))
     if "qmm_wg" in wanted and m <= 16 and (wg := _wg_path(sets, bits, dev, extra)) is not None:
         paths.append(wg)
-    if "qmm_wg_direct" in wanted and m <= 16 and (wgd := _wg_direct_path(sets, bits, dev, extra)) is not None:
+    if "qmm_wg_direct" in wanted and m <= 64 and (wgd := _wg_direct_path(sets, bits, dev, extra)) is not None:
         paths.append(wgd)
     results = []   # (seconds, path, config)
     for path, call, configs in paths:

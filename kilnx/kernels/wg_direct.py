@@ -44,7 +44,7 @@ def _specialize(x, wb, scales, biases, *_):
 
 
 def _default(x, wb, scales, biases, done, **_):
-    """Up to 16 rows, 16 a program, and on the H200 (llama-3.1-8b's projections at 4 rows, bench/results/
+    """Up to 16 rows, 16 a program (up to 64, all the rows), and on the H200 (llama-3.1-8b's projections at 4 rows, bench/results/
     2026-12-05_h200_qmv_direct_sweep_s21.csv) the best of 16 settings came from three rules: split K until the grid
     has ~1.9 programs an SM (qkv 4, o 4, down 4, gate_up 1); 8 groups a step where that grid still fits two
     programs an SM in one wave, else 4 (qkv at 8: 14.5 us against 10.5 at 4, its 384 programs past the SMs'
@@ -52,15 +52,19 @@ def _default(x, wb, scales, biases, done, **_):
     leaves SMs without one. Starting points; `kilnx tune` stores the measured best."""
     from kilnx.kernels.dense_mm import sm_count
     sms, programs, g_div = sm_count(x), wb.shape[0] // ROWS, _specialize(x, wb, scales, biases)["G_DIV"]
-    if x.shape[0] > XROWS:
-        return {"BLOCK_M": 128 if programs * -(-x.shape[0] // 128) >= sms else 64, "GPI": 2}
+    m = x.shape[0]
+    if m > 64:
+        return {"BLOCK_M": 128 if programs * -(-m // 128) >= sms else 64, "GPI": 2}
     split = next((sp for sp in (1, 2, 4) if programs * sp >= 1.9 * sms), 8)
     gpi = 8 if g_div == 8 and programs * split <= 2 * sms else min(4, g_div)
     steps = scales.shape[1] // gpi // split
-    return {"BLOCK_M": XROWS, "GPI": gpi, "SPLIT_K": split, "num_stages": 1 if steps <= 8 else 3}
+    # 17-64 rows (not yet timed): all of x's rows in one program, the GEMV's rules otherwise
+    block_m = XROWS if m <= XROWS else 32 if m <= 32 else 64
+    stages = 1 if steps <= 8 else 2 if block_m * gpi >= 512 else 3    # 64 rows x 8 groups x 3 stages: 228 KB
+    return {"BLOCK_M": block_m, "GPI": gpi, "SPLIT_K": split, "num_stages": stages}
 
 
-@kd.kernel(tune={"BLOCK_M": kd.choice(16, 64, 128, 256, default=128), "GPI": kd.choice(2, 4, 8, default=2),
+@kd.kernel(tune={"BLOCK_M": kd.choice(16, 32, 64, 128, 256, default=128), "GPI": kd.choice(2, 4, 8, default=2),
                  "SPLIT_K": kd.choice(1, 2, 4, 8, default=1), "num_stages": kd.choice(1, 2, 3, 4, default=3)},
            key=lambda x, wb, scales, biases, done, **_: {"M": x.shape[0], "N": wb.shape[0], "K": x.shape[1]},
            spec=_spec, default=_default, specialize=_specialize)

@@ -29,7 +29,7 @@ def _bytes(words):
 @pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=4, deadline=None)
 @given(shape=st.sampled_from([(64, 128), (128, 512), (64, 384)]), m=st.sampled_from([1, 5, 17, 64, 100]),
-       cfg=st.sampled_from([(64, 2, 1), (16, 2, 1), (16, 4, 2), (64, 2, 2), (16, 8, 1), (64, 4, 4)]),
+       cfg=st.sampled_from([(64, 2, 1), (16, 2, 1), (16, 4, 2), (64, 2, 2), (16, 8, 1), (64, 4, 4), (32, 4, 2)]),
        seed=st.integers(0, 10_000))
 def test_the_gemm_gives_the_product(backend, shape, m, cfg, seed):
     """Any rows, GPI groups a K step (the largest of 2, 4, 8 up to cfg's that divides K/64), K split over

@@ -44,12 +44,12 @@ def _specialize(x, wb, scales, biases, *_):
 
 
 def _default(x, wb, scales, biases, done, **_):
-    """Up to 16 rows, 16 a program (up to 64, all the rows), and on the H200 (llama-3.1-8b's projections at 4 rows, bench/results/
-    2026-12-05_h200_qmv_direct_sweep_s21.csv) the best of 16 settings came from three rules: split K until the grid
-    has ~1.9 programs an SM (qkv 4, o 4, down 4, gate_up 1); 8 groups a step where that grid still fits two
-    programs an SM in one wave, else 4 (qkv at 8: 14.5 us against 10.5 at 4, its 384 programs past the SMs'
-    room); one stage where a program walks at most 8 steps, else 3. More rows: 128 a program, 64 where that
-    leaves SMs without one. Starting points; `kilnx tune` stores the measured best."""
+    """Up to 16 rows, 16 a program (up to 64, all the rows), and on the H200 (llama-3.1-8b's projections at
+    4 rows, bench/results/2026-12-05_h200_qmv_direct_sweep_s21.csv) the best of 16 settings came from three
+    rules: split K until the grid has ~1.9 programs an SM (qkv 4, o 4, down 4, gate_up 1); 8 groups a step
+    where that grid still fits two programs an SM in one wave, else 4 (qkv at 8: 14.5 us against 10.5 at 4,
+    its 384 programs past the SMs' room); one stage where a program walks at most 8 steps, else 3. More rows:
+    128 a program, 64 where that leaves SMs without one. Starting points; `kilnx tune` stores the measured best."""
     from kilnx.kernels.dense_mm import sm_count
     sms, programs, g_div = sm_count(x), wb.shape[0] // ROWS, _specialize(x, wb, scales, biases)["G_DIV"]
     m = x.shape[0]
@@ -181,7 +181,8 @@ def takes(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, biases) -> bo
     The caller (the route) has the format's bits and group size from the shapes: K/8 words a row, K/64 groups."""
     from kilnx.codegen.launch import interpreting
     k = x.shape[1]
-    return (wq.dim() == 2 and wq.shape[1] * 8 == k and scales.dim() == 2 and scales.shape[1] * GS == k
+    return (wq.dim() == 2 and wq.element_size() == 4 and wq.shape[1] * 8 == k
+            and scales.dim() == 2 and scales.shape[1] * GS == k
             and wq.shape[0] % ROWS == 0 and k % (2 * GS) == 0 and x.dtype == torch.bfloat16
             and scales.dtype == torch.bfloat16 and biases is not None and biases.dtype == torch.bfloat16
             and (x.is_cuda or interpreting()))

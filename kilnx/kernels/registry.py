@@ -53,8 +53,15 @@ def problems_for_model(model: str, gpu: bool = True) -> list[tuple[str, dict]]:
     width = cfg.intermediate_size or cfg.moe_intermediate_size
     fused_qkv = gpu and cfg.head_dim % 64 == 0 and not cfg.qk_norm and not cfg.attention_bias
 
+    from kilnx.kernels.routing import WG_MIN_ROWS
+
+    def wgmma(g: dict) -> bool:
+        """Whether the GPU's route sends this shape's 4-16 row calls to qmm_wg_direct (kernels/wg_direct.py)."""
+        return gpu and gs == 64 and g["N"] % 64 == 0 and g["K"] % 128 == 0
+
     def decode(m: int) -> list[tuple[str, dict]]:
-        out = [(gemv, {"M": m, "N": g["N"], "K": g["K"], "bits": 4, "gs": gs}) for g in problems(cfg)]
+        out = [("qmm_wg_direct", {"M": m, "N": g["N"], "K": g["K"]}) if m >= WG_MIN_ROWS and wgmma(g)
+               else (gemv, {"M": m, "N": g["N"], "K": g["K"], "bits": 4, "gs": gs}) for g in problems(cfg)]
         if fused_qkv:   # the decode qkv projection with its rope + cache epilogue (kernels/qkv_rope.py)
             out.append(("qkv_rope_cache_h2", {"M": m, "Hq": cfg.num_heads, "Hk": cfg.num_kv_heads,
                                               "D": cfg.head_dim, "K": cfg.hidden_size, "bits": 4, "gs": gs}))
@@ -71,6 +78,7 @@ def problems_for_model(model: str, gpu: bool = True) -> list[tuple[str, dict]]:
     # Most important first: a tune whose budget runs out skips the tail (tuner/session.py). One-token
     # decode is what a user waits on token after token; then 4-row decode, MoE, and prefill.
     out = decode(1) + rows(1) + (decode(4) if gpu else [])
+    out += [("qmm_wg_direct", {"M": 16, "N": g["N"], "K": g["K"]}) for g in problems(cfg) if wgmma(g)]
     if cfg.is_moe:
         from kilnx.kernels.moe_specs import moe_problems
         out += moe_problems(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,

@@ -48,3 +48,15 @@ def test_the_dense_gemm_tunes_against_its_reference():
     for cfg in mm.seed_configs({"M": 32, "N": 64, "K": 128})[:2]:
         got = mm(*args, config={**cfg, "TMA": False}, backend="reference").float()
         assert torch.allclose(got, want, rtol=rtol, atol=atol)
+
+
+def test_a_gpu_tune_times_the_wgmma_kernel_where_batched_decode_runs_it():
+    """On the GPU 4-16 row calls of gs64 weights go to qmm_wg_direct (kernels/routing.py): a tune times it at 4
+    and 16 rows of every projection; the bundled gs32 presets and the CPU keep their GEMVs."""
+    gpu = registry.problems_for_model("llama-3.1-8b", gpu=True)
+    shapes = {(p["N"], p["K"]) for n, p in gpu if n == "qmv_h2"}
+    assert {(p["M"], p["N"], p["K"]) for n, p in gpu if n == "qmm_wg_direct"} == {(m, n, k) for m in (4, 16)
+                                                                                  for n, k in shapes}
+    assert {p["M"] for n, p in gpu if n == "qmv_h2"} == {1}
+    for model, gpu_ in (("smollm2-135m", True), ("llama-3.1-8b", False)):
+        assert "qmm_wg_direct" not in {n for n, _ in registry.problems_for_model(model, gpu=gpu_)}

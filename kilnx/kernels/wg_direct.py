@@ -177,15 +177,13 @@ qmm_wg_direct.tolerance = _tolerance
 # ----------------------------------------------------------------------------- qmatmul's use
 def takes(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, biases) -> bool:
     """Whether qmm_wg_direct takes x (M, K) @ W.T for MLX 4-bit group-64 words wq (N, K/8): N a multiple of 64,
-    K of 128, bf16 activations, scales and biases, on the GPU (or the CPU under the Triton interpreter).
-    The caller (the route) has the format's bits and group size from the shapes: K/8 words a row, K/64 groups."""
-    from kilnx.codegen.launch import interpreting
+    K of 128, bf16 activations, scales and biases (on any backend; the route's default sends calls here only
+    on sm_90 and later). The format's bits and group size follow from the shapes: K/8 words a row, K/64 groups."""
     k = x.shape[1]
     return (wq.dim() == 2 and wq.element_size() == 4 and wq.shape[1] * 8 == k
             and scales.dim() == 2 and scales.shape[1] * GS == k
             and wq.shape[0] % ROWS == 0 and k % (2 * GS) == 0 and x.dtype == torch.bfloat16
-            and scales.dtype == torch.bfloat16 and biases is not None and biases.dtype == torch.bfloat16
-            and (x.is_cuda or interpreting()))
+            and scales.dtype == torch.bfloat16 and biases is not None and biases.dtype == torch.bfloat16)
 
 
 def server_of(x: torch.Tensor, wq: torch.Tensor):

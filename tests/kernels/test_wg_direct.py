@@ -174,3 +174,49 @@ def test_producers_emit_plain_activations_where_the_route_takes_it(monkeypatch):
         chosen = {"QMV_MAX_ROWS": 8, "GEMV": "qmv_h2", "TC_MIN_ROWS": 65, "WG_MIN_ROWS": wg_rows}
         monkeypatch.setattr(qmatmul_rows, "choice_for", lambda *a, chosen=chosen: chosen)
         assert prepared._prepared_format([w], x) == want, wg_rows
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available(),
+                    reason="a CPU test (numba kernels)")
+def test_a_batched_decode_step_through_the_route_gives_the_plain_logits(monkeypatch):
+    """A 4-row decode step of a small bf16 4-bit llama whose shapes qmm_wg_direct takes: with the route on,
+    every projection goes to it and the norms and SwiGLU emit plain activations (the fused qkv + rope kernel,
+    which takes prepared ones, steps aside); the logits are those of the qmv_h2 route."""
+    from kilnx.kernels import prepared
+    from kilnx.kernels.routing import WG_NEVER, qmatmul_rows
+    from kilnx.models.config import ModelConfig
+    from kilnx.models.llama import LlamaModel
+    from kilnx.models.loaders.random_init import RandomSource
+    from kilnx.models.weights import build_weights
+    from kilnx.runtime.kv_cache import KVCache
+    monkeypatch.setenv("TRITON_INTERPRET", "0")       # the numba lowering: the interpreter is slow here
+    cfg = ModelConfig(arch="llama", vocab_size=256, hidden_size=128, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=1, head_dim=32, rope_theta=10000.0, rms_norm_eps=1e-5,
+                      tie_embeddings=False, max_position_embeddings=64)
+    src = RandomSource(cfg, fmt="q4", dtype=torch.bfloat16, seed=2)
+    model = LlamaModel(cfg, build_weights(cfg, src, dtype=torch.bfloat16, device="cpu"), ops="kilnx")
+    ids, pos = torch.tensor([[3], [7], [11], [200]]), torch.tensor([[0], [1], [2], [3]])
+    calls, made = [], []
+    real = D.qmm_wg_direct
+    monkeypatch.setattr(D, "qmm_wg_direct", lambda *a, **k: calls.append(a[1].shape[0]) or real(*a, **k))
+    for name in ("add_rms_norm_prepared", "silu_mul_prepared"):
+        fn = getattr(prepared, name)
+        monkeypatch.setattr(prepared, name, lambda *a, fn=fn, name=name, **k: made.append(name) or fn(*a, **k))
+    from kilnx.dsl.kernel import forget_remembered_configs
+
+    def step(wg_rows):
+        chosen = {"QMV_MAX_ROWS": 8, "GEMV": "qmv_h2", "TC_MIN_ROWS": 65, "WG_MIN_ROWS": wg_rows}
+        monkeypatch.setattr(qmatmul_rows, "choice_for", lambda *a: chosen)
+        forget_remembered_configs()
+        from kilnx.kernels import qmatmul
+        qmatmul._SERVED.clear()
+        return model.forward(ids, pos, KVCache.for_model(cfg, 4, 8, dtype=torch.bfloat16), last=-1)
+
+    plain = step(WG_NEVER)
+    assert calls == [] and made                      # qmv_h2 with prepared activations
+    made.clear()
+    routed = step(4)
+    # qkv (192 rows), o and down (128), gate_up (256) of both layers, and the lm_head (256)
+    assert made == [] and sorted(calls) == [128] * 4 + [192] * 2 + [256] * 3
+    scale = plain.float().abs().max().item()
+    assert torch.allclose(routed.float(), plain.float(), rtol=0, atol=3e-2 * scale)

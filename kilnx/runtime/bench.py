@@ -38,6 +38,7 @@ class BenchRow:
     copy_bandwidth_gbps: float
     roofline_pct: float
     timestamp: str = ""
+    batch: int = 1
 
 
 def copy_bandwidth_gbps(device: torch.device, nbytes: int | None = None, iters: int = 5) -> float:
@@ -70,8 +71,9 @@ def weights_label(lm, random: bool, random_format: str) -> str:
 
 
 def run_bench(lm, *, prompt_lens: list[int], gen: int, model_name: str, weights: str, ops_name: str,
-              bandwidth_gbps: float | None = None, seed: int = 0, repeats: int = 1) -> list[BenchRow]:
-    """kilnx's rows: one per prompt length, timed by `timed_rows`."""
+              bandwidth_gbps: float | None = None, seed: int = 0, repeats: int = 1, batch: int = 1) -> list[BenchRow]:
+    """kilnx's rows: one per prompt length, timed by `timed_rows`; with `batch` B > 1, B sequences of that
+    length decode together (`batched_greedy`)."""
     cfg = lm.config
     if max(prompt_lens) >= cfg.max_position_embeddings:
         raise ContextLengthError(f"prompt length {max(prompt_lens)} does not fit the model's context "
@@ -84,10 +86,12 @@ def run_bench(lm, *, prompt_lens: list[int], gen: int, model_name: str, weights:
     def engine_for(n: int) -> Engine:
         L = min((p for p in prompt_lens if p >= n), default=max(prompt_lens))
         if L not in engines:
-            engines[L] = Engine(lm.model, max_seq=min(L + gen + 1, cfg.max_position_embeddings))
+            engines[L] = Engine(lm.model, max_seq=min(L + gen + 1, cfg.max_position_embeddings), max_batch=batch)
         return engines[L]
 
     def greedy(ids: list[int], tokens: int) -> tuple[float, float]:
+        if batch > 1:
+            return batched_greedy(engine_for(len(ids)), [ids[i:] + ids[:i] for i in range(batch)], tokens)[:2]
         st = _run(engine_for(len(ids)), ids, SamplingParams(max_tokens=tokens, ignore_eos=True))
         return st.ttft_s, st.decode_tok_s
 
@@ -97,7 +101,32 @@ def run_bench(lm, *, prompt_lens: list[int], gen: int, model_name: str, weights:
                       repeats=repeats, model=model_name, device=str(engine.device), ops=ops_name, weights=weights,
                       weight_bytes=lm.model.weights.nbytes(_experts_read_per_token(cfg)),
                       kv_bytes_per_token=engine.cache.bytes_per_token(),
-                      bandwidth_gbps=bandwidth_gbps or copy_bandwidth_gbps(engine.device))
+                      bandwidth_gbps=bandwidth_gbps or copy_bandwidth_gbps(engine.device), batch=batch)
+
+
+def batched_greedy(engine: Engine, prompts: list[list[int]], tokens: int) -> tuple[float, float, list[list[int]]]:
+    """Greedy decoding of len(prompts) equal-length prompts together, one cache row each: every prompt
+    prefilled into its row, then `tokens` - 1 decode steps of all rows at once (the engine's graph of that
+    batch). Returns (seconds to every row's first token, decode tok/s summed over the rows, the tokens)."""
+    B, L = len(prompts), len(prompts[0])
+    if any(len(p) != L for p in prompts):
+        raise ValueError("batched_greedy takes prompts of one length")
+    engine.check_fits(L + tokens)
+    engine.synchronize()
+    t0 = time.perf_counter()
+    first = torch.stack([engine.prefill(p, row=r).argmax(-1) for r, p in enumerate(prompts)])
+    out = [first.tolist()]
+    engine.synchronize()
+    ttft = time.perf_counter() - t0
+    nxt, positions = first.to(engine.device), torch.full((B,), L, dtype=torch.long, device=engine.device)
+    t1 = time.perf_counter()
+    for i in range(tokens - 1):
+        nxt = engine.decode(nxt, positions + i, max_position=L + i).argmax(-1)
+        out.append(nxt)
+    engine.synchronize()
+    seconds = time.perf_counter() - t1
+    rows = torch.stack([torch.as_tensor(t, device="cpu") for t in out], dim=1)
+    return ttft, B * (tokens - 1) / seconds if tokens > 1 else 0.0, rows.tolist()
 
 
 def _experts_read_per_token(cfg) -> float:
@@ -107,7 +136,7 @@ def _experts_read_per_token(cfg) -> float:
 
 def timed_rows(greedy, *, vocab_size: int, prompt_lens: list[int], gen: int, seed: int, repeats: int,
                model: str, device: str, ops: str, weights: str, weight_bytes: int, kv_bytes_per_token: int,
-               bandwidth_gbps: float) -> list[BenchRow]:
+               bandwidth_gbps: float, batch: int = 1) -> list[BenchRow]:
     """The protocol kilnx and every peer are timed by, so their rows compare: `greedy(ids, n)` generates
     n tokens after prompt ids and returns (TTFT seconds, decode tok/s over the tokens after the first).
     Prompts come from one seeded generator in one order (a warm-up prompt, then one per length); each
@@ -122,13 +151,14 @@ def timed_rows(greedy, *, vocab_size: int, prompt_lens: list[int], gen: int, see
         greedy(ids, 2)
         runs = [greedy(ids, gen) for _ in range(max(1, repeats))]
         ttft, decode = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
-        # Average context over the decode steps: each step reads all keys and values written so far.
-        per_token = weight_bytes + int(kv_bytes_per_token * (L + gen / 2))
+        # Average context over the decode steps: each step reads all keys and values written so far; a step
+        # of B rows reads the weights once for B tokens
+        per_token = weight_bytes // batch + int(kv_bytes_per_token * (L + gen / 2))
         rows.append(BenchRow(
             model=model, device=device, ops=ops, weights=weights, prompt_len=L, gen=gen, ttft_ms=ttft * 1e3,
-            prefill_tok_s=L / ttft, decode_tok_s=decode, weight_bytes=weight_bytes,
+            prefill_tok_s=batch * L / ttft, decode_tok_s=decode, weight_bytes=weight_bytes,
             kv_bytes_per_token=kv_bytes_per_token, bytes_per_decode_token=per_token, copy_bandwidth_gbps=bandwidth_gbps,
-            roofline_pct=100.0 * decode * per_token / (bandwidth_gbps * 1e9), timestamp=stamp))
+            roofline_pct=100.0 * decode * per_token / (bandwidth_gbps * 1e9), timestamp=stamp, batch=batch))
     return rows
 
 

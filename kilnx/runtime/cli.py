@@ -96,6 +96,9 @@ def bench(
              "(mlx-lm on the same preset, random 4-bit gs64 weights; with --random).")] = None,
     threads: Annotated[Optional[int], typer.Option(
         help="CPU threads for torch and numba (kilnx and the peer alike); default: as configured.")] = None,
+    batch: Annotated[int, typer.Option(
+        help="Sequences decoded together (each prompt length, B prompts): decode tok/s summed over them, "
+             "TTFT until every one has its first token.")] = 1,
 ) -> None:
     """Measure TTFT, prefill and decode throughput, and % of the memory-bandwidth roofline."""
     from rich.console import Console
@@ -114,6 +117,10 @@ def bench(
         _fail(f"--weights {weights!r}: use q4 or bf16.")
     if peer not in (None, "hf", "mlx"):
         _fail(f"--peer {peer!r}: the peers are hf and mlx.")
+    if batch < 1:
+        _fail("--batch must be at least 1.")
+    if batch > 1 and peer:
+        _fail("--peer times one sequence: use it without --batch.")
     if peer == "mlx" and (not random or weights != "q4"):
         _fail("--peer mlx builds the preset in mlx-lm with random 4-bit weights: use it with --random "
               "(and --weights q4).")
@@ -127,7 +134,7 @@ def bench(
                         random=random, random_format=weights)
         rows = run_bench(lm, prompt_lens=lens, gen=gen, model_name=model,
                          weights=weights_label(lm, random, weights), ops_name=ops_name(lm.model.ops),
-                         bandwidth_gbps=info.copy_bandwidth_gbps, repeats=repeats)
+                         bandwidth_gbps=info.copy_bandwidth_gbps, repeats=repeats, batch=batch)
         if peer == "hf":
             if random:
                 _fail("--peer hf needs a real checkpoint (not --random).")
@@ -143,11 +150,11 @@ def bench(
         _fail(str(e))
     table = Table(title=f"{model} on {info.name} ({rows[0].ops} ops, {rows[0].weights}, "
                         f"{rows[0].weight_bytes / 1e6:.0f} MB weights, copy {rows[0].copy_bandwidth_gbps:.0f} GB/s)")
-    for col in ("ops", "prompt", "gen", "TTFT ms", "prefill tok/s", "decode tok/s", "roofline %"):
+    for col in ("ops", "batch", "prompt", "gen", "TTFT ms", "prefill tok/s", "decode tok/s", "roofline %"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r.ops, str(r.prompt_len), str(r.gen), f"{r.ttft_ms:.1f}", f"{r.prefill_tok_s:.1f}",
-                      f"{r.decode_tok_s:.1f}", f"{r.roofline_pct:.1f}")
+        table.add_row(r.ops, str(r.batch), str(r.prompt_len), str(r.gen), f"{r.ttft_ms:.1f}",
+                      f"{r.prefill_tok_s:.1f}", f"{r.decode_tok_s:.1f}", f"{r.roofline_pct:.1f}")
     Console().print(table)
     for ours, theirs in zip(rows, [r for r in rows if r.ops in ("hf-transformers", "mlx-lm")]):
         print(f"decode at prompt {ours.prompt_len}: {ours.ops} {ours.decode_tok_s:.1f} tok/s = "

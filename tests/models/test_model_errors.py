@@ -125,3 +125,10 @@ def test_cli_prompt_longer_than_context(smollm2_path):
     r = _cli(["generate", "--model", smollm2_path, "--prompt", "word " * 9000, "--device", "cpu", "--ops", "torch"])
     assert r.exit_code == 1
     assert "context holds 8192" in r.output and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("args,says", [(["--batch", "0"], "--batch must be at least 1"),
+                                       (["--batch", "2", "--peer", "hf"], "--peer times one sequence")])
+def test_cli_bench_batch_errors(args, says):
+    r = _cli(["bench", "--model", "smollm2-135m", "--device", "cpu", *args])
+    assert r.exit_code == 1 and says in r.output and "Traceback" not in r.output

@@ -278,3 +278,27 @@ def test_a_malformed_lookahead_setting_is_named_in_the_error(monkeypatch):
     monkeypatch.setenv("KILNX_DECODE_LOOKAHEAD", "soon")
     with pytest.raises(ValueError, match="KILNX_DECODE_LOOKAHEAD='soon'"):
         list(generate_ids(Engine(tiny_model("llama"), max_seq=32), [1, 2, 3], SamplingParams(max_tokens=3)))
+
+
+def test_a_batched_bench_decodes_each_row_as_greedy_alone_would(monkeypatch):
+    """`kilnx bench --batch B`: B prompts of one length decode together, and every row's tokens are those that
+    row's prompt gives when greedy-decoded alone; the row reports the batch, the decode rate summed over the
+    rows, and a roofline that charges the weights once a step."""
+    from types import SimpleNamespace
+
+    from kilnx.runtime import bench
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 256, (6,), generator=g).tolist() for _ in range(3)]
+    _, rate, together = bench.batched_greedy(Engine(model, max_seq=16, max_batch=3), prompts, 5)
+    from kilnx.runtime.generate import generate_ids
+    alone = [[t for t in generate_ids(Engine(model, max_seq=16), p, SamplingParams(max_tokens=5, ignore_eos=True))
+              if isinstance(t, int)] for p in prompts]
+    assert together == alone and rate > 0
+    lm = SimpleNamespace(config=model.config, model=model)
+    one, two = (bench.run_bench(lm, prompt_lens=[6], gen=4, model_name="tiny", weights="random", ops_name="kilnx",
+                                bandwidth_gbps=100.0, batch=b)[0] for b in (1, 2))
+    assert (one.batch, two.batch) == (1, 2)
+    assert two.bytes_per_decode_token == one.bytes_per_decode_token - one.weight_bytes // 2
+    with pytest.raises(ValueError, match="one length"):
+        bench.batched_greedy(Engine(model, max_seq=16, max_batch=2), [[1, 2], [3]], 2)

@@ -159,7 +159,7 @@ class QmatmulRowsRoute:
         f = qm._format_of(x, wq, scales, biases)
         bits, group = f["BITS"], f["GROUP"]
         if self._wg_serves(x, wq, scales, biases, chosen):
-            return self._wg.server_of(x, wq)
+            return self._wg.server_of(x, wq, backend)
         if x.shape[0] >= chosen.get("TC_MIN_ROWS", TC_NEVER) and self._tc.serves(x, wq, scales, biases):
             return lambda x, wq, scales, biases: self._tc.run_qmv_tc(x, wq, scales, biases, backend=backend)
         if x.shape[0] <= chosen["QMV_MAX_ROWS"] and 32 % bits == 0:

@@ -186,7 +186,8 @@ def takes(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, biases) -> bo
             and scales.dtype == torch.bfloat16 and biases is not None and biases.dtype == torch.bfloat16)
 
 
-def server_of(x: torch.Tensor, wq: torch.Tensor):
+def server_of(x: torch.Tensor, wq: torch.Tensor, backend: str | None = None):
     """The qmatmul call (x, wq, scales, biases) -> y through qmm_wg_direct, its tile counters fetched once."""
     done = counters_for(x, wq.shape[0])
-    return lambda x2, wq, s, b: qmm_wg_direct(x2, wq.view(torch.uint8).reshape(wq.shape[0], -1), s, b, done)
+    return lambda x2, wq, s, b: qmm_wg_direct(x2, wq.view(torch.uint8).reshape(wq.shape[0], -1), s, b, done,
+                                              backend=backend)

@@ -24,7 +24,7 @@ TC_NEVER = 65            # past qmv_tc.MAX_ROWS: the tensor-core GEMV is never c
 # shape (by 9-15%), lost at 4 (by 29-71%) (bench/results/2026-12-03_h200_quant_s5.csv); kilnx tune
 # stores the crossover per device.
 TC_MIN_ROWS = 8
-# From these rows up to wg_direct.XROWS (16) bf16 calls of 4-bit group-64 weights take qmm_wg_direct (wgmma, the
+# From these rows up to WG_MAX_ROWS (16 by default) bf16 calls of 4-bit group-64 weights take qmm_wg_direct (wgmma, the
 # weight decoded into its register operand; kernels/wg_direct.py) on sm_90 and later. On the H200 at 4 rows it
 # took 10.5 / 9.9 / 43.1 / 26.3 us on llama-3.1-8b's qkv / o / gate_up / down against qmv_h2's path 13.6 /
 # 12.2 / 42.8 / 31.9, at 16 rows 11.2 / 10.0 / 45.1 / 24.1 against 46.1 / 42.3 / 191.5 / 140.8, and lost at
@@ -83,7 +83,8 @@ class QmatmulRowsRoute:
     """Which GEMV `qmatmul` uses (`GEMV`: the fp32 qmv or the packed-fp16 qmv_h2, where its bit width
     allows) and up to how many rows (`QMV_MAX_ROWS`); more rows take the tile GEMM. From `TC_MIN_ROWS`
     rows up to qmv_tc.MAX_ROWS, 16-bit activations take the tensor-core GEMV (qmv_tc) instead; before that,
-    from `WG_MIN_ROWS` up to 16 rows, bf16 calls of 4-bit group-64 weights take qmm_wg_direct.
+    from `WG_MIN_ROWS` up to `WG_MAX_ROWS` (16 by default) rows, bf16 calls of 4-bit group-64 weights take
+    qmm_wg_direct.
 
     Args are those of one qmatmul call at the largest row count of the sweep: x (ROWS[-1], K) and the
     packed weight. The bucket is the weight's shape and format (the choice does not depend on M).
@@ -101,7 +102,9 @@ class QmatmulRowsRoute:
                             # (H200, bench/results/2026-12-02_h200_qmv_h2_s3.csv)
                             "GEMV": choice("qmv", "qmv_h2", "qmv_il", default="qmv_h2"),
                             "TC_MIN_ROWS": choice(1, 2, 4, 6, 8, 12, 16, TC_NEVER, default=TC_MIN_ROWS),
-                            "WG_MIN_ROWS": choice(2, 3, 4, 6, 8, 12, 16, WG_NEVER, default=WG_MIN_ROWS)})
+                            "WG_MIN_ROWS": choice(2, 3, 4, 6, 8, 12, 16, WG_NEVER, default=WG_MIN_ROWS),
+                            # up to 64 rows it runs all of x's rows in one program; timed only up to 16 so far
+                            "WG_MAX_ROWS": choice(16, 32, 64, default=16)})
         self._chosen: dict = {}
         parts = (ROUTING_VERSION + qm.qmv.source_hash + qm.qmm.source_hash + qm.qmv_prep.source_hash
                  + qmv_h2.qmv_h2.source_hash + qmv_h2.qmv_h2_prep.source_hash + qmv_tc.qmv_tc.source_hash
@@ -178,7 +181,7 @@ class QmatmulRowsRoute:
 
     def _wg_serves(self, x, wq, scales, biases, chosen: dict) -> bool:
         wg_rows = chosen.get("WG_MIN_ROWS", WG_NEVER) if os.environ.get("KILNX_WG") != "0" else WG_NEVER  # 0: an A/B
-        return wg_rows <= x.shape[0] <= self._wg.XROWS and self._wg.takes(x, wq, scales, biases)
+        return wg_rows <= x.shape[0] <= chosen.get("WG_MAX_ROWS", 16) and self._wg.takes(x, wq, scales, biases)
 
     def takes_wg(self, x, w, chosen: dict) -> bool:
         """Whether qmatmul of x (rows, K) by QWeight w goes to qmm_wg_direct under `chosen`: its producers

@@ -113,9 +113,12 @@ def test_the_route_serves_wg_min_rows_to_sixteen_rows_with_it(monkeypatch):
     assert calls == [4, 16]
     odd = _case(64, 192, 4, 1)                                              # K/64 odd: not taken
     qmatmul_rows.serve(odd[3], *odd[:3], chosen, backend="triton")
+    assert _close(qmatmul_rows.serve(x[:40], words, s, b, {**chosen, "WG_MAX_ROWS": 64}, backend="triton"), want[:40])
+    assert calls == [4, 16, 40]                                             # a tuned upper bound of 64 rows
+    calls.clear()
     monkeypatch.setenv("KILNX_WG", "0")
     qmatmul_rows.serve(x[:8], words, s, b, chosen, backend="triton")
-    assert calls == [4, 16]
+    assert calls == []
 
 
 @pytest.mark.gpu

@@ -30,7 +30,7 @@ TC_MIN_ROWS = 8
 # 12.2 / 42.8 / 31.9, at 16 rows 11.2 / 10.0 / 45.1 / 24.1 against 46.1 / 42.3 / 191.5 / 140.8, and lost at
 # one row (bench/results/2026-12-05_h200_qmv_direct_s21.csv).
 WG_MIN_ROWS = 4
-WG_NEVER = 17
+WG_NEVER = 65            # past any WG_MAX_ROWS: qmm_wg_direct is never chosen
 
 
 # Rows from which the GPU dequantizes the weight to bf16 once and runs the dense GEMM: at M=512 and 4096 on

@@ -102,7 +102,7 @@ def test_the_gemm_gives_the_product_on_the_gpu(m):
 def test_the_route_serves_wg_min_rows_to_sixteen_rows_with_it(monkeypatch):
     """qmatmul's route (kernels/routing.py) takes qmm_wg_direct from WG_MIN_ROWS up to 16 rows of a weight it
     takes, without a second copy of the weight; KILNX_WG=0 turns it off (an A/B switch)."""
-    from kilnx.kernels.routing import qmatmul_rows
+    from kilnx.kernels.routing import WG_NEVER, qmatmul_rows
     words, s, b, x, want = _case(128, 256, 70, 3)
     calls = []
     real = D.qmm_wg_direct
@@ -115,6 +115,9 @@ def test_the_route_serves_wg_min_rows_to_sixteen_rows_with_it(monkeypatch):
     qmatmul_rows.serve(odd[3], *odd[:3], chosen, backend="triton")
     assert _close(qmatmul_rows.serve(x[:40], words, s, b, {**chosen, "WG_MAX_ROWS": 64}, backend="triton"), want[:40])
     assert calls == [4, 16, 40]                                             # a tuned upper bound of 64 rows
+    never = {**chosen, "WG_MIN_ROWS": WG_NEVER, "WG_MAX_ROWS": 64}
+    qmatmul_rows.serve(x[:40], words, s, b, never, backend="triton")
+    assert calls == [4, 16, 40]
     calls.clear()
     monkeypatch.setenv("KILNX_WG", "0")
     qmatmul_rows.serve(x[:8], words, s, b, chosen, backend="triton")

@@ -24,7 +24,9 @@ probe's best 1.56-1.85x); at 128-512 rows which wins depends on the projection.
 
 KILNX_WG=1 lets qmatmul take it for 2-16 rows (`server`) of 4-bit group-64 weights with bf16 activations,
 scales and biases. The operand layout is kept beside MLX's (the 4-bit weight's bytes twice), packed at a
-weight's first such call outside a CUDA graph capture: opt-in for that memory.
+weight's first such call outside a CUDA graph capture: opt-in for that memory. By default qmatmul's route
+takes kernels/wg_direct.py's `qmm_wg_direct` for 4-16 rows instead: the same product read from MLX's layout
+(no copy), faster on qkv and o, slower on gate_up and down (session 21).
 """
 
 from __future__ import annotations

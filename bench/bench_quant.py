@@ -106,9 +106,9 @@ def _wg_direct_path(sets, bits, dev, extra):
     from kilnx.codegen.launch import interpreting
     from kilnx.kernels import wg_direct as D
     x0, wq0, s0, b0 = sets[0]
-    if bits != 4 or not (dev == "cuda" or interpreting()) or wq0.shape[1] * 8 % 128:
+    if bits != 4 or not (dev == "cuda" or interpreting()) or not D.takes(x0, wq0, s0, b0):
         return None
-    as_bytes = lambda wq: wq.view(torch.uint8).reshape(wq.shape[0], -1)  # noqa: E731
+    as_bytes = D.as_bytes
     configs = [dict(BLOCK_M=16, GPI=g, SPLIT_K=sk, num_stages=st) for g in (4, 8) for st in (1, 3)
                for sk in (4, 2, 8, 1)]
     done = D.counters_for(x0, wq0.shape[0])

@@ -7,8 +7,9 @@ with qmatmul's wgmma route for 4-16 rows (kernels/wg_direct.py) on and off, in o
 Why: `kilnx bench` times one sequence; a server steps several at once, and every projection of such a
 step is a qmatmul of B rows (B = 2-16: the GEMV's sizes, where qmv_h2's time grows with the rows and the
 wgmma kernel's does not). Random 4-bit group-64 weights at the model's real size; each row's prompt is
-128 random tokens, prefilled into its cache row; then STEPS decode steps are timed (wall time around the
-graph replays, synchronized, after two untimed steps), tok/s = B * STEPS / seconds. The route is the qmatmul choice
+128 random tokens, prefilled into its cache row; then STEPS decode steps are timed by `kilnx bench --batch`'s loop
+(runtime/bench.py `batched_greedy`, after an untimed pass), tok/s = B * STEPS / seconds. (Session 21's CSV
+came from this probe's own loop of the same steps, at b7b068d.) The route is the qmatmul choice
 `WG_MIN_ROWS` (KILNX_WG=0 turns it off): the two settings alternate twice, each in a fresh engine (its
 graphs captured under that setting), and the peer in the same run is the route off.
 """
@@ -23,26 +24,15 @@ import torch
 
 
 def decode_rate(lm, batch: int, steps: int, prompt: int = 128) -> float:
-    import time
-
+    """Decode tok/s summed over `batch` rows: kilnx bench's batched greedy loop, once untimed (it captures
+    the engine's graphs) and once timed."""
+    from kilnx.runtime.bench import batched_greedy
     from kilnx.runtime.engine import Engine
     engine = Engine(lm.model, max_seq=prompt + steps + 8, max_batch=batch)
-    dev = engine.device
     g = torch.Generator().manual_seed(batch)
-    for row in range(batch):
-        engine.prefill(torch.randint(0, lm.config.vocab_size, (prompt,), generator=g), row=row)
-    tokens = torch.randint(0, lm.config.vocab_size, (batch,), generator=g).to(dev)
-    positions = torch.full((batch,), prompt, dtype=torch.long, device=dev)
-    for _ in range(2):                                   # captures the graphs, then one replay
-        engine.decode(tokens, positions, max_position=prompt + 1)
-    engine.synchronize()
-    t0 = time.perf_counter()
-    for i in range(steps):
-        tokens = engine.decode(tokens, positions + i, max_position=prompt + i + 1).argmax(-1)
-    engine.synchronize()
-    seconds = time.perf_counter() - t0
-    del engine
-    return batch * steps / seconds
+    prompts = [torch.randint(0, lm.config.vocab_size, (prompt,), generator=g).tolist() for _ in range(batch)]
+    batched_greedy(engine, prompts, 3)
+    return batched_greedy(engine, prompts, steps + 1)[1]
 
 
 def main():
@@ -63,7 +53,7 @@ def main():
             for batch in batches:
                 for route in ("on", "off"):
                     os.environ["KILNX_WG"] = "0" if route == "off" else ""
-                    _forget_served(lm)
+                    _forget_served()
                     rate = decode_rate(lm, batch, steps)
                     print(f"{model} B={batch} route {route} round {rnd}: {rate:.1f} tok/s", flush=True)
                     w.writerow([model, batch, route, rnd, f"{rate:.1f}", prov["gpu"], prov["torch"], prov["triton"],
@@ -71,7 +61,7 @@ def main():
                     f.flush()
 
 
-def _forget_served(lm):
+def _forget_served():
     """qmatmul keeps its chosen call per weight and row count: drop them so the next engine's graphs are
     captured under the current KILNX_WG."""
     from kilnx.kernels import qmatmul

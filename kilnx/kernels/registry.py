@@ -54,10 +54,11 @@ def problems_for_model(model: str, gpu: bool = True) -> list[tuple[str, dict]]:
     fused_qkv = gpu and cfg.head_dim % 64 == 0 and not cfg.qk_norm and not cfg.attention_bias
 
     from kilnx.kernels.routing import WG_MIN_ROWS
+    from kilnx.kernels.wg_direct import takes_shape
 
     def wgmma(g: dict) -> bool:
         """Whether the GPU's route sends this shape's 4-16 row calls to qmm_wg_direct (kernels/wg_direct.py)."""
-        return gpu and gs == 64 and g["N"] % 64 == 0 and g["K"] % 128 == 0
+        return gpu and takes_shape(g["N"], g["K"], gs)
 
     def decode(m: int) -> list[tuple[str, dict]]:
         out = [("qmm_wg_direct", {"M": m, "N": g["N"], "K": g["K"]}) if m >= WG_MIN_ROWS and wgmma(g)

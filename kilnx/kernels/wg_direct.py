@@ -151,7 +151,7 @@ def make_args(problem: dict, device: str):
     """qmm_wg_direct's inputs for a problem {M, N, K}: qmatmul's random 4-bit weight, its words as bytes."""
     from kilnx.kernels.qmatmul import make_qmatmul_args
     x, wq, scales, biases = make_qmatmul_args({**problem, "bits": 4, "gs": GS}, device)
-    return x, wq.view(torch.uint8).reshape(wq.shape[0], -1), scales, biases, counters_for(x, wq.shape[0])
+    return x, as_bytes(wq), scales, biases, counters_for(x, wq.shape[0])
 
 
 def _dense(wb, scales, biases) -> torch.Tensor:
@@ -175,19 +175,29 @@ qmm_wg_direct.tolerance = _tolerance
 
 
 # ----------------------------------------------------------------------------- qmatmul's use
+def takes_shape(n: int, k: int, group_size: int) -> bool:
+    """The shapes qmm_wg_direct takes: an (n, k) weight in 64-code groups, n a multiple of 64 (wgmma's rows),
+    k of 128 (a step takes an even number of groups)."""
+    return group_size == GS and n % ROWS == 0 and k % (2 * GS) == 0
+
+
 def takes(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, biases) -> bool:
     """Whether qmm_wg_direct takes x (M, K) @ W.T for MLX 4-bit group-64 words wq (N, K/8): N a multiple of 64,
     K of 128, bf16 activations, scales and biases (on any backend; the route's default sends calls here only
     on sm_90 and later). The format's bits and group size follow from the shapes: K/8 words a row, K/64 groups."""
     k = x.shape[1]
     return (wq.dim() == 2 and wq.element_size() == 4 and wq.shape[1] * 8 == k
-            and scales.dim() == 2 and scales.shape[1] * GS == k
-            and wq.shape[0] % ROWS == 0 and k % (2 * GS) == 0 and x.dtype == torch.bfloat16
+            and scales.dim() == 2 and scales.shape[1] * GS == k and takes_shape(wq.shape[0], k, GS)
+            and x.dtype == torch.bfloat16
             and scales.dtype == torch.bfloat16 and biases is not None and biases.dtype == torch.bfloat16)
 
 
 def server_of(x: torch.Tensor, wq: torch.Tensor, backend: str | None = None):
     """The qmatmul call (x, wq, scales, biases) -> y through qmm_wg_direct, its tile counters fetched once."""
-    done = counters_for(x, wq.shape[0])
-    return lambda x2, wq, s, b: qmm_wg_direct(x2, wq.view(torch.uint8).reshape(wq.shape[0], -1), s, b, done,
-                                              backend=backend)
+    done, wb = counters_for(x, wq.shape[0]), as_bytes(wq)
+    return lambda x2, wq, s, b: qmm_wg_direct(x2, wb, s, b, done, backend=backend)
+
+
+def as_bytes(wq: torch.Tensor) -> torch.Tensor:
+    """MLX's 4-bit words (N, K/8) as the kernel reads them: (N, K/2) bytes, a view."""
+    return wq.view(torch.uint8).reshape(wq.shape[0], -1)

@@ -113,19 +113,28 @@ print(json.dumps({name: operand_facts(compile_for_target(kernel, args, cfg, alig
 """
 
 
-def test_the_weight_reaches_wgmma_in_registers_for_sm90():
-    """qmm_wg's pipelined loop stores nothing to shared memory (cp.async brings x and the bytes; the decoded
-    weight would take four or more 16-byte stores a thread), at 128 rows a program and at the GEMV's shape."""
+def weight_in_registers_on_sm90(script: str) -> dict:
+    """Runs `script` (it prints operand_facts by case, compiled for sm_90 without a GPU) in a process of its
+    own (the Triton compiler, not the interpreter) and asserts of every case: the A operand a register tensor,
+    wgmma in the main loop, no shared-memory store in it. Returns the facts."""
+    import json
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    run = subprocess.run([sys.executable, "-c", SM90], env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    run = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
-    import json
     facts = json.loads(run.stdout.strip().splitlines()[-1])
     for name, f in facts.items():
         stores = f["loop_ops"].get("STS", 0) + f["loop_ops"].get("STSM", 0)
         assert f["a_in_registers"] and f["loop_ops"].get("HGMMA", 0) >= 4, (name, f)
         assert stores == 0, (name, f["loop_ops"])
+    return facts
+
+
+def test_the_weight_reaches_wgmma_in_registers_for_sm90():
+    """qmm_wg's pipelined loop stores nothing to shared memory (cp.async brings x and the bytes; the decoded
+    weight would take four or more 16-byte stores a thread), at 128 rows a program and at the GEMV's shape."""
+    facts = weight_in_registers_on_sm90(SM90)
     assert facts["qmm_wg GEMV"]["loop_ops"]["HGMMA"] == 32          # 8 groups a step, one m64n16k16 per 16 codes
 
 

@@ -1,4 +1,4 @@
-"""The `kilnx` command: tune, generate, bench, db, kernels."""
+"""The `kilnx` command: tune, generate, bench, serve, db, kernels."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 
 from kilnx.cache.cli import db_app
-from kilnx.runtime.cli import bench, generate
+from kilnx.runtime.cli import bench, generate, serve
 from kilnx.tuner.cli import tune
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -16,6 +16,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 app.command("tune")(tune)
 app.command("generate")(generate)
 app.command("bench")(bench)
+app.command("serve")(serve)
 app.add_typer(db_app, name="db", help="The tuning database: show, export, import, prune, plot.")
 
 kernels_app = typer.Typer(no_args_is_help=True, help="The kernel library.")

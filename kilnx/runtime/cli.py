@@ -163,6 +163,54 @@ def bench(
         append_csv(csv, rows)
 
 
+def serve(
+    model: Annotated[str, typer.Option(help="Model name, preset (with --random), .gguf file or safetensors dir.")],
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    max_batch: Annotated[int, typer.Option(help="Sequences decoded together (cache rows).")] = 8,
+    max_seq: Annotated[Optional[int], typer.Option(
+        help="Context per sequence, prompt and output together (default: the model's, at most 4096).")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(help="The model id clients send (default: --model).")] = None,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
+    ops: Annotated[Optional[str], typer.Option(help=_OPS_HELP)] = None,
+    random: Annotated[bool, typer.Option(help="Random weights at the preset's real size (any preset).")] = False,
+    weights: Annotated[str, typer.Option(help="Random weight format: q4 (MLX 4-bit, groups of 64) or bf16.")] = "q4",
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API, batching concurrent requests."""
+    try:
+        from kilnx.runtime.server import Server, serve_forever
+    except ImportError as e:
+        _fail(f"kilnx serve needs fastapi and uvicorn ({e}); install them with: pip install 'kilnx[serve]'.")
+    from kilnx.models.loaders import load_model
+    from kilnx.runtime.device import detect
+    from kilnx.runtime.engine import Engine
+    from kilnx.runtime.generate import default_stop_ids
+    from kilnx.runtime.scheduler import Scheduler
+    if max_batch < 1:
+        _fail("--max-batch must be at least 1.")
+    if max_seq is not None and max_seq < 2:
+        _fail("--max-seq must be at least 2.")
+    if not 0 <= port < 65536:
+        _fail(f"--port {port}: give a port number from 0 to 65535.")
+    if weights not in ("q4", "bf16"):
+        _fail(f"--weights {weights!r}: use q4 or bf16.")
+    try:
+        info = detect(device)
+        lm = load_model(model, device=info.torch_device, ops=ops or os.environ.get("KILNX_OPS", "auto"),
+                        random=random, random_format=weights)
+        engine = Engine(lm.model, max_seq=max_seq or min(lm.config.max_position_embeddings, 4096), max_batch=max_batch)
+    except _user_errors() as e:
+        _fail(str(e))
+    name = served_model_name or model
+    scheduler = Scheduler(engine, lm.tokenizer, stop_token_ids=default_stop_ids(lm))
+    print(f"kilnx: serving {name} on {info.name} at http://{host}:{port}/v1 "
+          f"({max_batch} rows of {engine.max_seq} tokens)", file=sys.stderr)
+    try:
+        serve_forever(Server(lm, scheduler, name), host, port)
+    finally:
+        scheduler.close()
+
+
 def _set_threads(n: int) -> None:
     import torch
     torch.set_num_threads(n)
@@ -172,6 +220,7 @@ def _set_threads(n: int) -> None:
 
 app.command()(generate)
 app.command()(bench)
+app.command()(serve)
 
 if __name__ == "__main__":
     app()

@@ -147,13 +147,17 @@ class _StepQueue:
         return int(self.host[n])
 
 
+def default_stop_ids(lm) -> tuple[int, ...]:
+    """The tokens that end a generation: the config's EOS ids, else the tokenizer's."""
+    return tuple(lm.config.eos_token_ids) or (tuple(lm.tokenizer.eos_token_ids) if lm.tokenizer else ())
+
+
 def stream(lm, prompt: str | list[int], params: SamplingParams | None = None, *, chat: bool = False,
            engine: Engine | None = None) -> Iterator[str | GenerationStats]:
     """Text pieces of the continuation of `prompt` (model from kilnx.models.loaders.load_model), then stats."""
     params = params or SamplingParams()
     if not params.stop_token_ids and not params.ignore_eos:
-        stop = tuple(lm.config.eos_token_ids) or (lm.tokenizer.eos_token_ids if lm.tokenizer else ())
-        params = SamplingParams(**{**asdict(params), "stop_token_ids": tuple(stop)})
+        params = SamplingParams(**{**asdict(params), "stop_token_ids": default_stop_ids(lm)})
     ids = prompt_ids(lm, prompt, chat=chat)
     engine = engine or Engine(lm.model, max_seq=min(lm.config.max_position_embeddings,
                                                     len(ids) + params.max_tokens + 1))

@@ -1,0 +1,91 @@
+"""Serving throughput: N requests at once through `kilnx serve`'s scheduler (runtime/scheduler.py), with the
+cache rows it may decode together (max_batch) varied, in one process — the peer in the same run is
+max_batch 1 (requests one after another, each decoded alone, as a server without batching would).
+
+    python bench/probes/serve_load.py OUT.csv [MODEL] [MAX_BATCHES] [REQUESTS] [TOKENS] [--random]
+    (defaults: smollm2-135m, 1,4,8, 8, 64)
+
+Each request is a distinct random prompt of 32 tokens (seeded) and decodes exactly TOKENS tokens (greedy,
+ignore_eos); all are submitted at once. Reported per setting: wall seconds until the last finishes, generated
+tok/s over that wall time, mean and worst time to a request's first token, and the decode steps run (a step
+of B busy rows counts once). Each setting runs once untimed first (numba compiles, CPU step recordings, CUDA
+graph captures), then timed.
+"""
+
+from __future__ import annotations
+
+import csv
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+
+def run(lm, max_batch: int, prompts: list[list[int]], tokens: int) -> dict:
+    from kilnx.runtime.engine import Engine
+    from kilnx.runtime.sampling import SamplingParams
+    from kilnx.runtime.scheduler import Scheduler
+    engine = Engine(lm.model, max_seq=len(prompts[0]) + tokens + 1, max_batch=max_batch)
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    with Scheduler(engine) as sched:
+        for timed in (False, True):
+            first, done, finished = {}, {}, threading.Event()
+            steps0 = sched.steps
+            t0 = time.perf_counter()
+
+            def listener(i):
+                def on_event(kind, payload):
+                    if kind == "done":
+                        done[i] = time.perf_counter()
+                        first.setdefault(i, done[i])
+                        if len(done) == len(prompts):
+                            finished.set()
+                return on_event
+            reqs = [sched.submit(p, params, listener(i)) for i, p in enumerate(prompts)]
+            while not finished.wait(0.002):              # first tokens: poll the requests' token lists
+                for i, r in enumerate(reqs):
+                    if r.tokens and i not in first:
+                        first[i] = time.perf_counter()
+            wall = max(done.values()) - t0
+            assert all(len(r.tokens) == tokens for r in reqs)
+    ttfts = [first[i] - t0 for i in range(len(prompts))]
+    return {"max_batch": max_batch, "requests": len(prompts), "tokens_each": tokens, "wall_s": round(wall, 4),
+            "tok_s": round(len(prompts) * tokens / wall, 2), "ttft_mean_s": round(statistics.mean(ttfts), 4),
+            "ttft_max_s": round(max(ttfts), 4), "steps": sched.steps - steps0}
+
+
+def main(argv):
+    from kilnx.models.loaders import load_model
+    from kilnx.runtime.device import detect
+    args = [a for a in argv if not a.startswith("--")]
+    out = args[0]
+    model = args[1] if len(args) > 1 else "smollm2-135m"
+    batches = [int(b) for b in (args[2] if len(args) > 2 else "1,4,8").split(",")]
+    n = int(args[3]) if len(args) > 3 else 8
+    tokens = int(args[4]) if len(args) > 4 else 64
+    info = detect("auto")
+    lm = load_model(model, device=info.torch_device, ops="auto", random="--random" in argv)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, lm.config.vocab_size, (32,), generator=g).tolist() for _ in range(n)]
+    commit = subprocess.run(["git", "log", "-1", "--format=%h"], capture_output=True, text=True).stdout.strip()
+    rows = []
+    for b in batches:
+        r = run(lm, b, prompts, tokens)
+        r.update(model=model, device=info.name, torch=torch.__version__, commit=commit or "?",
+                 date=time.strftime("%Y-%m-%d"))
+        rows.append(r)
+        print(r, flush=True)
+    base = next((r["tok_s"] for r in rows if r["max_batch"] == 1), None)
+    for r in rows:
+        r["speedup_vs_max_batch_1"] = round(r["tok_s"] / base, 3) if base else ""
+    with open(out, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,183 @@
+"""Continuous batching (runtime/scheduler.py): requests that share the cache rows and decode steps get what
+each would get alone, whatever joins or leaves around them."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiny_models import tiny_model
+
+from kilnx.models.errors import ContextLengthError
+from kilnx.runtime.engine import Engine
+from kilnx.runtime.generate import generate_ids
+from kilnx.runtime.sampling import SamplingParams
+from kilnx.runtime.scheduler import Finished, Scheduler, check_prompt, split_at_stop
+
+
+def _prompts(lens, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lens]
+
+
+def _alone(model, ids, params, max_seq=48):
+    return [t for t in generate_ids(Engine(model, max_seq=max_seq), ids, params) if isinstance(t, int)]
+
+
+def _collect(scheduler, ids, params, stop=()):
+    pieces = list(scheduler.stream(ids, params, stop))
+    return pieces[:-1], pieces[-1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_requests_batched_together_get_the_tokens_each_gets_alone(arch, backend):
+    """Five greedy requests on three rows: rows are reused as requests end, the batch grows and shrinks,
+    and free rows inside it ride along parked; each request's tokens are its tokens decoded alone."""
+    model = tiny_model(arch, ops=backend.ops, device=backend.device)
+    prompts = _prompts((5, 9, 3, 12, 7))
+    budgets = (6, 3, 8, 5, 4)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in budgets]
+    done: dict[int, Finished] = {}
+    finished = threading.Event()
+
+    def listener(i):
+        def on_event(kind, payload):
+            assert kind != "error", payload
+            if kind == "done":
+                done[i] = payload
+                if len(done) == len(prompts):
+                    finished.set()
+        return on_event
+
+    with Scheduler(Engine(model, max_seq=48, max_batch=3)) as sched:
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            sched.submit(p, sp, listener(i))
+        assert finished.wait(300)
+        assert sched.steps < sum(budgets) - len(budgets)     # some steps decoded several rows
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        assert done[i].reason == "length" and done[i].prompt_tokens == len(p)
+        assert list(done[i].token_ids) == _alone(model, p, sp)
+
+
+def test_a_request_joining_mid_generation_changes_nothing():
+    """The second request arrives while the first is decoding (submitted from the first one's listener at
+    its third token): both get their solo tokens."""
+    model = tiny_model("llama")
+    first, second = _prompts((6, 10), seed=5)
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    results: dict[str, Finished] = {}
+    both = threading.Event()
+
+    def done(name):
+        def on_event(kind, payload):
+            if kind == "done":
+                results[name] = payload
+                if len(results) == 2:
+                    both.set()
+        return on_event
+
+    with Scheduler(Engine(model, max_seq=48, max_batch=2)) as sched:
+        req = sched.submit(first, sp, done("first"))
+        while len(req.tokens) < 3:                     # join once the first has three tokens
+            time.sleep(0.001)
+        sched.submit(second, sp, done("second"))
+        assert both.wait(300)
+    assert list(results["first"].token_ids) == _alone(model, first, sp)
+    assert list(results["second"].token_ids) == _alone(model, second, sp)
+
+
+def test_seeded_sampling_is_the_requests_own():
+    """Two sampled requests with one seed, decoded side by side, draw the same tokens, and those of the
+    request alone: each row has its own generator."""
+    model = tiny_model("llama")
+    p = _prompts((7,), seed=9)[0]
+    sp = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=10, ignore_eos=True)
+    with Scheduler(Engine(model, max_seq=48, max_batch=2)) as sched:
+        out = []
+        threads = [threading.Thread(target=lambda: out.append(_collect(sched, p, sp)[1])) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    assert len(out) == 2 and out[0].token_ids == out[1].token_ids
+    assert list(out[0].token_ids) == _alone(model, p, sp)
+
+
+def test_stop_tokens_and_the_context_end():
+    model = tiny_model("llama")
+    p = _prompts((8,), seed=2)[0]
+    greedy = _alone(model, p, SamplingParams(max_tokens=6, ignore_eos=True))
+    with Scheduler(Engine(model, max_seq=16, max_batch=2), stop_token_ids=(greedy[2],)) as sched:
+        _, fin = _collect(sched, p, SamplingParams(max_tokens=6))
+        assert fin.reason == "stop" and list(fin.token_ids) == greedy[:3]    # the stop token ends it, counted
+        _, fin = _collect(sched, p, SamplingParams(max_tokens=6, ignore_eos=True))
+        assert fin.reason == "length" and len(fin.token_ids) == 6
+        _, fin = _collect(sched, p, SamplingParams(max_tokens=50, ignore_eos=True))
+        assert fin.reason == "length" and len(fin.token_ids) == 16 - 8      # cut at the cache's end
+        _, fin = _collect(sched, p, SamplingParams(max_tokens=0))
+        assert fin.reason == "length" and fin.token_ids == ()
+        with pytest.raises(ContextLengthError, match="shorten the prompt"):
+            sched.submit(list(range(3, 19)), SamplingParams(), lambda *e: None)
+    with pytest.raises(ContextLengthError, match="lower max_tokens"):
+        check_prompt(Engine(model, max_seq=16), 8, 9)
+    check_prompt(Engine(model, max_seq=16), 8, 8)
+
+
+def test_a_cancelled_request_frees_its_row_for_the_next():
+    model = tiny_model("llama")
+    a, b = _prompts((5, 6), seed=4)
+    sp = SamplingParams(max_tokens=30, ignore_eos=True)
+    ended = threading.Event()
+    with Scheduler(Engine(model, max_seq=48, max_batch=1)) as sched:
+        def on_event(kind, payload):
+            if kind == "done":
+                assert payload.reason == "cancelled"
+                ended.set()
+        req = sched.submit(a, sp, on_event)
+        while len(req.tokens) < 2:
+            time.sleep(0.001)
+        req.cancel()
+        assert ended.wait(60)
+        _, fin = _collect(sched, b, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert list(fin.token_ids) == _alone(model, b, SamplingParams(max_tokens=4, ignore_eos=True))
+
+
+def test_a_failing_listener_does_not_stop_the_scheduler():
+    """A listener that raises (a client gone) loses its own request; the scheduler serves the next."""
+    model = tiny_model("llama")
+    a, b = _prompts((5, 6), seed=6)
+    sp = SamplingParams(max_tokens=5, ignore_eos=True)
+    with Scheduler(Engine(model, max_seq=48, max_batch=2)) as sched:
+        def broken(kind, payload):
+            raise OSError("client went away")
+        req = sched.submit(a, SamplingParams(max_tokens=3, ignore_eos=True), broken)
+        _, fin = _collect(sched, b, sp)
+        assert req.cancelled and sched._thread.is_alive()
+    assert list(fin.token_ids) == _alone(model, b, sp)
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(alphabet="ab\n", max_size=24), cuts=st.lists(st.integers(0, 24), max_size=6),
+       stops=st.lists(st.text(alphabet="ab\n", min_size=1, max_size=4), min_size=1, max_size=3))
+def test_text_streamed_through_stop_strings_is_the_text_before_the_first_stop(text, cuts, stops):
+    """However the continuation is cut into pieces, what is emitted is the text up to the first occurrence
+    of any stop string, and nothing is emitted that a later piece could turn into part of a stop string."""
+    stops = tuple(stops)
+    pieces = [text[i:j] for i, j in zip([0] + sorted(cuts), sorted(cuts) + [len(text)])]
+    emitted, held, stopped = "", "", False
+    for piece in pieces:
+        safe, held, stopped = split_at_stop(held + piece, stops)
+        emitted += safe
+        first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
+        assert len(emitted) <= first and text.startswith(emitted)
+        if stopped:
+            break
+    if not stopped:
+        emitted += held
+    first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=None)
+    assert emitted == (text if first is None else text[:first])
+    assert stopped == (first is not None)

@@ -1,0 +1,204 @@
+"""`kilnx serve`'s OpenAI-compatible API on the real SmolLM2-135M checkpoint (CPU): what a client of OpenAI's
+API gets, the same text `kilnx generate` writes, and one clear 400 for what the server cannot honour."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from kilnx.runtime.sampling import SamplingParams  # noqa: E402
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_path):
+    from kilnx.models.loaders import load_model
+    from kilnx.runtime.engine import Engine
+    from kilnx.runtime.generate import default_stop_ids
+    from kilnx.runtime.scheduler import Scheduler
+    from kilnx.runtime.server import Server, create_app
+    lm = load_model(smollm2_path, device="cpu", ops="auto")
+    scheduler = Scheduler(Engine(lm.model, max_seq=96, max_batch=4), lm.tokenizer, stop_token_ids=default_stop_ids(lm))
+    with TestClient(create_app(Server(lm, scheduler, "smollm2"))) as client:
+        yield lm, client
+    scheduler.close()
+
+
+def _alone(lm, prompt, n, chat=False):
+    from kilnx.runtime.generate import generate_text
+    text, stats = generate_text(lm, prompt, SamplingParams(max_tokens=n), chat=chat)
+    return text, stats
+
+
+def _events(response):
+    lines = [ln for ln in response.text.split("\n") if ln]
+    assert all(ln.startswith("data: ") for ln in lines), lines
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(ln[6:]) for ln in lines[:-1]]
+
+
+def test_completions_greedy_text_is_generates_text(served):
+    lm, client = served
+    r = client.post("/v1/completions", json={"model": "smollm2", "prompt": PROMPTS[0], "max_tokens": 8,
+                                             "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    text, stats = _alone(lm, PROMPTS[0], 8)
+    assert body["object"] == "text_completion" and body["model"] == "smollm2"
+    assert body["choices"][0]["text"] == text
+    assert body["choices"][0]["finish_reason"] == ("length" if stats.stop_reason == "max_tokens" else "stop")
+    assert body["usage"] == {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
+                             "total_tokens": stats.prompt_tokens + stats.generated_tokens}
+
+
+def test_several_prompts_decode_side_by_side_each_as_alone(served):
+    lm, client = served
+    r = client.post("/v1/completions", json={"prompt": PROMPTS, "max_tokens": 6, "temperature": 0})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    assert [c["text"] for c in choices] == [_alone(lm, p, 6)[0] for p in PROMPTS]
+
+
+def test_a_streamed_completion_is_the_same_text_in_pieces(served):
+    lm, client = served
+    body = {"prompt": PROMPTS[2], "max_tokens": 10, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    chunks = _events(r)
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == _alone(lm, PROMPTS[2], 10)[0]
+    finals = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finals[-1] == "length" and set(finals[:-1]) == {None}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 10
+
+
+def test_chat_completion_uses_the_chat_template(served):
+    lm, client = served
+    msg = "What is 2 + 2?"
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": msg}],
+                                                  "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"]["role"] == "assistant"
+    assert choice["message"]["content"] == _alone(lm, msg, 12, chat=True)[0]
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": msg}],
+                                                  "max_completion_tokens": 12, "temperature": 0, "stream": True})
+    chunks = _events(r)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == choice["message"]["content"]
+
+
+def test_a_stop_string_ends_the_text_before_it(served):
+    lm, client = served
+    full, _ = _alone(lm, PROMPTS[1], 24)
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert stop and stop in full
+    for stream in (False, True):
+        r = client.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0,
+                                                 "stop": [stop], "stream": stream})
+        if stream:
+            chunks = _events(r)
+            text = "".join(c["choices"][0]["text"] for c in chunks)
+            reason = chunks[-1]["choices"][0]["finish_reason"]
+        else:
+            text, reason = r.json()["choices"][0]["text"], r.json()["choices"][0]["finish_reason"]
+        assert text == full[:full.index(stop)] and reason == "stop"
+
+
+def test_token_id_prompts_and_seeded_sampling(served):
+    lm, client = served
+    ids = lm.tokenizer.encode(PROMPTS[0])
+    body = {"prompt": ids, "max_tokens": 8, "temperature": 0.9, "top_k": 40, "seed": 7}
+    a, b = (client.post("/v1/completions", json=body).json()["choices"][0]["text"] for _ in range(2))
+    assert a == b
+    assert client.post("/v1/completions", json={**body, "prompt": PROMPTS[0]}).json()["choices"][0]["text"] == a
+
+
+@pytest.mark.parametrize("body, status, words", [
+    ({"prompt": "hi", "n": 2}, 400, "`n`=2 is not supported"),
+    ({"prompt": "hi", "logprobs": 3}, 400, "`logprobs`"),
+    ({"prompt": "hi", "presence_penalty": 0.5}, 400, "`presence_penalty`"),
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "serves `smollm2`"),
+    ({"prompt": "hi " * 120}, 400, "shorten the prompt"),
+    ({"prompt": "hi", "max_tokens": 500}, 400, "lower max_tokens"),
+    ({"prompt": [1, 2, 10**9]}, 400, "token ids must lie in"),
+    ({"prompt": []}, 400, "empty"),
+    ({"max_tokens": 3}, 400, "prompt"),
+])
+def test_what_the_server_cannot_honour_is_one_clear_error(served, body, status, words):
+    _, client = served
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert words in err["message"] and set(err) == {"message", "type", "param", "code"}
+
+
+def test_models_and_health(served):
+    _, client = served
+    assert client.get("/health").json() == {"status": "ok"}
+    data = client.get("/v1/models").json()["data"]
+    assert [m["id"] for m in data] == ["smollm2"] and data[0]["max_model_len"] == 96
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]})
+    assert r.status_code == 400 and "image_url" in r.json()["error"]["message"]
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_kilnx_serve_answers_over_http(served, tmp_path):
+    """The `kilnx serve` command itself: a process listening on a port, answering an OpenAI client's request
+    with the text the in-process server gives."""
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    lm, client = served
+    port = _free_port()
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "kilnx.cli", "serve", "--model", "smollm2-135m", "--device", "cpu",
+                             "--port", str(port), "--max-seq", "96", "--max-batch", "2"],
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TRITON_INTERPRET": "0"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 300
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=5)
+                break
+            except OSError:
+                assert proc.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()
+                time.sleep(0.5)
+        body = {"model": "smollm2-135m", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
+        req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        got = json.loads(urllib.request.urlopen(req, timeout=300).read())
+        want = client.post("/v1/completions", json={**body, "model": "smollm2"}).json()
+        assert got["choices"][0]["text"] == want["choices"][0]["text"] != ""
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def test_kilnx_serve_refuses_bad_input_in_one_line():
+    from typer.testing import CliRunner
+
+    from kilnx.runtime.cli import app
+    for args, says in ((["--model", "no-such-model"], "no-such-model"), (["--model", "smollm2-135m", "--max-batch", "0"],
+                                                                         "--max-batch must be at least 1")):
+        r = CliRunner().invoke(app, ["serve", "--device", "cpu", *args])
+        out = r.output.strip()
+        assert r.exit_code == 1 and out.startswith("error:") and says in out and "Traceback" not in out

@@ -30,7 +30,7 @@ run: $(STAMP)
 	$(BIN)/kilnx bench --model smollm2-135m --prompt-lens 16 --gen 64 --peer hf --threads 2
 
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -x --timeout=900 tests
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -x --timeout=900 --durations=25 tests
 
 clean:
 	rm -rf $(VENV)

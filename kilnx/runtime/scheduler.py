@@ -202,11 +202,18 @@ class Scheduler:
         dev = self.engine.device
         logits = self.engine.decode(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
                                     max_position=max(positions))
-        picked = torch.cat([r.sampler(logits[i:i + 1]).reshape(1) for i, r in live]).tolist()   # one host read
+        # greedy rows share one argmax over the step's logits; sampled rows draw from their own generators
+        top = self._argmax(logits) if any(r.params.greedy for _, r in live) else None
+        picked = torch.cat([top[i:i + 1] if r.params.greedy else r.sampler(logits[i:i + 1]).reshape(1)
+                            for i, r in live]).tolist()                           # one host read a step
         self.steps += 1
         self.rows_decoded += len(live)
         for (_, req), tok in zip(live, picked):
             self._accept(req, int(tok))
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        ops = self.engine.model.ops
+        return (ops.argmax(logits) if ops is not None else torch.argmax(logits, dim=-1)).reshape(-1)
 
     def _accept(self, req: Request, tok: int) -> None:
         req.tokens.append(tok)

@@ -6,11 +6,12 @@ on the H200: 16 rows decode 3.9k tok/s against 525 for one, bench/results/2026-1
 A server that ran its requests one after another would leave that unused.
 
 One thread owns the engine (an Engine is not thread-safe, and its CUDA graphs replay on one stream). Each turn
-it admits waiting requests into free cache rows (a prefill each, which samples the request's first token), then
-runs one decode step over rows 0..B-1, B one past the highest busy row. Free rows inside that range ride along
-parked at the cache's last position: what they write there is overwritten before any later sequence in that
-row reads it (the engine's invariant: a step writes its K/V before attending, and attends only up to its
-position). A new prompt's prefill holds the others' next step until it is done (no chunk interleaving yet).
+it gives free cache rows to waiting requests, runs one prefill chunk of the oldest request still prefilling
+(the request's first token is sampled from its last chunk), then one decode step over rows 0..B-1, B one past
+the highest decoding row: a long prompt delays the others' next token by one chunk a turn, not by its whole
+prefill. Rows that are free or still prefilling ride along in that step parked at the cache's last position:
+what they write there is overwritten before anything reads it (the engine's invariant: a step writes its K/V
+before attending, and attends only up to its position).
 
 Each request samples its own row with its own seeded Sampler, so its tokens are those it would get alone: the
 batched logits equal the one-row logits to rounding (tests/runtime/test_engine.py), and greedy tokens are
@@ -76,6 +77,8 @@ class Request:
     held: str = ""                 # decoded text not yet emitted: it could begin a stop string
     cancelled: bool = False
     row: int | None = None
+    admitted: int = 0              # the order rows were given in: prefill chunks go oldest first
+    prefilled: int = 0             # prompt tokens already in the cache
     sampler: Sampler | None = None
     decoder: object = None
 
@@ -92,14 +95,19 @@ class Request:
 class Scheduler:
     """Serves requests on `engine` (its max_batch rows) from a thread of its own; close() stops it."""
 
-    def __init__(self, engine: Engine, tokenizer=None, *, stop_token_ids: tuple[int, ...] = ()):
+    def __init__(self, engine: Engine, tokenizer=None, *, stop_token_ids: tuple[int, ...] = (),
+                 prefill_chunk: int | None = None):
         self.engine = engine
+        # a chunk: on a GPU one graph-replayed prefill (512 tokens: engine.prefill_graph_max), on the CPU ~0.3 s of
+        # SmolLM2-135M, the most the other streams wait for a token
+        self.prefill_chunk = prefill_chunk or (512 if engine.device.type == "cuda" else 128)
         self.tokenizer = tokenizer
         self.stop_token_ids = tuple(stop_token_ids)
         self.rows: list[Request | None] = [None] * engine.max_batch
         self.steps = 0                 # decode steps run, and rows they decoded (busy ones): batching telemetry
         self.rows_decoded = 0
         self._waiting: collections.deque[Request] = collections.deque()
+        self._admitted = 0
         self._cv = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kilnx-scheduler", daemon=True)
@@ -154,7 +162,6 @@ class Scheduler:
                     self._cv.wait()
                 if self._closed:
                     break
-                admitted = []
                 while self._waiting and None in self.rows:
                     req = self._waiting.popleft()
                     if req.cancelled:
@@ -162,12 +169,10 @@ class Scheduler:
                         continue
                     req.row = self.rows.index(None)
                     self.rows[req.row] = req
-                    admitted.append(req)
+                    self._admitted += 1
+                    req.admitted = self._admitted
             try:
-                for req in admitted:
-                    self._prefill(req)
-                if self._busy():
-                    self._step()
+                self._turn()
             except Exception:          # a bug below: fail the requests in flight, keep serving the next
                 message = traceback.format_exc()
                 print(message, file=sys.stderr)
@@ -177,28 +182,40 @@ class Scheduler:
         for req in [r for r in self.rows if r is not None] + list(self._waiting):
             self._notify(req, "error", "the server is shutting down")
 
+    def _turn(self) -> None:
+        """One prefill chunk of the oldest request still prefilling, then one decode step of the rows that
+        are decoding: a long prompt delays the others' next token by a chunk at a time, not by its whole
+        prefill."""
+        for req in [r for r in self.rows if r is not None and r.cancelled]:
+            self._finish(req, "cancelled")
+        filling = [r for r in self.rows if r is not None and not r.tokens]
+        if filling:
+            self._prefill_chunk(min(filling, key=lambda r: r.admitted))
+        if any(r is not None and r.tokens for r in self.rows):
+            self._step()
+
     def _busy(self) -> bool:
         return any(r is not None for r in self.rows)
 
-    def _prefill(self, req: Request) -> None:
-        req.sampler = Sampler(req.params, device=self.engine.device, ops=self.engine.model.ops)
-        req.decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
-        if req.params.max_tokens == 0:
-            self._finish(req, "length")
-            return
-        logits = self.engine.prefill(req.ids, row=req.row)
-        self._accept(req, int(req.sampler(logits)[0]))
+    def _prefill_chunk(self, req: Request) -> None:
+        if req.sampler is None:
+            req.sampler = Sampler(req.params, device=self.engine.device, ops=self.engine.model.ops)
+            req.decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
+            if req.params.max_tokens == 0:
+                self._finish(req, "length")
+                return
+        start = req.prefilled
+        req.prefilled = min(len(req.ids), start + self.prefill_chunk)
+        logits = self.engine.prefill(req.ids[start:req.prefilled], row=req.row, start=start)
+        if req.prefilled == len(req.ids):
+            self._accept(req, int(req.sampler(logits)[0]))
 
     def _step(self) -> None:
-        for req in [r for r in self.rows if r is not None and r.cancelled]:
-            self._finish(req, "cancelled")
-        live = [(i, r) for i, r in enumerate(self.rows) if r is not None]
-        if not live:
-            return
+        live = [(i, r) for i, r in enumerate(self.rows) if r is not None and r.tokens]
         B = live[-1][0] + 1
-        parked = self.engine.max_seq - 1
-        tokens = [r.tokens[-1] if r is not None else 0 for r in self.rows[:B]]
-        positions = [r.position if r is not None else parked for r in self.rows[:B]]
+        parked = self.engine.max_seq - 1     # free rows and rows still prefilling ride along here
+        tokens = [r.tokens[-1] if r is not None and r.tokens else 0 for r in self.rows[:B]]
+        positions = [r.position if r is not None and r.tokens else parked for r in self.rows[:B]]
         dev = self.engine.device
         logits = self.engine.decode(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
                                     max_position=max(positions))

@@ -181,3 +181,27 @@ def test_text_streamed_through_stop_strings_is_the_text_before_the_first_stop(te
     first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=None)
     assert emitted == (text if first is None else text[:first])
     assert stopped == (first is not None)
+
+
+def test_a_long_prompt_prefills_in_chunks_between_the_others_steps():
+    """A 30-token prompt arriving while a request decodes is prefilled 4 tokens a turn, with a decode step
+    of the other between its chunks; both get their solo tokens."""
+    model = tiny_model("llama")
+    short, long = _prompts((5, 30), seed=12)
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    steps_during = []
+    results: dict[str, Finished] = {}
+    with Scheduler(Engine(model, max_seq=48, max_batch=2), prefill_chunk=4) as sched:
+        first = sched.submit(short, sp, lambda k, p: k == "done" and results.__setitem__("short", p))
+        while len(first.tokens) < 2:
+            time.sleep(0.001)
+        second = sched.submit(long, sp, lambda k, p: k == "done" and results.__setitem__("long", p))
+        while not second.tokens:
+            steps_during.append(sched.steps)
+            time.sleep(0.0005)
+        while len(results) < 2:
+            time.sleep(0.001)
+    assert second.prefilled == 30
+    assert steps_during[-1] - steps_during[0] >= 3           # the short one kept decoding (8 chunks)
+    assert list(results["short"].token_ids) == _alone(model, short, sp)
+    assert list(results["long"].token_ids) == _alone(model, long, sp)

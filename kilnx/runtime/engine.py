@@ -152,6 +152,11 @@ class Engine:
                                     cache, last=-1)
         return logits[:, 0]
 
+    def decode_rows(self, B: int) -> int:
+        """The rows a decode of B rows runs: on a GPU the captured graph's bucket (rows past B recompute with
+        whatever inputs they were last given), else B."""
+        return next(b for b in self._captured() if b >= B) if self.cuda_graphs else B
+
     def _prefill_graphed(self, ids: torch.Tensor, row: int, start: int, t: int, cache) -> torch.Tensor:
         """The prompt padded to t tokens, replayed from its (row, t) graph; the first prompt of this length
         runs eagerly (compiling, filling every memo) and its forward is then captured (capture records,

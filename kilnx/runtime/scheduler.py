@@ -13,6 +13,12 @@ prefill. Rows that are free or still prefilling ride along in that step parked a
 what they write there is overwritten before anything reads it (the engine's invariant: a step writes its K/V
 before attending, and attends only up to its position).
 
+A freed row keeps what its cache holds (the prompt and the tokens fed back in). A new prompt that begins with
+a free row's kept tokens takes that row and prefills only the rest: a chat's next turn re-sends the whole
+conversation, and a shared system prompt is the same prefix for every request. Rows are not shared between
+requests and nothing is kept beyond the row (no block-level prefix cache): max_batch rows, max_batch kept
+prefixes, the least recently freed row given up first.
+
 Each request samples its own row with its own seeded Sampler, so its tokens are those it would get alone: the
 batched logits equal the one-row logits to rounding (tests/runtime/test_engine.py), and greedy tokens are
 the same (tests/runtime/test_scheduler.py). Text comes out of the tokenizer's incremental decoder; stop strings
@@ -45,6 +51,7 @@ class Finished:
     reason: str                    # "stop" (a stop token or string), "length" (max_tokens or the context), "cancelled"
     prompt_tokens: int
     token_ids: tuple[int, ...]     # every sampled token, a final stop token included
+    cached_tokens: int = 0         # prompt tokens whose K/V a previous sequence in the row had left
 
     @property
     def completion_tokens(self) -> int:
@@ -79,6 +86,7 @@ class Request:
     row: int | None = None
     admitted: int = 0              # the order rows were given in: prefill chunks go oldest first
     prefilled: int = 0             # prompt tokens already in the cache
+    cached: int = 0                # of those, how many a previous sequence in the row left there
     sampler: Sampler | None = None
     decoder: object = None
 
@@ -104,6 +112,11 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.stop_token_ids = tuple(stop_token_ids)
         self.rows: list[Request | None] = [None] * engine.max_batch
+        # per row, the tokens whose K/V its cache holds at positions 0.. from the sequence that last used it:
+        # a new prompt that begins with them prefills only the rest (a chat's next turn, a shared system prompt)
+        self.kept: list[list[int]] = [[] for _ in range(engine.max_batch)]
+        self.cached_tokens = 0
+        self._released = [0] * engine.max_batch      # per row, when it was last freed (a count of releases)
         self.steps = 0                 # decode steps run, and rows they decoded (busy ones): batching telemetry
         self.rows_decoded = 0
         self._waiting: collections.deque[Request] = collections.deque()
@@ -167,7 +180,10 @@ class Scheduler:
                     if req.cancelled:
                         self._notify(req, "done", Finished("cancelled", len(req.ids), ()))
                         continue
-                    req.row = self.rows.index(None)
+                    req.row, req.prefilled = self._row_for(req.ids)
+                    req.cached = req.prefilled
+                    self.cached_tokens += req.cached
+                    self.kept[req.row] = []           # its cache changes from here on
                     self.rows[req.row] = req
                     self._admitted += 1
                     req.admitted = self._admitted
@@ -177,7 +193,7 @@ class Scheduler:
                 message = traceback.format_exc()
                 print(message, file=sys.stderr)
                 for req in [r for r in self.rows if r is not None]:
-                    self._release(req)
+                    self._release(req, keep=False)
                     self._notify(req, "error", message.strip().splitlines()[-1])
         for req in [r for r in self.rows if r is not None] + list(self._waiting):
             self._notify(req, "error", "the server is shutting down")
@@ -193,6 +209,22 @@ class Scheduler:
             self._prefill_chunk(min(filling, key=lambda r: r.admitted))
         if any(r is not None and r.tokens for r in self.rows):
             self._step()
+
+    def _row_for(self, ids: list[int]) -> tuple[int, int]:
+        """(row, prompt tokens already cached there): the free row whose kept tokens share the longest prefix
+        with ids; without one, a free row that keeps nothing, else the one released longest ago (its tokens
+        the least likely to come back). At least the prompt's last token is prefilled again (its logits
+        give the first token)."""
+        free = [i for i, r in enumerate(self.rows) if r is None]
+        best, best_len = min(free, key=lambda i: (bool(self.kept[i]), self._released[i])), 0
+        for i in free:
+            kept, n = self.kept[i], 0
+            limit = min(len(kept), len(ids) - 1)
+            while n < limit and kept[n] == ids[n]:
+                n += 1
+            if n > best_len:
+                best, best_len = i, n
+        return best, best_len
 
     def _busy(self) -> bool:
         return any(r is not None for r in self.rows)
@@ -212,7 +244,7 @@ class Scheduler:
 
     def _step(self) -> None:
         live = [(i, r) for i, r in enumerate(self.rows) if r is not None and r.tokens]
-        B = live[-1][0] + 1
+        B = self.engine.decode_rows(live[-1][0] + 1)   # every row the step runs gets its inputs from here
         parked = self.engine.max_seq - 1     # free rows and rows still prefilling ride along here
         tokens = [r.tokens[-1] if r is not None and r.tokens else 0 for r in self.rows[:B]]
         positions = [r.position if r is not None and r.tokens else parked for r in self.rows[:B]]
@@ -262,11 +294,16 @@ class Scheduler:
             if safe:
                 self._notify(req, "text", safe)
         self._release(req)
-        self._notify(req, "done", Finished(reason, len(req.ids), tuple(req.tokens)))
+        self._notify(req, "done", Finished(reason, len(req.ids), tuple(req.tokens), req.cached))
 
-    def _release(self, req: Request) -> None:
+    def _release(self, req: Request, *, keep: bool = True) -> None:
         if req.row is not None and self.rows[req.row] is req:
             self.rows[req.row] = None
+            # what the row's cache now holds: the prompt as far as prefilled, then every token fed back in (all
+            # but the last sampled); never the parking position, where other steps write
+            held = req.ids[:req.prefilled] + (req.tokens[:-1] if req.prefilled == len(req.ids) else [])
+            self.kept[req.row] = held[:self.engine.max_seq - 1] if keep else []
+            self._released[req.row] = max(self._released) + 1
 
     @staticmethod
     def _notify(req: Request, kind: str, payload) -> None:

@@ -193,7 +193,8 @@ class Server:
 def _usage(finished: list[Finished]) -> dict:
     p = sum(f.prompt_tokens for f in finished)
     c = sum(f.completion_tokens for f in finished)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": sum(f.cached_tokens for f in finished)}}
 
 
 def _sse(obj) -> str:

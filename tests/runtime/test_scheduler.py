@@ -205,3 +205,27 @@ def test_a_long_prompt_prefills_in_chunks_between_the_others_steps():
     assert steps_during[-1] - steps_during[0] >= 3           # the short one kept decoding (8 chunks)
     assert list(results["short"].token_ids) == _alone(model, short, sp)
     assert list(results["long"].token_ids) == _alone(model, long, sp)
+
+
+def test_a_prompt_that_begins_with_a_rows_last_sequence_prefills_only_the_rest():
+    """A chat's next turn re-sends the conversation: the row whose cache holds its beginning is chosen, only
+    the new tokens are prefilled, and the tokens are those of a prefill from scratch. Another row's steps in
+    between (a different request on row 0 parked rows at the cache's end) do not disturb what was kept."""
+    model = tiny_model("llama")
+    turn1, other, extra = _prompts((9, 7, 6), seed=21)
+    sp = SamplingParams(max_tokens=5, ignore_eos=True)
+    with Scheduler(Engine(model, max_seq=48, max_batch=2)) as sched:
+        _, first = _collect(sched, turn1, sp)
+        assert first.cached_tokens == 0
+        _, mid = _collect(sched, other, sp)                   # lands on the other row: nothing shared
+        assert mid.cached_tokens == 0
+        turn2 = turn1 + list(first.token_ids) + extra
+        _, second = _collect(sched, turn2, sp)
+        # turn1 and the first four of its tokens were fed in (the fifth was sampled, never fed)
+        assert second.cached_tokens == len(turn1) + 4
+        again = turn1[:5]                                      # a prompt inside the kept tokens
+        _, third = _collect(sched, again, sp)
+        assert third.cached_tokens == 4 and sched.cached_tokens == len(turn1) + 8
+    assert list(second.token_ids) == _alone(model, turn2, sp)
+    assert list(third.token_ids) == _alone(model, again, sp)
+    assert list(mid.token_ids) == _alone(model, other, sp)

@@ -52,8 +52,10 @@ def test_completions_greedy_text_is_generates_text(served):
     assert body["object"] == "text_completion" and body["model"] == "smollm2"
     assert body["choices"][0]["text"] == text
     assert body["choices"][0]["finish_reason"] == ("length" if stats.stop_reason == "max_tokens" else "stop")
-    assert body["usage"] == {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
-                             "total_tokens": stats.prompt_tokens + stats.generated_tokens}
+    usage = dict(body["usage"])
+    assert usage.pop("prompt_tokens_details")["cached_tokens"] >= 0
+    assert usage == {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
+                     "total_tokens": stats.prompt_tokens + stats.generated_tokens}
 
 
 def test_several_prompts_decode_side_by_side_each_as_alone(served):
@@ -202,3 +204,16 @@ def test_kilnx_serve_refuses_bad_input_in_one_line():
         r = CliRunner().invoke(app, ["serve", "--device", "cpu", *args])
         out = r.output.strip()
         assert r.exit_code == 1 and out.startswith("error:") and says in out and "Traceback" not in out
+
+
+def test_a_chats_next_turn_reuses_the_cache_of_the_first(served):
+    lm, client = served
+    from kilnx.runtime.generate import generate_text
+    messages = [{"role": "user", "content": "Name a color."}]
+    body = {"messages": messages, "max_tokens": 8, "temperature": 0}
+    reply = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    messages = messages + [reply, {"role": "user", "content": "And another?"}]
+    r = client.post("/v1/chat/completions", json={**body, "messages": messages}).json()
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] > 10
+    ids = lm.tokenizer.encode(lm.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    assert r["choices"][0]["message"]["content"] == generate_text(lm, ids, SamplingParams(max_tokens=8))[0]

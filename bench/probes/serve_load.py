@@ -4,6 +4,7 @@ max_batch 1 (requests one after another, each decoded alone, as a server without
 
     python bench/probes/serve_load.py OUT.csv [MODEL] [MAX_BATCHES] [REQUESTS] [TOKENS] [--random]
     (defaults: smollm2-135m, 1,4,8, 8, 64)
+    python bench/probes/serve_load.py OUT.csv [MODEL] --prefix [HISTORY]     (default HISTORY 1024)
 
 Each request is a distinct random prompt of 32 tokens (seeded) and decodes exactly TOKENS tokens (greedy,
 ignore_eos); all are submitted at once. Reported per setting: wall seconds until the last finishes, generated
@@ -57,6 +58,37 @@ def run(lm, max_batch: int, prompts: list[list[int]], tokens: int) -> dict:
             "ttft_max_s": round(max(ttfts), 4), "steps": sched.steps - steps0}
 
 
+def prefix_reuse(lm, history: int, repeats: int = 3) -> list[dict]:
+    """A conversation's next turn: a HISTORY-token prompt was served and its row kept; the next prompt is that
+    history, the 16 tokens generated, and 16 new ones. Time to its first token with the row's kept tokens
+    reused against the same scheduler with what rows keep forgotten (a prefill from scratch), alternated."""
+    from kilnx.runtime.engine import Engine
+    from kilnx.runtime.sampling import SamplingParams
+    from kilnx.runtime.scheduler import Scheduler
+    g = torch.Generator().manual_seed(1)
+    first = torch.randint(3, lm.config.vocab_size, (history,), generator=g).tolist()
+    new = torch.randint(3, lm.config.vocab_size, (16,), generator=g).tolist()
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    rows = []
+    with Scheduler(Engine(lm.model, max_seq=history + 64, max_batch=1)) as sched:
+        reply = list(list(sched.stream(first, sp))[-1].token_ids)
+        turn = first + reply + new
+        for rep in range(repeats + 1):
+            for reuse in (True, False):
+                if not reuse:
+                    sched.kept[0] = []
+                else:                               # the first turn's state: its prompt and reply in the row
+                    list(sched.stream(first, sp))
+                t0 = time.perf_counter()
+                fin = list(sched.stream(turn, one))[-1]
+                seconds = time.perf_counter() - t0
+                if rep:                             # the first round compiles the new prefill shapes
+                    rows.append({"history": history, "prompt_tokens": len(turn), "reuse": reuse,
+                                 "cached_tokens": fin.cached_tokens, "ttft_s": round(seconds, 4)})
+    return rows
+
+
 def main(argv):
     from kilnx.models.loaders import load_model
     from kilnx.runtime.device import detect
@@ -68,19 +100,28 @@ def main(argv):
     tokens = int(args[4]) if len(args) > 4 else 64
     info = detect("auto")
     lm = load_model(model, device=info.torch_device, ops="auto", random="--random" in argv)
+    commit = subprocess.run(["git", "log", "-1", "--format=%h"], capture_output=True, text=True).stdout.strip()
+    stamp = {"model": model, "device": info.name, "torch": torch.__version__, "commit": commit or "?",
+             "date": time.strftime("%Y-%m-%d")}
+    if "--prefix" in argv:
+        rows = [{**r, **stamp} for r in prefix_reuse(lm, int(args[2]) if len(args) > 2 else 1024)]
+        for r in rows:
+            print(r, flush=True)
+        return _write(out, rows)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, lm.config.vocab_size, (32,), generator=g).tolist() for _ in range(n)]
-    commit = subprocess.run(["git", "log", "-1", "--format=%h"], capture_output=True, text=True).stdout.strip()
     rows = []
     for b in batches:
-        r = run(lm, b, prompts, tokens)
-        r.update(model=model, device=info.name, torch=torch.__version__, commit=commit or "?",
-                 date=time.strftime("%Y-%m-%d"))
+        r = {**run(lm, b, prompts, tokens), **stamp}
         rows.append(r)
         print(r, flush=True)
     base = next((r["tok_s"] for r in rows if r["max_batch"] == 1), None)
     for r in rows:
         r["speedup_vs_max_batch_1"] = round(r["tok_s"] / base, 3) if base else ""
+    _write(out, rows)
+
+
+def _write(out: str, rows: list[dict]) -> None:
     with open(out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()

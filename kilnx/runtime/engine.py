@@ -124,6 +124,20 @@ class Engine:
         return logits[0, -1]
 
     @torch.no_grad()
+    def prefill_logits(self, ids: list[int] | torch.Tensor, row: int = 0, start: int = 0) -> torch.Tensor:
+        """prefill() returning every token's logits (n, V), not the last one's: eager chunks, no graph (a prompt's
+        log-probabilities, which a server's echo asks for)."""
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+        n = ids.numel()
+        self.check_fits(start + n)
+        ids, cache, out = ids.to(self.device), self.cache.rows(row, row + 1), []
+        for s in range(0, n, self.prefill_chunk):
+            e = min(n, s + self.prefill_chunk)
+            pos = torch.arange(start + s, start + e, device=self.device).unsqueeze(0)
+            out.append(self.model.forward(ids[s:e].unsqueeze(0), pos, cache)[0])
+        return torch.cat(out)
+
+    @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, *, max_position: int | None = None) -> torch.Tensor:
         """One step for rows 0..B-1: tokens (B,) at positions (B,) -> logits (B, V). `max_position`, where
         the caller knows it, spares reading the positions back from the device (a sync per step)."""

@@ -58,6 +58,15 @@ class Finished:
         return len(self.token_ids)
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token with its log-probability under the model (log-softmax of the raw logits, before temperature and
+    filters) and the `top` most likely tokens there; a prompt's first token has none (nothing predicts it)."""
+    token: int
+    logprob: float | None
+    top: tuple[tuple[int, float], ...] = ()
+
+
 def split_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, str, bool]:
     """(safe, held, stopped) for text not yet emitted. stopped: a stop string occurs, and safe is the text
     before the first one. Otherwise safe may be emitted now and held is the longest tail of text that could
@@ -89,6 +98,8 @@ class Request:
     cached: int = 0                # of those, how many a previous sequence in the row left there
     sampler: Sampler | None = None
     decoder: object = None
+    logprobs: int | None = None    # with log-probabilities of each token and this many alternatives; None: without
+    echo: bool = False             # the prompt's tokens' log-probabilities too (with logprobs)
 
     def cancel(self) -> None:
         """Ask the scheduler to drop this request (its row frees at the next step); safe from any thread."""
@@ -127,13 +138,17 @@ class Scheduler:
         self._thread.start()
 
     # ------------------------------------------------------------------ the callers' side
-    def submit(self, ids: list[int], params: SamplingParams, on_event: Listener, stop: tuple[str, ...] = ()) -> Request:
-        """Queue a request; its events arrive through on_event. A prompt that cannot fit the context raises
-        ContextLengthError here, before anything is queued."""
+    def submit(self, ids: list[int], params: SamplingParams, on_event: Listener, stop: tuple[str, ...] = (), *,
+               logprobs: int | None = None, echo: bool = False) -> Request:
+        """Queue a request; its events arrive through on_event. With `logprobs` (a count of alternatives), each
+        token's TokenLogprob arrives as ("logprobs", [TokenLogprob]) before its text, and with `echo` too those
+        of the prompt's tokens (first, as one event a prefill chunk). A prompt that cannot fit the context
+        raises ContextLengthError here, before anything is queued."""
         self.engine.check_fits(len(ids))
         if stop and self.tokenizer is None:
             raise ValueError("stop strings need the model's tokenizer, and this model has none.")
-        req = Request(list(ids), params, tuple(s for s in stop if s), on_event)
+        req = Request(list(ids), params, tuple(s for s in stop if s), on_event, logprobs=logprobs,
+                      echo=echo and logprobs is not None)
         with self._cv:
             if self._closed:
                 raise RuntimeError("the scheduler is closed")
@@ -181,6 +196,8 @@ class Scheduler:
                         self._notify(req, "done", Finished("cancelled", len(req.ids), ()))
                         continue
                     req.row, req.prefilled = self._row_for(req.ids)
+                    if req.echo:                       # every prompt token's logits are wanted: none reused
+                        req.prefilled = 0
                     req.cached = req.prefilled
                     self.cached_tokens += req.cached
                     self.kept[req.row] = []           # its cache changes from here on
@@ -233,14 +250,26 @@ class Scheduler:
         if req.sampler is None:
             req.sampler = Sampler(req.params, device=self.engine.device, ops=self.engine.model.ops)
             req.decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
-            if req.params.max_tokens == 0:
+            if req.params.max_tokens == 0 and not req.echo:
                 self._finish(req, "length")
                 return
         start = req.prefilled
-        req.prefilled = min(len(req.ids), start + self.prefill_chunk)
-        logits = self.engine.prefill(req.ids[start:req.prefilled], row=req.row, start=start)
-        if req.prefilled == len(req.ids):
-            self._accept(req, int(req.sampler(logits)[0]))
+        req.prefilled = stop = min(len(req.ids), start + self.prefill_chunk)
+        if req.echo:
+            logits = self.engine.prefill_logits(req.ids[start:stop], row=req.row, start=start)
+            # logits[j] predicts prompt token start + j + 1; the last chunk's last row predicts the first output
+            head = [TokenLogprob(req.ids[0], None)] if start == 0 else []
+            targets = req.ids[start + 1:stop + 1]
+            self._notify(req, "logprobs", head + self._logprobs(logits[:len(targets)], targets, req.logprobs))
+            logits = logits[-1]
+        else:
+            logits = self.engine.prefill(req.ids[start:stop], row=req.row, start=start)
+        if stop == len(req.ids):
+            if req.params.max_tokens == 0:
+                self._finish(req, "length")
+                return
+            tok = int(req.sampler(logits)[0])
+            self._accept(req, tok, logits)
 
     def _step(self) -> None:
         live = [(i, r) for i, r in enumerate(self.rows) if r is not None and r.tokens]
@@ -257,18 +286,33 @@ class Scheduler:
                             for i, r in live]).tolist()                           # one host read a step
         self.steps += 1
         self.rows_decoded += len(live)
-        for (_, req), tok in zip(live, picked):
-            self._accept(req, int(tok))
+        for (i, req), tok in zip(live, picked):
+            self._accept(req, int(tok), logits[i])
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         ops = self.engine.model.ops
         return (ops.argmax(logits) if ops is not None else torch.argmax(logits, dim=-1)).reshape(-1)
 
-    def _accept(self, req: Request, tok: int) -> None:
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, targets: list[int], top: int | None) -> list[TokenLogprob]:
+        """Each row's log-softmax at its target token, with the `top` most likely tokens."""
+        if not targets:
+            return []
+        lp = torch.log_softmax(logits.reshape(len(targets), -1).float(), dim=-1)
+        chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
+        alts = [()] * len(targets)
+        if top:
+            vals, idx = lp.topk(top, dim=-1)
+            alts = [tuple(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+        return [TokenLogprob(t, c, a) for t, c, a in zip(targets, chosen, alts)]
+
+    def _accept(self, req: Request, tok: int, logits: torch.Tensor | None = None) -> None:
         req.tokens.append(tok)
         if tok in self.stop_token_ids and not req.params.ignore_eos:
-            self._finish(req, "stop")
+            self._finish(req, "stop")         # a stop token is neither text nor a logprobs entry
             return
+        if req.logprobs is not None and logits is not None:
+            self._notify(req, "logprobs", self._logprobs(logits, [tok], req.logprobs))
         if req.decoder is not None:
             piece = req.decoder.push(tok)
             if piece and self._emit(req, piece):

@@ -229,3 +229,45 @@ def test_a_prompt_that_begins_with_a_rows_last_sequence_prefills_only_the_rest()
     assert list(second.token_ids) == _alone(model, turn2, sp)
     assert list(third.token_ids) == _alone(model, again, sp)
     assert list(mid.token_ids) == _alone(model, other, sp)
+
+
+def test_log_probabilities_of_the_prompt_and_of_each_token_are_the_models():
+    """With logprobs, each generated token comes with log-softmax of its step's logits at it and the top-n
+    tokens there; with echo, the prompt's tokens too (the first has none), across prefill chunks. The values
+    are those of one forward over the whole sequence."""
+    from kilnx.runtime.scheduler import TokenLogprob
+    model = tiny_model("llama")
+    p = _prompts((11,), seed=30)[0]
+    events = []
+    with Scheduler(Engine(model, max_seq=48, max_batch=2), prefill_chunk=4) as sched:
+        done = threading.Event()
+        sched.submit(p, SamplingParams(max_tokens=5, ignore_eos=True),
+                     lambda k, x: events.append((k, x)) or (k == "done" and done.set()), logprobs=3, echo=True)
+        assert done.wait(60)
+        fin = events[-1][1]
+        infos = [i for k, x in events if k == "logprobs" for i in x]
+        seq = p + list(fin.token_ids)
+        assert [i.token for i in infos] == seq
+        assert infos[0] == TokenLogprob(p[0], None)
+        lp = torch.log_softmax(_full_logits(model, seq[:-1]).double(), -1)    # row j predicts token j + 1
+        for j, info in enumerate(infos[1:]):
+            assert abs(info.logprob - float(lp[j, seq[j + 1]])) < 1e-4
+            want = torch.topk(lp[j], 3)
+            assert [t for t, _ in info.top] == want.indices.tolist()
+            assert all(abs(v - w) < 1e-4 for (_, v), w in zip(info.top, want.values.tolist()))
+        for j in range(len(p) - 1, len(seq) - 1):                           # greedy: the top token is the one
+            assert infos[j + 1].top[0][0] == seq[j + 1]
+        # echo with nothing to generate: the prompt's log-probabilities alone
+        events.clear()
+        done.clear()
+        sched.submit(p, SamplingParams(max_tokens=0), lambda k, x: events.append((k, x)) or (k == "done" and done.set()),
+                     logprobs=0, echo=True)
+        assert done.wait(60)
+        infos = [i for k, x in events if k == "logprobs" for i in x]
+        assert [i.token for i in infos] == p and events[-1][1].token_ids == () and infos[1].top == ()
+
+
+def _full_logits(model, ids):
+    from kilnx.runtime.kv_cache import KVCache
+    cache = KVCache.for_model(model.config, 1, 64)
+    return model.forward(torch.tensor([ids]), torch.arange(len(ids))[None], cache)[0]

@@ -125,7 +125,8 @@ def test_token_id_prompts_and_seeded_sampling(served):
 
 @pytest.mark.parametrize("body, status, words", [
     ({"prompt": "hi", "n": 2}, 400, "`n`=2 is not supported"),
-    ({"prompt": "hi", "logprobs": 3}, 400, "`logprobs`"),
+    ({"prompt": "hi", "best_of": 3}, 400, "`best_of`"),
+    ({"prompt": "hi", "logprobs": 30}, 400, "logprobs"),
     ({"prompt": "hi", "presence_penalty": 0.5}, 400, "`presence_penalty`"),
     ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "serves `smollm2`"),
@@ -217,3 +218,59 @@ def test_a_chats_next_turn_reuses_the_cache_of_the_first(served):
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] > 10
     ids = lm.tokenizer.encode(lm.tokenizer.apply_chat_template(messages), add_special_tokens=False)
     assert r["choices"][0]["message"]["content"] == generate_text(lm, ids, SamplingParams(max_tokens=8))[0]
+
+
+def _model_logprobs(lm, ids):
+    """log-softmax of one forward over ids: row j scores token j + 1."""
+    import torch
+
+    from kilnx.runtime.kv_cache import KVCache
+    cache = KVCache.for_model(lm.config, 1, len(ids), dtype=lm.model.dtype, device="cpu")
+    logits = lm.model.forward(torch.tensor([ids]), torch.arange(len(ids))[None], cache)[0]
+    return torch.log_softmax(logits.double(), -1)
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_a_loglikelihood_request(served):
+    """What evaluation harnesses send (max_tokens 0, echo, logprobs 1): the prompt back as text, with each of
+    its tokens' log-probability under the model (the first has none) and the most likely token there."""
+    lm, client = served
+    prompt = "The capital of France is Paris"
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1,
+                                             "temperature": 0})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    ids = lm.tokenizer.encode(prompt)
+    assert choice["text"] == prompt and len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None
+    assert lp["tokens"] == [lm.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    want = _model_logprobs(lm, ids)
+    for j in range(1, len(ids)):
+        assert abs(lp["token_logprobs"][j] - float(want[j - 1, ids[j]])) < 2e-3
+        (best, value), = lp["top_logprobs"][j].items()
+        assert abs(value - float(want[j - 1].max())) < 2e-3
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][1] == len(lp["tokens"][0])
+
+
+def test_logprobs_of_generated_tokens_completions_and_chat(served):
+    lm, client = served
+    r = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 6, "logprobs": 2,
+                                             "temperature": 0, "ignore_eos": True}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert "".join(lp["tokens"]) == r["choices"][0]["text"] and len(lp["token_logprobs"]) == 6
+    assert all(len(t) == 2 and max(t.values()) == pytest.approx(v, abs=1e-6)       # greedy: the token is the top
+               for t, v in zip(lp["top_logprobs"], lp["token_logprobs"]))
+    ids = lm.tokenizer.encode(PROMPTS[0])
+    seq = ids + [lm.tokenizer.encode(t, add_special_tokens=False)[0] for t in lp["tokens"][:1]]
+    assert lp["token_logprobs"][0] == pytest.approx(float(_model_logprobs(lm, seq)[len(ids) - 1, seq[-1]]), abs=2e-3)
+    streamed = _events(client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 6, "logprobs": 2,
+                                                            "temperature": 0, "ignore_eos": True, "stream": True}))
+    got = [v for c in streamed if c["choices"] and c["choices"][0]["logprobs"]
+           for v in c["choices"][0]["logprobs"]["token_logprobs"]]
+    assert got == pytest.approx(lp["token_logprobs"], abs=1e-6)
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5,
+                                                  "temperature": 0, "logprobs": True, "top_logprobs": 3}).json()
+    content = r["choices"][0]["logprobs"]["content"]
+    assert "".join(e["token"] for e in content) == r["choices"][0]["message"]["content"]
+    assert all(len(e["top_logprobs"]) == 3 and e["bytes"] == list(e["token"].encode()) for e in content)
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 3})
+    assert r.status_code == 400 and "needs `logprobs`" in r.json()["error"]["message"]

@@ -1,0 +1,203 @@
+"""OpenAI's API shapes for `kilnx serve`: the request bodies (pydantic), errors, and how choices, stream chunks
+and log-probabilities are written for /v1/completions and /v1/chat/completions."""
+
+from __future__ import annotations
+
+import json
+from typing import Union
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from kilnx.runtime.scheduler import Finished, TokenLogprob
+
+UNSUPPORTED = {   # field -> its value that means "not asked for"
+    "n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "suffix": None,
+    "tools": None, "functions": None,
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(status_code=self.status, content=self.body())
+
+
+# ----------------------------------------------------------------------------- requests
+class Sampling(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    stream: bool = False
+    stream_options: dict | None = None
+    ignore_eos: bool = False
+
+    def refuse_unsupported(self) -> None:
+        extra = self.model_extra or {}
+        for name, neutral in UNSUPPORTED.items():
+            value = extra.get(name, neutral)
+            if value not in (neutral, None) and not (name == "logit_bias" and value == {}):
+                raise APIError(400, f"`{name}`={value!r} is not supported by this server; leave it out.", param=name)
+        fmt = extra.get("response_format")
+        if fmt not in (None, {"type": "text"}):
+            raise APIError(400, "only text responses are supported; leave `response_format` out.",
+                           param="response_format")
+
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class CompletionRequest(Sampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+
+    def top(self) -> int | None:
+        return self.logprobs
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: Union[str, list[dict], None] = None
+
+
+class ChatRequest(Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def top(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "`top_logprobs` needs `logprobs`: true.", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def text_content(content) -> str:
+    """A message's text: a string, or the text parts of a list of content parts (images are refused)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if part.get("type") != "text":
+            raise APIError(400, f"message content of type {part.get('type')!r} is not supported; send text.",
+                           param="messages")
+        texts.append(part.get("text", ""))
+    return "".join(texts)
+
+
+# ----------------------------------------------------------------------------- responses
+def usage(finished: list[Finished]) -> dict:
+    p = sum(f.prompt_tokens for f in finished)
+    c = sum(f.completion_tokens for f in finished)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": sum(f.cached_tokens for f in finished)}}
+
+
+def finish_reason(f: Finished) -> str:
+    return "length" if f.reason == "length" else "stop"
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+class Choice:
+    """One choice as its events arrive: text pieces, log-probability entries, the end. `take()` hands over
+    what came since the last take (a stream chunk's share)."""
+
+    def __init__(self, index: int, prefix: str = ""):
+        self.index = index
+        self.text: list[str] = [prefix] if prefix else []
+        self.logprobs: list[TokenLogprob] = []
+        self.finished: Finished | None = None
+        self._sent_text = self._sent_lp = 0
+
+    def add(self, kind: str, payload) -> None:
+        if kind == "text":
+            self.text.append(payload)
+        elif kind == "logprobs":
+            self.logprobs.extend(payload)
+        elif kind == "done":
+            self.finished = payload
+
+    def take(self) -> tuple[str, list[TokenLogprob]]:
+        text, lps = "".join(self.text[self._sent_text:]), self.logprobs[self._sent_lp:]
+        self._sent_text, self._sent_lp = len(self.text), len(self.logprobs)
+        return text, lps
+
+
+class Writer:
+    """The response shapes of one endpoint: `chat` or completions, with log-probabilities when asked
+    (`top` alternatives a token; None: not asked)."""
+
+    def __init__(self, *, chat: bool, rid: str, created: int, model: str, top: int | None, token_text):
+        self.chat, self.rid, self.created, self.model, self.top = chat, rid, created, model, top
+        self.token_text = token_text            # id -> its text
+        self._offset: dict[int, int] = {}       # completions' text_offset, running a choice
+
+    def logprobs(self, index: int, lps: list[TokenLogprob]):
+        if self.top is None:
+            return None
+        if self.chat:
+            return {"content": [dict(self._chat_entry(lp.token, lp.logprob),
+                                     top_logprobs=[self._chat_entry(t, v) for t, v in lp.top]) for lp in lps]}
+        tokens = [self.token_text(lp.token) for lp in lps]
+        offsets, at = [], self._offset.get(index, 0)
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
+        self._offset[index] = at
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [None if lp.logprob is None else {self.token_text(t): v for t, v in lp.top}
+                                 for lp in lps],
+                "text_offset": offsets}
+
+    def _chat_entry(self, token: int, logprob: float) -> dict:
+        text = self.token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def response(self, choices: list[Choice]) -> dict:
+        out = []
+        for c in choices:
+            text, lps = c.take()
+            body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+            out.append({"index": c.index, **body, "logprobs": self.logprobs(c.index, lps),
+                        "finish_reason": finish_reason(c.finished)})
+        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": out,
+                "usage": usage([c.finished for c in choices])}
+
+    def chunk(self, choice: Choice, *, role: bool = False) -> dict:
+        """What `choice` has to send now: its new text and log-probabilities, and its end once it ended."""
+        text, lps = choice.take()
+        reason = finish_reason(choice.finished) if choice.finished is not None else None
+        if self.chat:
+            body = {"delta": {"role": "assistant", "content": text} if role else ({"content": text} if text else {})}
+        else:
+            body = {"text": text}
+        return self._chunk([{"index": choice.index, **body, "logprobs": self.logprobs(choice.index, lps) if lps else None,
+                             "finish_reason": reason}])
+
+    def usage_chunk(self, choices: list[Choice]) -> dict:
+        return {**self._chunk([]), "usage": usage([c.finished for c in choices])}
+
+    def _chunk(self, choices: list) -> dict:
+        return {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices}

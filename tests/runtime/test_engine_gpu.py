@@ -159,7 +159,7 @@ def test_continuous_batching_on_cuda_graphs():
     """The server's scheduler on the GPU's graph steps: five requests on three rows all finish with their
     budgets; two equal requests decoded side by side draw equal tokens; every first token (a prefill into
     the request's row) is the one-row engine's."""
-    import threading
+    from outcomes import Outcomes
 
     from kilnx.runtime.generate import generate_ids
     from kilnx.runtime.sampling import SamplingParams
@@ -169,20 +169,11 @@ def test_continuous_batching_on_cuda_graphs():
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 9, 5, 12, 7)]
     prompts[2] = prompts[0]
     budgets = (12, 4, 12, 6, 5)
-    done, all_done = {}, threading.Event()
-
-    def listener(i):
-        def on_event(kind, payload):
-            assert kind != "error", payload
-            if kind == "done":
-                done[i] = payload
-                if len(done) == len(prompts):
-                    all_done.set()
-        return on_event
+    outcomes = Outcomes(len(prompts))
     with Scheduler(Engine(m, max_seq=64, max_batch=3)) as sched:
         for i, (p, n) in enumerate(zip(prompts, budgets)):
-            sched.submit(p, SamplingParams(max_tokens=n, ignore_eos=True), listener(i))
-        assert all_done.wait(600)
+            sched.submit(p, SamplingParams(max_tokens=n, ignore_eos=True), outcomes.listener(i))
+        done = outcomes.wait(600)
         assert sched.rows_decoded > sched.steps
     assert [len(done[i].token_ids) for i in range(5)] == list(budgets)
     assert done[0].token_ids == done[2].token_ids

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from outcomes import Outcomes
 from tiny_models import tiny_model
 
 from kilnx.models.errors import ContextLengthError
@@ -41,22 +42,11 @@ def test_requests_batched_together_get_the_tokens_each_gets_alone(arch, backend)
     prompts = _prompts((5, 9, 3, 12, 7))
     budgets = (6, 3, 8, 5, 4)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in budgets]
-    done: dict[int, Finished] = {}
-    finished = threading.Event()
-
-    def listener(i):
-        def on_event(kind, payload):
-            assert kind != "error", payload
-            if kind == "done":
-                done[i] = payload
-                if len(done) == len(prompts):
-                    finished.set()
-        return on_event
-
+    outcomes = Outcomes(len(prompts))
     with Scheduler(Engine(model, max_seq=48, max_batch=3)) as sched:
         for i, (p, sp) in enumerate(zip(prompts, params)):
-            sched.submit(p, sp, listener(i))
-        assert finished.wait(300)
+            sched.submit(p, sp, outcomes.listener(i))
+        done = outcomes.wait(300)
         assert sched.steps < sum(budgets) - len(budgets)     # some steps decoded several rows
     for i, (p, sp) in enumerate(zip(prompts, params)):
         assert done[i].reason == "length" and done[i].prompt_tokens == len(p)
@@ -69,23 +59,13 @@ def test_a_request_joining_mid_generation_changes_nothing():
     model = tiny_model("llama")
     first, second = _prompts((6, 10), seed=5)
     sp = SamplingParams(max_tokens=8, ignore_eos=True)
-    results: dict[str, Finished] = {}
-    both = threading.Event()
-
-    def done(name):
-        def on_event(kind, payload):
-            if kind == "done":
-                results[name] = payload
-                if len(results) == 2:
-                    both.set()
-        return on_event
-
+    outcomes = Outcomes(2)
     with Scheduler(Engine(model, max_seq=48, max_batch=2)) as sched:
-        req = sched.submit(first, sp, done("first"))
+        req = sched.submit(first, sp, outcomes.listener("first"))
         while len(req.tokens) < 3:                     # join once the first has three tokens
             time.sleep(0.001)
-        sched.submit(second, sp, done("second"))
-        assert both.wait(300)
+        sched.submit(second, sp, outcomes.listener("second"))
+        results = outcomes.wait(300)
     assert list(results["first"].token_ids) == _alone(model, first, sp)
     assert list(results["second"].token_ids) == _alone(model, second, sp)
 

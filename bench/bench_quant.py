@@ -109,8 +109,9 @@ def _wg_direct_path(sets, bits, dev, extra):
     if bits != 4 or not (dev == "cuda" or interpreting()) or not D.takes(x0, wq0, s0, b0):
         return None
     as_bytes = D.as_bytes
-    configs = [dict(BLOCK_M=16, GPI=g, SPLIT_K=sk, num_stages=st) for g in (4, 8) for st in (1, 3)
-               for sk in (4, 2, 8, 1)]
+    # each split both ways (INTERLEAVE: a tile's programs take its K steps in turn), side by side in the list
+    configs = [dict(BLOCK_M=16, GPI=g, SPLIT_K=sk, num_stages=st, **({"INTERLEAVE": True} if il else {}))
+               for g in (4, 8) for st in (1, 3) for sk in (4, 2, 8, 1) for il in (False, True) if sk > 1 or not il]
     done = D.counters_for(x0, wq0.shape[0])
     default = D.qmm_wg_direct.default_config(x0, as_bytes(wq0), s0, b0, done)
     return "qmm_wg_direct", \

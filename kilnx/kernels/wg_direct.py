@@ -65,20 +65,32 @@ def _default(x, wb, scales, biases, done, **_):
 
 
 @kd.kernel(tune={"BLOCK_M": kd.choice(16, 32, 64, 128, 256, default=128), "GPI": kd.choice(2, 4, 8, default=2),
-                 "SPLIT_K": kd.choice(1, 2, 4, 8, default=1), "num_stages": kd.choice(1, 2, 3, 4, default=3)},
+                 "SPLIT_K": kd.choice(1, 2, 4, 8, default=1), "INTERLEAVE": kd.choice(False, True, default=False),
+                 "num_stages": kd.choice(1, 2, 3, 4, default=3)},
+           constraints=[lambda SPLIT_K, INTERLEAVE: SPLIT_K > 1 or not INTERLEAVE],
            key=lambda x, wb, scales, biases, done, **_: {"M": x.shape[0], "N": wb.shape[0], "K": x.shape[1]},
            spec=_spec, default=_default, specialize=_specialize)
-def qmm_wg_direct(x, wb, scales, biases, done, *, G_DIV: kd.constexpr, BLOCK_M, GPI, SPLIT_K):
+def qmm_wg_direct(x, wb, scales, biases, done, *, G_DIV: kd.constexpr, BLOCK_M, GPI, SPLIT_K, INTERLEAVE=False):
     """y (M, N) = x (M, K) @ W.T; wb is MLX's 4-bit words as bytes (N, K/2) u8 (`w.packed.view(torch.uint8)`),
     scales and biases (N, K/64) bf16, `done` zeroed int32 tile counters (`counters_for`; left zeroed). GPI
     groups a K step (one dot of K = 64 GPI); K split over SPLIT_K programs, the last to finish a tile adds
-    the partial sums. y (M, N) in x's dtype."""
+    the partial sums. y (M, N) in x's dtype.
+
+    INTERLEAVE: a tile's SPLIT_K programs launch next to each other and take its K steps in turn (program j
+    steps j, j + SPLIT_K, ...), so at a time they read neighbouring 64 GPI-byte runs of the same 64 rows, where
+    the plain split reads one run a row per program with the row's other runs in programs a wave apart. Why it
+    may matter: a step reads 64 rows x 32 GPI bytes, 2-7 KB apart (K/2), where qmm_wg's repacked copy reads one
+    8 KB run, and this kernel loses to that one only on the two projections bound by bandwidth (gate_up, down;
+    bench/results/README.md, session 21). A guess until the GPU times it."""
     M, K = x.shape
     N, G = scales.shape
     if G_DIV % GPI:
         raise kd.DSLError(f"qmm_wg_direct: GPI {GPI} groups a step must divide the {G_DIV}-multiple of groups "
                           "(K/64); K a multiple of 128 takes GPI 2")
-    pid, pm, pk = kd.grid(kd.cdiv(N, ROWS), kd.cdiv(M, BLOCK_M), SPLIT_K)
+    if INTERLEAVE:
+        pk, pid, pm = kd.grid(SPLIT_K, kd.cdiv(N, ROWS), kd.cdiv(M, BLOCK_M))   # a tile's programs launch together
+    else:
+        pid, pm, pk = kd.grid(kd.cdiv(N, ROWS), kd.cdiv(M, BLOCK_M), SPLIT_K)
     HALF = GPI // 2
     # the bytes a step loads, in thread order: (o0, half, warp, lane // 4, lane % 4, o), 16 contiguous a thread
     e = kd.arange(0, 2048 * GPI)
@@ -93,7 +105,8 @@ def qmm_wg_direct(x, wb, scales, biases, done, *, G_DIV: kd.constexpr, BLOCK_M, 
     steps = G // GPI
     per = kd.cdiv(steps, SPLIT_K)
     acc = kd.zeros((ROWS, BLOCK_M), kd.f32)
-    for step in kd.range(pk * per, kd.minimum(pk * per + per, steps)):
+    first, stop, stride = (pk, steps, SPLIT_K) if INTERLEAVE else (pk * per, kd.minimum(pk * per + per, steps), 1)
+    for step in kd.range(first, stop, stride):
         g0 = step * GPI
         raw = kd.load(wb, wrow, g0 * 32 + wcol, check=False)
         # -> rows (warp, o0, lane // 4), byte columns (half, o, lane % 4): the operand's order

@@ -27,17 +27,18 @@ def _bytes(words):
 @settings(max_examples=4, deadline=None)
 @given(shape=st.sampled_from([(64, 128), (128, 512), (64, 384)]), m=st.sampled_from([1, 5, 17, 64, 100]),
        cfg=st.sampled_from([(64, 2, 1), (16, 2, 1), (16, 4, 2), (64, 2, 2), (16, 8, 1), (64, 4, 4), (32, 4, 2)]),
-       seed=st.integers(0, 10_000))
-def test_the_gemm_gives_the_product(backend, shape, m, cfg, seed):
+       seed=st.integers(0, 10_000), interleave=st.booleans())
+def test_the_gemm_gives_the_product(backend, shape, m, cfg, seed, interleave):
     """Any rows, GPI groups a K step (the largest of 2, 4, 8 up to cfg's that divides K/64), K split over
-    programs (the last of a tile's to finish adds the partial sums) or not; y in x's dtype either way."""
+    programs (the last of a tile's to finish adds the partial sums; in runs, or in turns with INTERLEAVE) or
+    not; y in x's dtype either way."""
     _skip_triton(backend)
     words, s, b, x, want = _case(*shape, m, seed)
     block_m, gpi, split = cfg
     gpi = max(d for d in (2, 4, 8) if d <= gpi and (shape[1] // 64) % d == 0)
     done = D.counters_for(x, shape[0])
     got = D.qmm_wg_direct(x, _bytes(words), s, b, done, backend=backend,
-                          config={"BLOCK_M": block_m, "GPI": gpi, "SPLIT_K": split})
+                          config={"BLOCK_M": block_m, "GPI": gpi, "SPLIT_K": split, "INTERLEAVE": interleave and split > 1})
     assert got.shape == (m, shape[0]) and got.dtype == x.dtype
     assert _close(got, want)
     assert not done.any()                              # the tile counters are left as found
@@ -59,7 +60,9 @@ from kilnx.kernels import wg_direct as D
 wb, sg = torch.zeros(256, 2048, dtype=torch.uint8), torch.zeros(256, 64).bfloat16()
 done = torch.zeros(4096, dtype=torch.int32)
 cases = {"GEMM": (torch.zeros(512, 4096).bfloat16(), {"BLOCK_M": 128, "GPI": 2, "num_stages": 3}),
-         "GEMV": (torch.zeros(4, 4096).bfloat16(), {"BLOCK_M": 16, "GPI": 4, "SPLIT_K": 4, "num_stages": 3})}
+         "GEMV": (torch.zeros(4, 4096).bfloat16(), {"BLOCK_M": 16, "GPI": 4, "SPLIT_K": 4, "num_stages": 3}),
+         "GEMV_INTERLEAVED": (torch.zeros(4, 4096).bfloat16(),
+                              {"BLOCK_M": 16, "GPI": 4, "SPLIT_K": 4, "INTERLEAVE": True, "num_stages": 3})}
 print(json.dumps({name: operand_facts(compile_for_target(D.qmm_wg_direct, (x, wb, sg, sg, done), cfg, aligned=True))
                   for name, (x, cfg) in cases.items()}))
 """
@@ -81,7 +84,8 @@ def test_the_gemm_gives_the_product_on_the_gpu(m):
     done = D.counters_for(x.cuda(), 256)
     for cfg in ({"BLOCK_M": 64, "GPI": 2, "num_stages": 2}, {"BLOCK_M": 128, "GPI": 2, "num_stages": 3},
                 {"BLOCK_M": 256, "GPI": 2, "num_stages": 2}, {"BLOCK_M": 16, "GPI": 8, "SPLIT_K": 1, "num_stages": 3},
-                {"BLOCK_M": 16, "GPI": 4, "SPLIT_K": 2}, {"BLOCK_M": 64, "GPI": 2, "SPLIT_K": 4, "num_stages": 1}):
+                {"BLOCK_M": 16, "GPI": 4, "SPLIT_K": 2}, {"BLOCK_M": 64, "GPI": 2, "SPLIT_K": 4, "num_stages": 1},
+                {"BLOCK_M": 16, "GPI": 4, "SPLIT_K": 4, "INTERLEAVE": True, "num_stages": 3}):
         assert _close(D.qmm_wg_direct(x.cuda(), *args, done, config=cfg).cpu(), want), cfg
         assert not done.any(), cfg
 

@@ -162,11 +162,12 @@ def _free_port() -> int:
 
 
 def test_kilnx_serve_answers_over_http(served, tmp_path):
-    """The `kilnx serve` command itself: a process listening on a port, answering an OpenAI client's request
-    with the text the in-process server gives."""
+    """The `kilnx serve` command itself: a process listening on a port, answering six clients at once (three
+    prompts, streamed and not, decoded side by side on two rows) with the text the in-process server gives."""
     import os
     import subprocess
     import sys
+    import threading
     import time
     import urllib.request
     lm, client = served
@@ -185,12 +186,28 @@ def test_kilnx_serve_answers_over_http(served, tmp_path):
             except OSError:
                 assert proc.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()
                 time.sleep(0.5)
-        body = {"model": "smollm2-135m", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
-        req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        got = json.loads(urllib.request.urlopen(req, timeout=300).read())
-        want = client.post("/v1/completions", json={**body, "model": "smollm2"}).json()
-        assert got["choices"][0]["text"] == want["choices"][0]["text"] != ""
+        # several clients at once, streaming and not: each gets what it gets alone from the in-process server
+        bodies = [{"model": "smollm2-135m", "prompt": p, "max_tokens": 8, "temperature": 0, "stream": stream}
+                  for p in PROMPTS for stream in (False, True)]
+        got = [None] * len(bodies)
+
+        def ask(i):
+            req = urllib.request.Request(url + "/v1/completions", data=json.dumps(bodies[i]).encode(),
+                                         headers={"Content-Type": "application/json"})
+            raw = urllib.request.urlopen(req, timeout=300).read().decode()
+            if bodies[i]["stream"]:
+                chunks = [json.loads(ln[6:]) for ln in raw.split("\n") if ln.startswith("data: {")]
+                got[i] = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+            else:
+                got[i] = json.loads(raw)["choices"][0]["text"]
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(bodies))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        for body, text in zip(bodies, got):
+            want = client.post("/v1/completions", json={**body, "model": "smollm2", "stream": False}).json()
+            assert text == want["choices"][0]["text"] != ""
     finally:
         proc.terminate()
         proc.wait(60)

@@ -52,7 +52,8 @@ for s in "$@"; do case $s in
   tcgemv) step tcgemv ${TCGEMV_SECS:-400} python3 bench/probes/tc_gemv.py $OUT/tc_gemv.csv ;;
   batchbench) for b in ${BATCH_SIZES:-1 4 8 16}; do for v in on 0; do   # kilnx bench --batch, the wgmma route on / off
                 KILNX_WG=$([ $v = 0 ] && echo 0) step e2e_b${b}_wg$v 240 python3 -m kilnx.cli bench --model ${BATCH_MODEL:-llama-3.1-8b} --random --prompt-lens 128 --gen 64 --repeats 2 --batch $b --device cuda --csv $OUT/e2e_batch_wg$v.csv; done; done ;;
-  serveload) step serveload ${SERVE_SECS:-300} python3 bench/probes/serve_load.py $OUT/serve_load.csv ${SERVE_MODEL:-llama-3.1-8b} ${SERVE_BATCHES:-1,4,8,16} ${SERVE_REQUESTS:-16} 64 --random ;;
+  serveload) for la in 1 0; do   # the scheduler with its GPU lookahead on / off
+               KILNX_SERVE_LOOKAHEAD=$la step serveload_la$la ${SERVE_SECS:-240} python3 bench/probes/serve_load.py $OUT/serve_load_la$la.csv ${SERVE_MODEL:-llama-3.1-8b} ${SERVE_BATCHES:-1,4,8,16} ${SERVE_REQUESTS:-16} 64 --random; done ;;
   batchdecode) step batchdecode ${BATCH_SECS:-330} python3 bench/probes/batch_decode.py $OUT/batch_decode.csv ${BATCH_MODEL:-llama-3.1-8b} ${BATCH_SIZES:-1,2,4,8,16} ${BATCH_STEPS:-64} ;;
   moeprobe) step moeprobe ${MOEPROBE_SECS:-300} python3 bench/probes/moe_onepass.py $OUT/moe_onepass.csv ${MOEPROBE_ROUNDS:-2} ;;
   fusions) step fusions 150 python3 bench/bench_kernels.py --suite fusions --quick --out $OUT ;;

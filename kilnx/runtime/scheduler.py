@@ -28,6 +28,7 @@ are held back until they can no longer begin, and the text ends before one (Open
 from __future__ import annotations
 
 import collections
+import os
 import queue
 import sys
 import threading
@@ -98,6 +99,8 @@ class Request:
     cached: int = 0                # of those, how many a previous sequence in the row left there
     sampler: Sampler | None = None
     decoder: object = None
+    fed: int = 0                   # decode steps enqueued: the next one feeds position len(ids) + fed
+    inflight: int = 0              # of those, steps whose token the host has not read yet (lookahead)
     logprobs: int | None = None    # with log-probabilities of each token and this many alternatives; None: without
     echo: bool = False             # the prompt's tokens' log-probabilities too (with logprobs)
 
@@ -105,18 +108,35 @@ class Request:
         """Ask the scheduler to drop this request (its row frees at the next step); safe from any thread."""
         self.cancelled = True
 
-    @property
-    def position(self) -> int:
-        """Where the next decode step puts this request's last token."""
-        return len(self.ids) + len(self.tokens) - 1
+    def wants_step(self, max_seq: int) -> bool:
+        """Whether another decode step can still give this request a token it may keep (counting a step in
+        flight, whose token is not read yet)."""
+        have = len(self.tokens) + self.inflight
+        return bool(self.tokens) and have < self.params.max_tokens and len(self.ids) + have < max_seq
+
+
+@dataclass
+class _InFlight:
+    """A decode step enqueued: its rows, their sampled tokens on the device and on the way to the host."""
+    rows: list[tuple[int, Request]]
+    picked: torch.Tensor
+    host: torch.Tensor
+    ready: object                  # a CUDA event once `host` holds the tokens; None where it already does
+    logits: torch.Tensor | None    # kept for log-probabilities (steps with such a row are not looked past)
 
 
 class Scheduler:
     """Serves requests on `engine` (its max_batch rows) from a thread of its own; close() stops it."""
 
     def __init__(self, engine: Engine, tokenizer=None, *, stop_token_ids: tuple[int, ...] = (),
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, lookahead: int | None = None):
         self.engine = engine
+        # a GPU step is enqueued before the host reads the previous step's tokens (their detokenizing, stop
+        # checks and events run while it computes); on the CPU kernels run as launched, so nothing overlaps
+        if lookahead is None:
+            lookahead = int(os.environ.get("KILNX_SERVE_LOOKAHEAD", "1" if engine.device.type == "cuda" else "0"))
+        self.lookahead = bool(lookahead)
+        self._pending: _InFlight | None = None
         # a chunk: on a GPU one graph-replayed prefill (512 tokens: engine.prefill_graph_max), on the CPU ~0.3 s of
         # SmolLM2-135M, the most the other streams wait for a token
         self.prefill_chunk = prefill_chunk or (512 if engine.device.type == "cuda" else 128)
@@ -186,7 +206,7 @@ class Scheduler:
             torch.cuda.set_device(self.engine.device)
         while True:
             with self._cv:
-                while not self._closed and not self._waiting and not self._busy():
+                while not self._closed and not self._waiting and not self._busy() and self._pending is None:
                     self._cv.wait()
                 if self._closed:
                     break
@@ -209,6 +229,7 @@ class Scheduler:
             except Exception:          # a bug below: fail the requests in flight, keep serving the next
                 message = traceback.format_exc()
                 print(message, file=sys.stderr)
+                self._pending = None
                 for req in [r for r in self.rows if r is not None]:
                     self._release(req, keep=False)
                     self._notify(req, "error", message.strip().splitlines()[-1])
@@ -224,8 +245,19 @@ class Scheduler:
         filling = [r for r in self.rows if r is not None and not r.tokens]
         if filling:
             self._prefill_chunk(min(filling, key=lambda r: r.admitted))
-        if any(r is not None and r.tokens for r in self.rows):
-            self._step()
+        pipelined = self.lookahead and not any(r is not None and r.logprobs is not None for r in self.rows)
+        if pipelined:              # step n + 1 is enqueued, then step n's tokens are read and handled
+            step = self._enqueue(self._pending)
+            if self._pending is not None:
+                self._collect(self._pending)
+            self._pending = step
+        else:
+            if self._pending is not None:
+                self._collect(self._pending)
+                self._pending = None
+            step = self._enqueue(None)
+            if step is not None:
+                self._collect(step)
 
     def _row_for(self, ids: list[int]) -> tuple[int, int]:
         """(row, prompt tokens already cached there): the free row whose kept tokens share the longest prefix
@@ -271,23 +303,52 @@ class Scheduler:
             tok = int(req.sampler(logits)[0])
             self._accept(req, tok, logits)
 
-    def _step(self) -> None:
-        live = [(i, r) for i, r in enumerate(self.rows) if r is not None and r.tokens]
+    def _enqueue(self, prev: _InFlight | None) -> _InFlight | None:
+        """One decode step of the rows that want one (None if none does). A row of `prev`, the step still in
+        flight, takes that step's token straight from the device."""
+        live = [(i, r) for i, r in enumerate(self.rows) if r is not None and r.wants_step(self.engine.max_seq)]
+        if not live:
+            return None
         B = self.engine.decode_rows(live[-1][0] + 1)   # every row the step runs gets its inputs from here
-        parked = self.engine.max_seq - 1     # free rows and rows still prefilling ride along here
-        tokens = [r.tokens[-1] if r is not None and r.tokens else 0 for r in self.rows[:B]]
-        positions = [r.position if r is not None and r.tokens else parked for r in self.rows[:B]]
+        tokens, positions = [0] * B, [self.engine.max_seq - 1] * B   # free and prefilling rows park at the end
+        for i, r in live:
+            tokens[i], positions[i] = r.tokens[-1], len(r.ids) + r.fed
         dev = self.engine.device
-        logits = self.engine.decode(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
-                                    max_position=max(positions))
+        cuda = dev.type == "cuda"
+        tok, pos = (torch.tensor(v).pin_memory().to(dev, non_blocking=True) if cuda else torch.tensor(v)
+                    for v in (tokens, positions))
+        carried = [(i, j) for j, (i, r) in enumerate(prev.rows) if r.inflight and self.rows[i] is r] if prev else []
+        if carried:
+            rows, slots = zip(*carried)
+            tok[list(rows)] = prev.picked[list(slots)]
+        logits = self.engine.decode(tok, pos, max_position=max(positions))
         # greedy rows share one argmax over the step's logits; sampled rows draw from their own generators
         top = self._argmax(logits) if any(r.params.greedy for _, r in live) else None
         picked = torch.cat([top[i:i + 1] if r.params.greedy else r.sampler(logits[i:i + 1]).reshape(1)
-                            for i, r in live]).tolist()                           # one host read a step
+                            for i, r in live])
+        for _, r in live:
+            r.fed += 1
+            r.inflight += 1
+        ready = None
+        if cuda:
+            host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=True).copy_(picked, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host = picked
+        keep = logits if any(r.logprobs is not None for _, r in live) else None
+        return _InFlight(live, picked, host, ready, keep)
+
+    def _collect(self, step: _InFlight) -> None:
+        """Hand each row its token of `step` (rows whose request ended meanwhile drop theirs)."""
+        if step.ready is not None:
+            step.ready.synchronize()
         self.steps += 1
-        self.rows_decoded += len(live)
-        for (i, req), tok in zip(live, picked):
-            self._accept(req, int(tok), logits[i])
+        self.rows_decoded += len(step.rows)
+        for (i, req), tok in zip(step.rows, step.host.tolist()):
+            req.inflight -= 1
+            if self.rows[i] is req:
+                self._accept(req, int(tok), step.logits[i] if step.logits is not None else None)
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         ops = self.engine.model.ops

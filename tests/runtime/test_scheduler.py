@@ -34,16 +34,19 @@ def _collect(scheduler, ids, params, stop=()):
     return pieces[:-1], pieces[-1]
 
 
+@pytest.mark.parametrize("lookahead", [False, True])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_requests_batched_together_get_the_tokens_each_gets_alone(arch, backend):
+def test_requests_batched_together_get_the_tokens_each_gets_alone(arch, backend, lookahead):
     """Five greedy requests on three rows: rows are reused as requests end, the batch grows and shrinks,
-    and free rows inside it ride along parked; each request's tokens are its tokens decoded alone."""
+    and free rows inside it ride along parked; each request's tokens are its tokens decoded alone. With
+    lookahead (the GPU's default) each step is enqueued before the previous step's tokens are read, its
+    inputs taken on the device; a request that ends meanwhile drops the extra step's token."""
     model = tiny_model(arch, ops=backend.ops, device=backend.device)
     prompts = _prompts((5, 9, 3, 12, 7))
     budgets = (6, 3, 8, 5, 4)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in budgets]
     outcomes = Outcomes(len(prompts))
-    with Scheduler(Engine(model, max_seq=48, max_batch=3)) as sched:
+    with Scheduler(Engine(model, max_seq=48, max_batch=3), lookahead=lookahead) as sched:
         for i, (p, sp) in enumerate(zip(prompts, params)):
             sched.submit(p, sp, outcomes.listener(i))
         done = outcomes.wait(300)
@@ -70,13 +73,14 @@ def test_a_request_joining_mid_generation_changes_nothing():
     assert list(results["second"].token_ids) == _alone(model, second, sp)
 
 
-def test_seeded_sampling_is_the_requests_own():
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_seeded_sampling_is_the_requests_own(lookahead):
     """Two sampled requests with one seed, decoded side by side, draw the same tokens, and those of the
     request alone: each row has its own generator."""
     model = tiny_model("llama")
     p = _prompts((7,), seed=9)[0]
     sp = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=10, ignore_eos=True)
-    with Scheduler(Engine(model, max_seq=48, max_batch=2)) as sched:
+    with Scheduler(Engine(model, max_seq=48, max_batch=2), lookahead=lookahead) as sched:
         out = []
         threads = [threading.Thread(target=lambda: out.append(_collect(sched, p, sp)[1])) for _ in range(2)]
         for t in threads:
@@ -87,11 +91,12 @@ def test_seeded_sampling_is_the_requests_own():
     assert list(out[0].token_ids) == _alone(model, p, sp)
 
 
-def test_stop_tokens_and_the_context_end():
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_stop_tokens_and_the_context_end(lookahead):
     model = tiny_model("llama")
     p = _prompts((8,), seed=2)[0]
     greedy = _alone(model, p, SamplingParams(max_tokens=6, ignore_eos=True))
-    with Scheduler(Engine(model, max_seq=16, max_batch=2), stop_token_ids=(greedy[2],)) as sched:
+    with Scheduler(Engine(model, max_seq=16, max_batch=2), stop_token_ids=(greedy[2],), lookahead=lookahead) as sched:
         _, fin = _collect(sched, p, SamplingParams(max_tokens=6))
         assert fin.reason == "stop" and list(fin.token_ids) == greedy[:3]    # the stop token ends it, counted
         _, fin = _collect(sched, p, SamplingParams(max_tokens=6, ignore_eos=True))
@@ -187,14 +192,15 @@ def test_a_long_prompt_prefills_in_chunks_between_the_others_steps():
     assert list(results["long"].token_ids) == _alone(model, long, sp)
 
 
-def test_a_prompt_that_begins_with_a_rows_last_sequence_prefills_only_the_rest():
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_a_prompt_that_begins_with_a_rows_last_sequence_prefills_only_the_rest(lookahead):
     """A chat's next turn re-sends the conversation: the row whose cache holds its beginning is chosen, only
     the new tokens are prefilled, and the tokens are those of a prefill from scratch. Another row's steps in
     between (a different request on row 0 parked rows at the cache's end) do not disturb what was kept."""
     model = tiny_model("llama")
     turn1, other, extra = _prompts((9, 7, 6), seed=21)
     sp = SamplingParams(max_tokens=5, ignore_eos=True)
-    with Scheduler(Engine(model, max_seq=48, max_batch=2)) as sched:
+    with Scheduler(Engine(model, max_seq=48, max_batch=2), lookahead=lookahead) as sched:
         _, first = _collect(sched, turn1, sp)
         assert first.cached_tokens == 0
         _, mid = _collect(sched, other, sp)                   # lands on the other row: nothing shared

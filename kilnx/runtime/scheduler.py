@@ -13,6 +13,11 @@ prefill. Rows that are free or still prefilling ride along in that step parked a
 what they write there is overwritten before anything reads it (the engine's invariant: a step writes its K/V
 before attending, and attends only up to its position).
 
+On a GPU the host keeps one step ahead: step n + 1 is enqueued, its rows' input tokens taken on the device from
+step n's samples, before the host reads step n's tokens and detokenizes them (KILNX_SERVE_LOOKAHEAD=0: off). A
+request that ended at step n (a stop token, a stop string) ran one step more, whose token is dropped and whose
+K/V, at its next position, nothing reads.
+
 A freed row keeps what its cache holds (the prompt and the tokens fed back in). A new prompt that begins with
 a free row's kept tokens takes that row and prefills only the rest: a chat's next turn re-sends the whole
 conversation, and a shared system prompt is the same prefix for every request. Rows are not shared between
@@ -43,8 +48,9 @@ from kilnx.runtime.engine import Engine
 from kilnx.runtime.sampling import Sampler, SamplingParams
 
 Listener = Callable[[str, object], None]
-"""on_event(kind, payload), called on the scheduler's thread: ("text", str) pieces of the continuation, then
-one ("done", Finished) or ("error", str). It must not block (put the event on a queue)."""
+"""on_event(kind, payload), called on the scheduler's thread: ("text", str) pieces of the continuation (and, where
+asked, ("logprobs", [TokenLogprob]) before each token's text), then one ("done", Finished) or ("error", str). It
+must not block (put the event on a queue)."""
 
 
 @dataclass(frozen=True)

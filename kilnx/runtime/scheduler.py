@@ -76,11 +76,12 @@ class TokenLogprob:
 
 def split_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, str, bool]:
     """(safe, held, stopped) for text not yet emitted. stopped: a stop string occurs, and safe is the text
-    before the first one. Otherwise safe may be emitted now and held is the longest tail of text that could
-    still be the start of a stop string (emitting it could leak part of a stop string)."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    before the one that ends first (the one a token-by-token generation completes first, however the text
+    is cut into pieces; ties: the longer). Otherwise safe may be emitted now and held is the longest tail of
+    text that could still be the start of a stop string (emitting it could leak part of a stop string)."""
+    hits = [(i + len(s), i) for s, i in ((s, text.find(s)) for s in stops) if i >= 0]
     if hits:
-        return text[:min(hits)], "", True
+        return text[:min(hits)[1]], "", True
     hold = 0
     for s in stops:
         for n in range(min(len(s) - 1, len(text)), hold, -1):

@@ -175,6 +175,8 @@ def serve(
     ops: Annotated[Optional[str], typer.Option(help=_OPS_HELP)] = None,
     random: Annotated[bool, typer.Option(help="Random weights at the preset's real size (any preset).")] = False,
     weights: Annotated[str, typer.Option(help="Random weight format: q4 (MLX 4-bit, groups of 64) or bf16.")] = "q4",
+    api_key: Annotated[Optional[str], typer.Option(
+        envvar="KILNX_API_KEY", help="Require `Authorization: Bearer KEY` on /v1 routes (default: open).")] = None,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API, batching concurrent requests."""
     try:
@@ -206,7 +208,7 @@ def serve(
     print(f"kilnx: serving {name} on {info.name} at http://{host}:{port}/v1 "
           f"({max_batch} rows of {engine.max_seq} tokens)", file=sys.stderr)
     try:
-        serve_forever(Server(lm, scheduler, name), host, port)
+        serve_forever(Server(lm, scheduler, name, api_key=api_key), host, port)
     finally:
         scheduler.close()
 

@@ -21,7 +21,7 @@ import asyncio
 import secrets
 import time
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 
@@ -35,8 +35,8 @@ from kilnx.runtime.scheduler import Scheduler, check_prompt
 class Server:
     """The state behind the routes: the loaded model, its scheduler and the name it is served under."""
 
-    def __init__(self, lm, scheduler: Scheduler, name: str):
-        self.lm, self.scheduler, self.name = lm, scheduler, name
+    def __init__(self, lm, scheduler: Scheduler, name: str, *, api_key: str | None = None):
+        self.lm, self.scheduler, self.name, self.api_key = lm, scheduler, name, api_key
         self.created = int(time.time())
         self._token_texts: dict[int, str] = {}
 
@@ -157,6 +157,7 @@ class Server:
 
 def create_app(server: Server) -> FastAPI:
     app = FastAPI(title="kilnx", docs_url=None, redoc_url=None)
+    app.state.server = server
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
@@ -167,6 +168,16 @@ def create_app(server: Server) -> FastAPI:
         first = e.errors()[0]
         where = ".".join(str(x) for x in first.get("loc", ())[1:])
         return APIError(400, f"{where or 'body'}: {first.get('msg')}", param=where or None).response()
+
+    @app.middleware("http")
+    async def _authorize(request: Request, call_next):
+        # with an API key every /v1 route wants `Authorization: Bearer <key>` (OpenAI clients send it); /health
+        # stays open for load balancers
+        if server.api_key and request.url.path.startswith("/v1") and \
+                not secrets.compare_digest(request.headers.get("authorization", ""), f"Bearer {server.api_key}"):
+            return APIError(401, "missing or wrong API key: send `Authorization: Bearer <key>`.",
+                            kind="authentication_error", code="invalid_api_key").response()
+        return await call_next(request)
 
     @app.get("/health")
     async def health():

@@ -291,3 +291,15 @@ def test_logprobs_of_generated_tokens_completions_and_chat(served):
     assert all(len(e["top_logprobs"]) == 3 and e["bytes"] == list(e["token"].encode()) for e in content)
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 3})
     assert r.status_code == 400 and "needs `logprobs`" in r.json()["error"]["message"]
+
+
+def test_an_api_key_guards_the_v1_routes(served):
+    from kilnx.runtime.server import Server, create_app
+    lm, client = served
+    keyed = TestClient(create_app(Server(lm, client.app.state.server.scheduler, "smollm2", api_key="sesame")))
+    body = {"prompt": "hi", "max_tokens": 1, "temperature": 0}
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = keyed.post("/v1/completions", json=body, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert keyed.get("/health").status_code == 200
+    assert keyed.post("/v1/completions", json=body, headers={"Authorization": "Bearer sesame"}).status_code == 200

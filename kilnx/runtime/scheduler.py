@@ -195,6 +195,11 @@ class Scheduler:
             if kind == "done":
                 return
 
+    @property
+    def waiting(self) -> int:
+        """Requests queued for a cache row."""
+        return len(self._waiting)
+
     def close(self) -> None:
         with self._cv:
             self._closed = True

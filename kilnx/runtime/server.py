@@ -1,6 +1,6 @@
 """An OpenAI-compatible HTTP server over the continuous-batching scheduler (`kilnx serve`).
 
-Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, with `stream` (server-
+Endpoints: GET /health, GET /metrics (Prometheus), GET /v1/models, POST /v1/completions, POST /v1/chat/completions, with `stream` (server-
 sent events, `data: [DONE]` at the end, `stream_options.include_usage`), `max_tokens` (chat also takes
 `max_completion_tokens`), `temperature`, `top_p`, `top_k` and `ignore_eos` (vLLM's extensions), `seed`, `stop`,
 log-probabilities (completions: `logprobs` N and `echo`, which also scores the prompt — with `max_tokens` 0, a
@@ -23,7 +23,7 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from kilnx.models.errors import ContextLengthError, ModelError
 from kilnx.runtime.openai_api import (APIError, ChatRequest, Choice, CompletionRequest, Sampling, Writer, sse,
@@ -39,6 +39,8 @@ class Server:
         self.lm, self.scheduler, self.name, self.api_key = lm, scheduler, name, api_key
         self.created = int(time.time())
         self._token_texts: dict[int, str] = {}
+        from kilnx.runtime.serve_metrics import Metrics
+        self.metrics = Metrics(scheduler)
 
     # ------------------------------------------------------------------ request -> work
     def check_model(self, req: Sampling) -> None:
@@ -112,15 +114,22 @@ class Server:
 
         def listener(i):
             return lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait, (i, kind, payload))
+        t0 = time.perf_counter()
         reqs = [self.scheduler.submit(ids, sp, listener(i), stops, logprobs=logprobs, echo=echo)
                 for i, (ids, sp) in enumerate(work)]
+        first: dict[int, float] = {}
         pending = len(reqs)
         try:
             while pending:
                 i, kind, payload = await events.get()
                 if kind == "error":
                     raise APIError(500, f"generation failed: {payload}", kind="server_error")
-                pending -= kind == "done"
+                now = time.perf_counter() - t0
+                if kind == "text":     # the first token's text (later, where a stop string holds it back)
+                    first.setdefault(i, now)
+                if kind == "done":
+                    pending -= 1
+                    self.metrics.finished(payload, first.get(i, now if payload.token_ids else None), now)
                 yield i, kind, payload
         finally:
             for r in reqs:
@@ -182,6 +191,11 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/health")
     async def health():
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():

@@ -303,3 +303,28 @@ def test_an_api_key_guards_the_v1_routes(served):
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert keyed.get("/health").status_code == 200
     assert keyed.post("/v1/completions", json=body, headers={"Authorization": "Bearer sesame"}).status_code == 200
+
+
+def test_metrics_count_what_was_served(served):
+    """/metrics in Prometheus' text format: finished requests by reason, tokens, first-token and request
+    latency histograms, the scheduler's steps and rows (their ratio: the mean batch)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    _, client = served
+
+    def scrape():
+        text = client.get("/metrics").text
+        return {s.name + str(sorted(s.labels.items())): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+    before = scrape()
+    r = client.post("/v1/completions", json={"prompt": PROMPTS[:2], "max_tokens": 5, "temperature": 0,
+                                             "ignore_eos": True}).json()
+    after = scrape()
+
+    def grew(name):
+        return after.get(name, 0) - before.get(name, 0)
+    assert grew("kilnx_generation_tokens_total[]") == 10 == r["usage"]["completion_tokens"]
+    assert grew("kilnx_prompt_tokens_total[]") == r["usage"]["prompt_tokens"]
+    assert grew("kilnx_requests_total[('reason', 'length')]") == 2
+    assert grew("kilnx_time_to_first_token_seconds_count[]") == 2 and grew("kilnx_request_seconds_count[]") == 2
+    assert grew("kilnx_decode_rows_total[]") == 8 and 4 <= grew("kilnx_decode_steps_total[]") <= 8
+    assert after["kilnx_requests_running[]"] == 0 and after["kilnx_requests_waiting[]"] == 0

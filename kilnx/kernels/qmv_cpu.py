@@ -11,8 +11,8 @@ program owns R such blocks; for each quantization group it loads the group's wor
 and every code becomes one and + one int->float convert + one fma against a scalar x broadcast to all
 lanes. Scale and bias apply once per group as two more fmas; no reduction crosses lanes. x is read in
 its own layout (no prep kernel, no prep launch): each program forms the group sums of x itself. With
-more than 4 activation rows a program serves 16 of them (`block_m`), each decoded code multiplied into
-every row: SmolLM2-135M's first token after 16 / 32 prompt tokens took 124-127 / 185-220 ms against
+more than 4 activation rows a program serves 8 (5-8 rows) or 16 of them (`block_m`), each decoded code
+multiplied into every row: SmolLM2-135M's first token after 16 / 32 prompt tokens took 124-127 / 185-220 ms against
 162-169 / 273-276 with a program per row (2 EPYC cores, alternated runs; 4 tokens and decode unchanged).
 
 - Codes are decoded without a shift: `word & (MASK << s)` converts to code * 2^s exactly, and x is
@@ -39,10 +39,11 @@ IL = 16          # weight rows per interleaved block: one AVX-512 register of fp
 
 
 def block_m(rows: int) -> int:
-    """Activation rows per program (each decoded code serves them all): 16 from 5 rows, else 1 (a program per
-    row). One multi-row size: it is a numba compilation of ~18 s per weight format on a cold cache (the
-    one-row kernel: ~2 s), and 4 rows per program measured no faster than a program per row (4 tokens)."""
-    return 16 if rows > 4 else 1
+    """Activation rows per program (each decoded code serves them all): 8 for 5-8 rows, 16 from 9, else 1 (a
+    program per row; 4 rows per program measured no faster than that, 4 tokens). A multi-row size is a numba
+    compilation of ~10-18 s per weight format on a cold cache (the one-row kernel: ~2 s); the 8-row one is
+    for batched decode (a server's 5-8 sequences), where 16 rows a program cost as much at 5 rows as at 16."""
+    return 1 if rows <= 4 else 8 if rows <= 8 else 16
 
 
 def interleave(wq: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, il: int = IL):

@@ -20,15 +20,20 @@ def check(got, want, k):
 
 
 @pytest.mark.parametrize("bits,gs,m,n", [(4, 32, 1, 48), (4, 64, 2, 40), (8, 32, 1, 17), (2, 128, 4, 7),
-                                         (4, 32, 3, 130), (4, 32, 17, 40)])
+                                         (4, 32, 3, 130), (4, 32, 6, 40), (4, 32, 17, 40)])
 def test_numba_matches_mlx(bits, gs, m, n, monkeypatch):
-    """A program per row (1-4 rows); 16 rows per program, the last block part-filled (17 rows)."""
+    """A program per row (1-4 rows); 8 rows per program part-filled (6 rows); 16 rows per program, the last
+    block part-filled (17 rows)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     x, qw, want = mlx_case(m, n, 3 * gs, bits, gs, seed=bits * 100 + n)
     y = C.qmv_il(x, *C.interleave(qw.packed, qw.scales, qw.biases), backend="numba")
     assert y.shape == (m, -(-n // C.IL) * C.IL)
     check(y[:, :n], want, 3 * gs)
     assert (y[:, n:] == 0).all()   # padded rows: zero weights
+
+
+def test_rows_per_program():
+    assert [C.block_m(m) for m in (1, 4, 5, 8, 9, 16, 32)] == [1, 1, 8, 8, 16, 16, 16]
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kilnx.runtime.scheduler import Finished, TokenLogprob
 
 UNSUPPORTED = {   # field -> its value that means "not asked for"
-    "n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "suffix": None,
+    "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "suffix": None,
     "tools": None, "functions": None,
 }
 
@@ -43,6 +43,7 @@ class Sampling(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     ignore_eos: bool = False
+    n: int = Field(1, ge=1, le=64)
 
     def refuse_unsupported(self) -> None:
         extra = self.model_extra or {}

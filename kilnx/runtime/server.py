@@ -5,8 +5,8 @@ sent events, `data: [DONE]` at the end, `stream_options.include_usage`), `max_to
 `max_completion_tokens`), `temperature`, `top_p`, `top_k` and `ignore_eos` (vLLM's extensions), `seed`, `stop`,
 log-probabilities (completions: `logprobs` N and `echo`, which also scores the prompt — with `max_tokens` 0, a
 loglikelihood request as evaluation harnesses send; chat: `logprobs` and `top_logprobs`) and several prompts in
-one completions request (one choice each, decoded side by side). What this server cannot honour (n > 1,
-penalties, logit_bias, tools, a JSON response format) is refused with a 400 that names the field, never silently
+one completions request and `n` choices a prompt (choice j sampled with seed + j; all decoded side by side).
+What this server cannot honour (best_of, penalties, logit_bias, tools, a JSON response format) is refused with a 400 that names the field, never silently
 ignored. Errors take OpenAI's shape: {"error": {"message", "type", "param", "code"}}. Log-probabilities are the
 model's (log-softmax of its logits, before temperature and filters).
 
@@ -91,7 +91,10 @@ class Server:
             self._token_texts[token] = tok.decode([token], skip_special_tokens=False) if tok else str(token)
         return self._token_texts[token]
 
-    def params(self, req: Sampling, n_prompt: int, max_tokens: int | None, default_max: int | None) -> SamplingParams:
+    def params(self, req: Sampling, n_prompt: int, max_tokens: int | None,
+               default_max: int | None) -> list[SamplingParams]:
+        """The sampling of each of the prompt's req.n choices: choice j draws with seed + j (a given seed makes
+        the whole request reproducible; none, a random one)."""
         engine = self.scheduler.engine
         try:
             check_prompt(engine, n_prompt, max_tokens)
@@ -101,8 +104,8 @@ class Server:
         room = engine.max_seq - n_prompt
         budget = max_tokens if max_tokens is not None else min(default_max or room, room)
         seed = req.seed if req.seed is not None else secrets.randbits(31)
-        return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=seed,
-                              max_tokens=budget, ignore_eos=req.ignore_eos)
+        return [SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=seed + j,
+                               max_tokens=budget, ignore_eos=req.ignore_eos) for j in range(req.n)]
 
     # ------------------------------------------------------------------ running
     async def run(self, work: list[tuple[list[int], SamplingParams]], stops: tuple[str, ...], *,
@@ -145,7 +148,8 @@ class Server:
 
         async def chunks():
             if writer.chat:
-                yield sse(writer.chunk(choices[0], role=True))
+                for c in choices:
+                    yield sse(writer.chunk(c, role=True))
             elif any(c.text for c in choices):               # echo: the prompts first
                 for c in choices:
                     yield sse(writer.chunk(c))
@@ -207,10 +211,12 @@ def create_app(server: Server) -> FastAPI:
         server.check_model(req)
         req.refuse_unsupported()
         prompts = server.prompts(req)
-        work = [(ids, server.params(req, len(ids), req.max_tokens, 16)) for ids, _ in prompts]
+        # choice i * n + j: prompt i's j-th sample (OpenAI's order)
+        work = [(ids, sp) for ids, _ in prompts for sp in server.params(req, len(ids), req.max_tokens, 16)]
         writer = Writer(chat=False, rid=f"cmpl-{secrets.token_hex(12)}", created=int(time.time()), model=server.name,
                         top=req.top(), token_text=server.token_text)
-        choices = [Choice(i, text if req.echo else "") for i, (_, text) in enumerate(prompts)]
+        choices = [Choice(i * req.n + j, text if req.echo else "") for i, (_, text) in enumerate(prompts)
+                   for j in range(req.n)]
         return await server.answer(req, writer, work, choices, echo=req.echo)
 
     @app.post("/v1/chat/completions")
@@ -221,7 +227,8 @@ def create_app(server: Server) -> FastAPI:
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         writer = Writer(chat=True, rid=f"chatcmpl-{secrets.token_hex(12)}", created=int(time.time()),
                         model=server.name, top=req.top(), token_text=server.token_text)
-        return await server.answer(req, writer, [(ids, server.params(req, len(ids), limit, None))], [Choice(0)])
+        work = [(ids, sp) for sp in server.params(req, len(ids), limit, None)]
+        return await server.answer(req, writer, work, [Choice(j) for j in range(req.n)])
 
     return app
 

@@ -124,7 +124,7 @@ def test_token_id_prompts_and_seeded_sampling(served):
 
 
 @pytest.mark.parametrize("body, status, words", [
-    ({"prompt": "hi", "n": 2}, 400, "`n`=2 is not supported"),
+    ({"prompt": "hi", "n": 0}, 400, "n"),
     ({"prompt": "hi", "best_of": 3}, 400, "`best_of`"),
     ({"prompt": "hi", "logprobs": 30}, 400, "logprobs"),
     ({"prompt": "hi", "presence_penalty": 0.5}, 400, "`presence_penalty`"),
@@ -328,3 +328,20 @@ def test_metrics_count_what_was_served(served):
     assert grew("kilnx_time_to_first_token_seconds_count[]") == 2 and grew("kilnx_request_seconds_count[]") == 2
     assert grew("kilnx_decode_rows_total[]") == 8 and 4 <= grew("kilnx_decode_steps_total[]") <= 8
     assert after["kilnx_requests_running[]"] == 0 and after["kilnx_requests_waiting[]"] == 0
+
+
+def test_n_choices_a_prompt_each_with_its_own_seed(served):
+    """n samples of each prompt, decoded side by side: choice i * n + j is prompt i's j-th, drawn with seed + j,
+    the same as a request of one choice with that seed."""
+    _, client = served
+    body = {"prompt": PROMPTS[:2], "max_tokens": 6, "temperature": 1.0, "seed": 40, "n": 3, "ignore_eos": True}
+    r = client.post("/v1/completions", json=body).json()
+    assert [c["index"] for c in r["choices"]] == list(range(6)) and r["usage"]["completion_tokens"] == 36
+    for c in r["choices"]:
+        prompt, j = PROMPTS[c["index"] // 3], c["index"] % 3
+        one = client.post("/v1/completions", json={**body, "prompt": prompt, "n": 1, "seed": 40 + j}).json()
+        assert one["choices"][0]["text"] == c["text"]
+    chunks = _events(client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "n": 2, "seed": 1, "stream": True}))
+    assert sorted(c["choices"][0]["index"] for c in chunks if c["choices"][0]["delta"].get("role")) == [0, 1]
+    assert sorted(c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]) == [0, 1]

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kilnx.runtime.scheduler import Finished, TokenLogprob
 
 UNSUPPORTED = {   # field -> its value that means "not asked for"
-    "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "suffix": None,
+    "best_of": 1, "logit_bias": None, "suffix": None,
     "tools": None, "functions": None,
 }
 
@@ -44,6 +44,9 @@ class Sampling(BaseModel):
     stream_options: dict | None = None
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=64)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0)
 
     def refuse_unsupported(self) -> None:
         extra = self.model_extra or {}

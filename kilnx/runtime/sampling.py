@@ -20,6 +20,10 @@ class SamplingParams:
     max_tokens: int = 128
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False          # benchmarks generate a fixed number of tokens
+    presence_penalty: float = 0.0     # OpenAI's: subtracted from a token's logit once it was generated
+    frequency_penalty: float = 0.0    # OpenAI's: subtracted per time it was generated
+    repetition_penalty: float = 1.0   # HF / vLLM's: a token of the prompt or the output has its logit divided
+                                      # by it where positive, multiplied where negative (1 = off)
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -30,6 +34,15 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if not -2.0 <= self.presence_penalty <= 2.0 or not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError("presence_penalty and frequency_penalty must lie in [-2, 2] (OpenAI's range), got "
+                             f"{self.presence_penalty} and {self.frequency_penalty}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:
@@ -57,13 +70,43 @@ def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(drop, -torch.inf)
 
 
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """logits (B, V) after the penalties of p: counts (B, V) how often each token was generated, seen (B, V)
+    whether it is in the prompt or the output. fp32 out."""
+    x = logits.float()
+    if p.repetition_penalty != 1.0:
+        x = torch.where(seen, torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty), x)
+    if p.frequency_penalty:
+        x = x - p.frequency_penalty * counts
+    if p.presence_penalty:
+        x = x - p.presence_penalty * (counts > 0).float()
+    return x
+
+
 class Sampler:
     """Chooses next tokens from logits (B, V). One seeded generator per sampler: same seed, same tokens."""
 
     def __init__(self, params: SamplingParams, device="cpu", ops=None):
         self.params = params
         self.ops = ops
-        self.gen = torch.Generator(device=torch.device(device)).manual_seed(params.seed)
+        self.device = torch.device(device)
+        self.gen = torch.Generator(device=self.device).manual_seed(params.seed)
+        self.counts = self.seen = None     # with penalties: (1, V) generated counts and prompt-or-output marks
+
+    def start(self, prompt: list[int], vocab: int) -> None:
+        """Begin a sequence after `prompt` (what repetition_penalty counts as seen); only penalties need it."""
+        if self.params.penalized:
+            self.counts = torch.zeros(1, vocab, device=self.device)
+            self.seen = torch.zeros(1, vocab, dtype=torch.bool, device=self.device)
+            if self.params.repetition_penalty != 1.0:
+                self.seen[0, torch.tensor(prompt, device=self.device)] = True
+
+    def observe(self, token: torch.Tensor) -> None:
+        """Count a generated token (a (1,) tensor, on the device: no host read)."""
+        if self.counts is not None:
+            t = token.reshape(1).to(self.device)
+            self.counts[0].index_add_(0, t, torch.ones(1, device=self.device))
+            self.seen[0, t] = True
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
         """The distribution sampled from (after temperature, top-k, top-p), fp32 (B, V)."""
@@ -76,6 +119,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         if logits.dim() == 1:
             logits = logits.unsqueeze(0)
+        if self.counts is not None:
+            logits = apply_penalties(logits, self.counts, self.seen, self.params)
         if self.params.greedy:
             if self.ops is not None:
                 return self.ops.argmax(logits)

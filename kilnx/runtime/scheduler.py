@@ -293,6 +293,7 @@ class Scheduler:
     def _prefill_chunk(self, req: Request) -> None:
         if req.sampler is None:
             req.sampler = Sampler(req.params, device=self.engine.device, ops=self.engine.model.ops)
+            req.sampler.start(req.ids, self.engine.config.vocab_size)
             req.decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
             if req.params.max_tokens == 0 and not req.echo:
                 self._finish(req, "length")
@@ -312,8 +313,9 @@ class Scheduler:
             if req.params.max_tokens == 0:
                 self._finish(req, "length")
                 return
-            tok = int(req.sampler(logits)[0])
-            self._accept(req, tok, logits)
+            first = req.sampler(logits)
+            req.sampler.observe(first)
+            self._accept(req, int(first[0]), logits)
 
     def _enqueue(self, prev: _InFlight | None) -> _InFlight | None:
         """One decode step of the rows that want one (None if none does). A row of `prev`, the step still in
@@ -334,10 +336,15 @@ class Scheduler:
             rows, slots = zip(*carried)
             tok[list(rows)] = prev.picked[list(slots)]
         logits = self.engine.decode(tok, pos, max_position=max(positions))
-        # greedy rows share one argmax over the step's logits; sampled rows draw from their own generators
-        top = self._argmax(logits) if any(r.params.greedy for _, r in live) else None
-        picked = torch.cat([top[i:i + 1] if r.params.greedy else r.sampler(logits[i:i + 1]).reshape(1)
-                            for i, r in live])
+        # greedy rows share one argmax over the step's logits; sampled or penalized rows go through their own
+        # samplers (generators, token counts on the device)
+        shared = [r.params.greedy and not r.params.penalized for _, r in live]
+        top = self._argmax(logits) if any(shared) else None
+        picked = torch.cat([top[i:i + 1] if plain else r.sampler(logits[i:i + 1]).reshape(1)
+                            for (i, r), plain in zip(live, shared)])
+        for j, (_, r) in enumerate(live):
+            if r.params.penalized:
+                r.sampler.observe(picked[j:j + 1])
         for _, r in live:
             r.fed += 1
             r.inflight += 1

@@ -74,3 +74,40 @@ def test_stop_tokens_and_bad_params():
     for bad in (dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2)):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 1000), presence=st.floats(-2, 2), frequency=st.floats(-2, 2),
+       repetition=st.floats(0.5, 2.0))
+def test_penalties_are_openais_and_hfs_formulas(seed, presence, frequency, repetition):
+    """presence / frequency (OpenAI): logit - frequency * count - presence * [count > 0] over generated tokens;
+    repetition (HF, vLLM): a prompt or output token's logit divided by it where positive, multiplied where
+    negative. Tokens neither generated nor in the prompt keep their logit."""
+    from kilnx.runtime.sampling import apply_penalties
+    x = _logits(seed, v=20)
+    prompt, generated = [1, 2, 3], [3, 5, 5, 7]
+    p = SamplingParams(presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition)
+    s = Sampler(p)
+    s.start(prompt, 20)
+    for t in generated:
+        s.observe(torch.tensor([t]))
+    got = apply_penalties(x, s.counts, s.seen, p)[0]
+    for t in range(20):
+        v = float(x[0, t])
+        if t in prompt or t in generated:
+            v = v / repetition if v > 0 else v * repetition
+        n = generated.count(t)
+        v -= frequency * n + presence * (n > 0)
+        assert abs(float(got[t]) - v) < 1e-4
+
+
+def test_a_penalized_greedy_pick_avoids_what_was_generated():
+    x = torch.zeros(1, 10)
+    x[0, 4], x[0, 6] = 5.0, 4.0
+    s = Sampler(SamplingParams(frequency_penalty=2.0))
+    s.start([], 10)
+    assert int(s(x)[0]) == 4
+    s.observe(torch.tensor([4]))
+    assert int(s(x)[0]) == 6                       # 5 - 2 < 4
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=0)

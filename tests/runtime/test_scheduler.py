@@ -167,3 +167,120 @@ def test_text_streamed_through_stop_strings_is_the_text_before_the_first_stop(te
         emitted += held
     assert emitted == (text if cut is None else text[:cut])
     assert stopped == (cut is not None)
+
+
+def test_a_long_prompt_prefills_in_chunks_between_the_others_steps():
+    """A 30-token prompt arriving while a request decodes is prefilled 4 tokens a turn, with a decode step
+    of the other between its chunks; both get their solo tokens."""
+    model = tiny_model("llama")
+    short, long = _prompts((5, 30), seed=12)
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    steps_during = []
+    results: dict[str, Finished] = {}
+    with Scheduler(Engine(model, max_seq=48, max_batch=2), prefill_chunk=4) as sched:
+        first = sched.submit(short, sp, lambda k, p: k == "done" and results.__setitem__("short", p))
+        while len(first.tokens) < 2:
+            time.sleep(0.001)
+        second = sched.submit(long, sp, lambda k, p: k == "done" and results.__setitem__("long", p))
+        while not second.tokens:
+            steps_during.append(sched.steps)
+            time.sleep(0.0005)
+        while len(results) < 2:
+            time.sleep(0.001)
+    assert second.prefilled == 30
+    assert steps_during[-1] - steps_during[0] >= 3           # the short one kept decoding (8 chunks)
+    assert list(results["short"].token_ids) == _alone(model, short, sp)
+    assert list(results["long"].token_ids) == _alone(model, long, sp)
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_a_prompt_that_begins_with_a_rows_last_sequence_prefills_only_the_rest(lookahead):
+    """A chat's next turn re-sends the conversation: the row whose cache holds its beginning is chosen, only
+    the new tokens are prefilled, and the tokens are those of a prefill from scratch. Another row's steps in
+    between (a different request on row 0 parked rows at the cache's end) do not disturb what was kept."""
+    model = tiny_model("llama")
+    turn1, other, extra = _prompts((9, 7, 6), seed=21)
+    sp = SamplingParams(max_tokens=5, ignore_eos=True)
+    with Scheduler(Engine(model, max_seq=48, max_batch=2), lookahead=lookahead) as sched:
+        _, first = _collect(sched, turn1, sp)
+        assert first.cached_tokens == 0
+        _, mid = _collect(sched, other, sp)                   # lands on the other row: nothing shared
+        assert mid.cached_tokens == 0
+        turn2 = turn1 + list(first.token_ids) + extra
+        _, second = _collect(sched, turn2, sp)
+        # turn1 and the first four of its tokens were fed in (the fifth was sampled, never fed)
+        assert second.cached_tokens == len(turn1) + 4
+        again = turn1[:5]                                      # a prompt inside the kept tokens
+        _, third = _collect(sched, again, sp)
+        assert third.cached_tokens == 4 and sched.cached_tokens == len(turn1) + 8
+    assert list(second.token_ids) == _alone(model, turn2, sp)
+    assert list(third.token_ids) == _alone(model, again, sp)
+    assert list(mid.token_ids) == _alone(model, other, sp)
+
+
+def test_log_probabilities_of_the_prompt_and_of_each_token_are_the_models():
+    """With logprobs, each generated token comes with log-softmax of its step's logits at it and the top-n
+    tokens there; with echo, the prompt's tokens too (the first has none), across prefill chunks. The values
+    are those of one forward over the whole sequence."""
+    from kilnx.runtime.scheduler import TokenLogprob
+    model = tiny_model("llama")
+    p = _prompts((11,), seed=30)[0]
+    events = []
+    with Scheduler(Engine(model, max_seq=48, max_batch=2), prefill_chunk=4) as sched:
+        done = threading.Event()
+        sched.submit(p, SamplingParams(max_tokens=5, ignore_eos=True),
+                     lambda k, x: events.append((k, x)) or (k == "done" and done.set()), logprobs=3, echo=True)
+        assert done.wait(60)
+        fin = events[-1][1]
+        infos = [i for k, x in events if k == "logprobs" for i in x]
+        seq = p + list(fin.token_ids)
+        assert [i.token for i in infos] == seq
+        assert infos[0] == TokenLogprob(p[0], None)
+        lp = torch.log_softmax(_full_logits(model, seq[:-1]).double(), -1)    # row j predicts token j + 1
+        for j, info in enumerate(infos[1:]):
+            assert abs(info.logprob - float(lp[j, seq[j + 1]])) < 1e-4
+            want = torch.topk(lp[j], 3)
+            assert [t for t, _ in info.top] == want.indices.tolist()
+            assert all(abs(v - w) < 1e-4 for (_, v), w in zip(info.top, want.values.tolist()))
+        for j in range(len(p) - 1, len(seq) - 1):                           # greedy: the top token is the one
+            assert infos[j + 1].top[0][0] == seq[j + 1]
+        # echo with nothing to generate: the prompt's log-probabilities alone
+        events.clear()
+        done.clear()
+        sched.submit(p, SamplingParams(max_tokens=0), lambda k, x: events.append((k, x)) or (k == "done" and done.set()),
+                     logprobs=0, echo=True)
+        assert done.wait(60)
+        infos = [i for k, x in events if k == "logprobs" for i in x]
+        assert [i.token for i in infos] == p and events[-1][1].token_ids == () and infos[1].top == ()
+
+
+def _full_logits(model, ids):
+    from kilnx.runtime.kv_cache import KVCache
+    cache = KVCache.for_model(model.config, 1, 64)
+    return model.forward(torch.tensor([ids]), torch.arange(len(ids))[None], cache)[0]
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_penalties_count_the_tokens_each_request_generated(lookahead):
+    """Greedy with presence, frequency and repetition penalties, two requests side by side: each step's pick
+    is the argmax of one forward's last logits after the penalties over that request's own prompt and
+    tokens so far (counted on the device, so a step enqueued ahead sees its predecessor's token)."""
+    from kilnx.runtime.sampling import apply_penalties
+    model = tiny_model("llama")
+    sp = SamplingParams(max_tokens=10, ignore_eos=True, presence_penalty=0.5, frequency_penalty=1.5,
+                        repetition_penalty=1.3)
+    prompts = _prompts((6, 9), seed=44)
+    with Scheduler(Engine(model, max_seq=48, max_batch=2), lookahead=lookahead) as sched:
+        outcomes = Outcomes(2)
+        for i, p in enumerate(prompts):
+            sched.submit(p, sp, outcomes.listener(i))
+        done = outcomes.wait(120)
+    for i, p in enumerate(prompts):
+        seq, counts, seen = list(p), torch.zeros(1, 256), torch.zeros(1, 256, dtype=torch.bool)
+        seen[0, p] = True
+        for _ in range(10):
+            t = int(apply_penalties(_full_logits(model, seq)[-1:], counts, seen, sp).argmax())
+            counts[0, t] += 1
+            seen[0, t] = True
+            seq.append(t)
+        assert list(done[i].token_ids) == seq[len(p):]

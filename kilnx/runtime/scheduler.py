@@ -329,12 +329,15 @@ class Scheduler:
             tokens[i], positions[i] = r.tokens[-1], len(r.ids) + r.fed
         dev = self.engine.device
         cuda = dev.type == "cuda"
-        tok, pos = (torch.tensor(v).pin_memory().to(dev, non_blocking=True) if cuda else torch.tensor(v)
-                    for v in (tokens, positions))
+
+        def to_device(values):     # from pinned memory, not waiting for the step in flight (a pageable copy may)
+            t = torch.tensor(values)
+            return t.pin_memory().to(dev, non_blocking=True) if cuda else t
+        tok, pos = to_device(tokens), to_device(positions)
         carried = [(i, j) for j, (i, r) in enumerate(prev.rows) if r.inflight and self.rows[i] is r] if prev else []
         if carried:
             rows, slots = zip(*carried)
-            tok[list(rows)] = prev.picked[list(slots)]
+            tok[to_device(list(rows))] = prev.picked[to_device(list(slots))]
         logits = self.engine.decode(tok, pos, max_position=max(positions))
         # greedy rows share one argmax over the step's logits; sampled or penalized rows go through their own
         # samplers (generators, token counts on the device)

@@ -119,6 +119,18 @@ def _wg_direct_path(sets, bits, dev, extra):
         [default] + configs[:extra]
 
 
+def _wg_direct_xperm_path(sets, default_and_configs):
+    """("qmm_wg_direct_xperm", call, configs): the same kernel on x already in its K order (X_PERMUTED: what a
+    producer writing that order would hand it), permuted outside the timed call."""
+    from kilnx.kernels import wg_direct as D
+    perms = {id(x): D.permute_k(x) for x, *_ in sets}
+    done = D.counters_for(sets[0][0], sets[0][1].shape[0])
+    return "qmm_wg_direct_xperm", \
+        lambda x, wq, s, b, config: D.qmm_wg_direct(perms[id(x)], D.as_bytes(wq), s, b, done, X_PERMUTED=True,
+                                                    config=config), \
+        default_and_configs
+
+
 def bench_quant(rec, copy_bw: float, smoke: bool):
     """$KILNX_BENCH_ONLY=qmm limits the run to the qmm cases; $QMV_SHAPES (e.g. "gate_up,o"), $QMV_MS
     ("1,4") and $QMV_PATHS ("qmv_h2") narrow the qmv cases (default: all)."""
@@ -193,7 +205,7 @@ def _bench_qmv(rec, label, n, k, m, bits, dev, copy_bw, smoke):
     ref = qmatmul._dense_peer(*sets[0]).float()
     problem = {"M": m, "N": n, "K": k, "bits": bits, "gs": 64}
     # (path, call, its configs: the runtime's default first); each path's results are timed on the same inputs
-    wanted = os.environ.get("QMV_PATHS", "qmv,qmv_h2,qmv_tc,qmm,qmm_wg,qmm_wg_direct").split(",")
+    wanted = os.environ.get("QMV_PATHS", "qmv,qmv_h2,qmv_tc,qmm,qmm_wg,qmm_wg_direct,qmm_wg_direct_xperm").split(",")
     extra = int(os.environ.get("QMV_CONFIGS_MAX", "1000")) if not smoke else 2   # configs per path past its default
     paths = []
     if "qmv" in wanted or bits not in qmv_h2.BITS_SERVED:
@@ -209,8 +221,12 @@ def _bench_qmv(rec, label, n, k, m, bits, dev, copy_bw, smoke):
         paths.append(("qmm", qmatmul.qmm, WIDE_CONFIGS[: (2 if smoke else None)]))
     if "qmm_wg" in wanted and m <= 16 and (wg := _wg_path(sets, bits, dev, extra)) is not None:
         paths.append(wg)
-    if "qmm_wg_direct" in wanted and m <= 64 and (wgd := _wg_direct_path(sets, bits, dev, extra)) is not None:
-        paths.append(wgd)
+    if {"qmm_wg_direct", "qmm_wg_direct_xperm"} & set(wanted) and m <= 64 and \
+            (wgd := _wg_direct_path(sets, bits, dev, extra)) is not None:
+        if "qmm_wg_direct" in wanted:
+            paths.append(wgd)
+        if "qmm_wg_direct_xperm" in wanted:
+            paths.append(_wg_direct_xperm_path(sets, wgd[2]))
     results = []   # (seconds, path, config)
     for path, call, configs in paths:
         for cfg in configs:
@@ -252,7 +268,7 @@ def _bench_qmv(rec, label, n, k, m, bits, dev, copy_bw, smoke):
     wide = [r for r in results if r[1] == "qmm"]
     if wide:
         rec.add("quant", case, "us_qmm_swap_best", min(wide, key=lambda r: r[0])[0] * 1e6)
-    for name in ("qmm_wg", "qmm_wg_direct"):
+    for name in ("qmm_wg", "qmm_wg_direct", "qmm_wg_direct_xperm"):
         wg = [r for r in results if r[1] == name]
         if wg:
             wg_best = min(wg, key=lambda r: r[0])

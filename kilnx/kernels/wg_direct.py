@@ -31,10 +31,26 @@ import kilnx.dsl as kd
 GS, ROWS, XROWS = 64, 64, 16     # group size; weight rows a program (wgmma's M); most x rows qmatmul sends here
 
 
-def _spec(x, wb, scales, biases, done, **_):
-    """x @ W.T with W dequantized and rounded to x's dtype once, as the kernel's operand is."""
+def operand_order(k: int) -> torch.Tensor:
+    """The K order the kernel walks: slot j of each 128-element block of K holds element operand_order[j] of
+    it (module doc: slot 2 c + h holds code 2 m(c) + h). The same for every GPI: a step spans whole blocks."""
+    slot = torch.arange(k)
+    c, base = slot % 128 // 2, slot // 128 * 128
+    return base + 2 * (16 * (c % 4) + c // 4) + slot % 2
+
+
+def permute_k(x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) in the kernel's K order: what a producer writing for X_PERMUTED would store."""
+    return x[:, operand_order(x.shape[1]).to(x.device)]
+
+
+def _spec(x, wb, scales, biases, done, *, X_PERMUTED=False, **_):
+    """x @ W.T with W dequantized and rounded to x's dtype once, as the kernel's operand is (x given in the
+    kernel's K order with X_PERMUTED)."""
     from kilnx.quant import QWeight
     w = QWeight.from_mlx(wb.view(torch.uint32), scales, biases, bits=4, group_size=GS).dequantize()
+    if X_PERMUTED:
+        x = torch.empty_like(x).index_copy_(1, operand_order(x.shape[1]).to(x.device), x)
     return (x.float() @ w.to(x.dtype).float().t()).to(x.dtype)
 
 
@@ -70,7 +86,8 @@ def _default(x, wb, scales, biases, done, **_):
            constraints=[lambda SPLIT_K, INTERLEAVE: SPLIT_K > 1 or not INTERLEAVE],
            key=lambda x, wb, scales, biases, done, **_: {"M": x.shape[0], "N": wb.shape[0], "K": x.shape[1]},
            spec=_spec, default=_default, specialize=_specialize)
-def qmm_wg_direct(x, wb, scales, biases, done, *, G_DIV: kd.constexpr, BLOCK_M, GPI, SPLIT_K, INTERLEAVE=False):
+def qmm_wg_direct(x, wb, scales, biases, done, *, G_DIV: kd.constexpr, BLOCK_M, GPI, SPLIT_K, INTERLEAVE=False,
+                  X_PERMUTED: kd.constexpr = False):
     """y (M, N) = x (M, K) @ W.T; wb is MLX's 4-bit words as bytes (N, K/2) u8 (`w.packed.view(torch.uint8)`),
     scales and biases (N, K/64) bf16, `done` zeroed int32 tile counters (`counters_for`; left zeroed). GPI
     groups a K step (one dot of K = 64 GPI); K split over SPLIT_K programs, the last to finish a tile adds
@@ -81,7 +98,13 @@ def qmm_wg_direct(x, wb, scales, biases, done, *, G_DIV: kd.constexpr, BLOCK_M, 
     the plain split reads one run a row per program with the row's other runs in programs a wave apart. Why it
     may matter: a step reads 64 rows x 32 GPI bytes, 2-7 KB apart (K/2), where qmm_wg's repacked copy reads one
     8 KB run, and this kernel loses to that one only on the two projections bound by bandwidth (gate_up, down;
-    bench/results/README.md, session 21). A guess until the GPU times it."""
+    bench/results/README.md, session 21). A guess until the GPU times it.
+
+    X_PERMUTED (an input contract, not a tunable): x arrives already in the kernel's K order (`permute_k`), so
+    a step reads it in contiguous 16-byte pieces instead of 4-byte ones gathered at the permutation — the
+    other thing qmm_wg's repacked layout has and this kernel lacks. A producer (norm, SwiGLU) could write
+    that order as they write qmv_h2's prepared input; whether it pays is for the GPU to say first (the bench
+    times it with x permuted beforehand)."""
     M, K = x.shape
     N, G = scales.shape
     if G_DIV % GPI:
@@ -118,7 +141,8 @@ def qmm_wg_direct(x, wb, scales, biases, done, *, G_DIV: kd.constexpr, BLOCK_M, 
         s = kd.reshape(kd.broadcast_to(kd.reshape(s, (ROWS, HALF, 1, 2, 1)), (ROWS, HALF, 16, 2, 2)), (ROWS, GPI * 32))
         b = kd.reshape(kd.broadcast_to(kd.reshape(b, (ROWS, HALF, 1, 2, 1)), (ROWS, HALF, 16, 2, 2)), (ROWS, GPI * 32))
         a = kd.reshape(kd.nibbles(byt, s, b), (ROWS, GPI * GS))
-        acc += kd.dot(a, kd.trans(kd.load(x, mm[:, None], g0 * GS + code[None, :], check=(True, False))))
+        xk = slot if X_PERMUTED else code
+        acc += kd.dot(a, kd.trans(kd.load(x, mm[:, None], g0 * GS + xk[None, :], check=(True, False))))
     rows = pid * ROWS + r64
     out = kd.output((M, N), x.dtype)
     if SPLIT_K == 1:

@@ -44,6 +44,20 @@ def test_the_gemm_gives_the_product(backend, shape, m, cfg, seed, interleave):
     assert not done.any()                              # the tile counters are left as found
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("m, cfg", [(3, {"BLOCK_M": 16, "GPI": 4, "SPLIT_K": 2}), (20, {"BLOCK_M": 32, "GPI": 2})])
+def test_x_given_in_the_kernels_k_order_gives_the_same_product(backend, m, cfg):
+    """X_PERMUTED: x arrives permuted along K as the kernel walks it (`permute_k`, a permutation within each
+    128-element block) and is read in order; the product is x @ W.T of the unpermuted x."""
+    _skip_triton(backend)
+    words, s, b, x, want = _case(64, 512, m, 7)
+    xp = D.permute_k(x)
+    assert not torch.equal(xp, x) and torch.equal(xp.sort(1).values, x.sort(1).values)
+    got = D.qmm_wg_direct(xp, _bytes(words), s, b, D.counters_for(x, 64), backend=backend, X_PERMUTED=True,
+                          config=cfg)
+    assert _close(got, want)
+
+
 def test_a_step_of_groups_must_divide_k():
     words, s, b, x, _ = _case(64, 384, 3, 0)        # 6 groups: steps of 2, not of 4
     with pytest.raises(Exception, match="GPI 4 groups a step must divide"):
@@ -63,8 +77,12 @@ cases = {"GEMM": (torch.zeros(512, 4096).bfloat16(), {"BLOCK_M": 128, "GPI": 2, 
          "GEMV": (torch.zeros(4, 4096).bfloat16(), {"BLOCK_M": 16, "GPI": 4, "SPLIT_K": 4, "num_stages": 3}),
          "GEMV_INTERLEAVED": (torch.zeros(4, 4096).bfloat16(),
                               {"BLOCK_M": 16, "GPI": 4, "SPLIT_K": 4, "INTERLEAVE": True, "num_stages": 3})}
-print(json.dumps({name: operand_facts(compile_for_target(D.qmm_wg_direct, (x, wb, sg, sg, done), cfg, aligned=True))
-                  for name, (x, cfg) in cases.items()}))
+facts = {name: operand_facts(compile_for_target(D.qmm_wg_direct, (x, wb, sg, sg, done), cfg, aligned=True))
+         for name, (x, cfg) in cases.items()}
+facts["GEMV_X_PERMUTED"] = operand_facts(compile_for_target(
+    D.qmm_wg_direct, (torch.zeros(4, 4096).bfloat16(), wb, sg, sg, done),
+    {"BLOCK_M": 16, "GPI": 4, "SPLIT_K": 4, "num_stages": 3}, aligned=True, kw={"X_PERMUTED": True}))
+print(json.dumps(facts))
 """
 
 
@@ -74,6 +92,8 @@ def test_the_weight_reaches_wgmma_in_registers_for_sm90():
     m64n16k16 a 16 codes of the step (4 groups: 16)."""
     facts = weight_in_registers_on_sm90(SM90)
     assert facts["GEMV"]["loop_ops"]["HGMMA"] == 16
+    # x in the kernel's K order: its 4-byte gathers become wider copies, fewer cp.async a step
+    assert facts["GEMV_X_PERMUTED"]["loop_ops"]["LDGSTS"] < facts["GEMV"]["loop_ops"]["LDGSTS"]
 
 
 @pytest.mark.gpu

@@ -17,6 +17,14 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 
 @pytest.fixture(scope="module")
 def served(smollm2_path):
+    # the kernels through numba, as a CPU server runs them: `make test`'s TRITON_INTERPRET=1 would send them
+    # through Triton's interpreter (a decode step in minutes)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TRITON_INTERPRET", "0")
+        yield from _served(smollm2_path)
+
+
+def _served(smollm2_path):
     from kilnx.models.loaders import load_model
     from kilnx.runtime.engine import Engine
     from kilnx.runtime.generate import default_stop_ids

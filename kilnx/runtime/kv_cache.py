@@ -52,3 +52,7 @@ class KVCache:
         """A view of sequences [start, stop): prefill one sequence into a batched cache."""
         return KVCache([t[start:stop] for t in self.k], [t[start:stop] for t in self.v])
 
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Positions [0, n) of sequence src's K and V into sequence dst (a shared prompt prefix, reused)."""
+        for t in self.k + self.v:
+            t[dst, :, :n].copy_(t[src, :, :n])

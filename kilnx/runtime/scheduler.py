@@ -20,9 +20,10 @@ K/V, at its next position, nothing reads.
 
 A freed row keeps what its cache holds (the prompt and the tokens fed back in). A new prompt that begins with
 a free row's kept tokens takes that row and prefills only the rest: a chat's next turn re-sends the whole
-conversation, and a shared system prompt is the same prefix for every request. Rows are not shared between
-requests and nothing is kept beyond the row (no block-level prefix cache): max_batch rows, max_batch kept
-prefixes, the least recently freed row given up first.
+conversation. A prompt sharing 16 or more leading tokens with what a busy row has written (a system prompt
+of requests arriving together) gets that prefix's K/V copied into its row. Nothing is kept beyond the rows
+(no block-level prefix cache): max_batch rows, max_batch kept prefixes, the least recently freed row given
+up first.
 
 Each request samples its own row with its own seeded Sampler, so its tokens are those it would get alone: the
 batched logits equal the one-row logits to rounding (tests/runtime/test_engine.py), and greedy tokens are
@@ -58,11 +59,23 @@ class Finished:
     reason: str                    # "stop" (a stop token or string), "length" (max_tokens or the context), "cancelled"
     prompt_tokens: int
     token_ids: tuple[int, ...]     # every sampled token, a final stop token included
-    cached_tokens: int = 0         # prompt tokens whose K/V a previous sequence in the row had left
+    cached_tokens: int = 0         # prompt tokens whose K/V was reused: kept in its row, or copied from another
 
     @property
     def completion_tokens(self) -> int:
         return len(self.token_ids)
+
+
+COPY_MIN = 16
+"""Prompt tokens another row must share before its K/V is copied rather than recomputed (a copy is 2 x layers
+tensor copies: for a few tokens, the prefill of them costs about the same)."""
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    n, limit = 0, min(len(a), len(b), limit)
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
 
 
 @dataclass(frozen=True)
@@ -103,7 +116,7 @@ class Request:
     row: int | None = None
     admitted: int = 0              # the order rows were given in: prefill chunks go oldest first
     prefilled: int = 0             # prompt tokens already in the cache
-    cached: int = 0                # of those, how many a previous sequence in the row left there
+    cached: int = 0                # of those, how many were reused (kept in the row, or copied from another)
     sampler: Sampler | None = None
     decoder: object = None
     fed: int = 0                   # decode steps enqueued: the next one feeds position len(ids) + fed
@@ -227,15 +240,7 @@ class Scheduler:
                     if req.cancelled:
                         self._notify(req, "done", Finished("cancelled", len(req.ids), ()))
                         continue
-                    req.row, req.prefilled = self._row_for(req.ids)
-                    if req.echo:                       # every prompt token's logits are wanted: none reused
-                        req.prefilled = 0
-                    req.cached = req.prefilled
-                    self.cached_tokens += req.cached
-                    self.kept[req.row] = []           # its cache changes from here on
-                    self.rows[req.row] = req
-                    self._admitted += 1
-                    req.admitted = self._admitted
+                    self._admit(req)
             try:
                 self._turn()
             except Exception:          # a bug below: fail the requests in flight, keep serving the next
@@ -271,21 +276,36 @@ class Scheduler:
             if step is not None:
                 self._collect(step)
 
-    def _row_for(self, ids: list[int]) -> tuple[int, int]:
-        """(row, prompt tokens already cached there): the free row whose kept tokens share the longest prefix
-        with ids; without one, a free row that keeps nothing, else the one released longest ago (its tokens
-        the least likely to come back). At least the prompt's last token is prefilled again (its logits
-        give the first token)."""
+    def _admit(self, req: Request) -> None:
+        """Give req a free row, with as much of its prompt's K/V as some row already holds: the free row whose
+        kept tokens share the longest prefix with the prompt; or, where a busy row has written a longer one
+        of at least COPY_MIN tokens, that prefix copied into a free row (a system prompt shared by requests
+        that arrive together); else a free row keeping nothing, or the one freed longest ago. At least the
+        prompt's last token is prefilled again (its logits give the first token); echo wants every prompt
+        token's logits, so it reuses nothing."""
+        ids, limit = req.ids, 0 if req.echo else len(req.ids) - 1
         free = [i for i, r in enumerate(self.rows) if r is None]
-        best, best_len = min(free, key=lambda i: (bool(self.kept[i]), self._released[i])), 0
+        spare = min(free, key=lambda i: (bool(self.kept[i]), self._released[i]))
+        row, have = spare, 0
         for i in free:
-            kept, n = self.kept[i], 0
-            limit = min(len(kept), len(ids) - 1)
-            while n < limit and kept[n] == ids[n]:
-                n += 1
-            if n > best_len:
-                best, best_len = i, n
-        return best, best_len
+            n = _common_prefix(self.kept[i], ids, limit)
+            if n > have:
+                row, have = i, n
+        source, copy = None, 0
+        for i, r in enumerate(self.rows):
+            n = _common_prefix(r.ids[:r.prefilled], ids, limit) if r is not None else 0
+            if n > copy:
+                source, copy = i, n
+        if copy >= max(have + 1, COPY_MIN):
+            row, have = spare, copy
+            self.engine.cache.copy_prefix(source, row, copy)
+        req.row, req.prefilled = row, have
+        req.cached = have
+        self.cached_tokens += have
+        self.kept[row] = []                    # its cache changes from here on
+        self.rows[row] = req
+        self._admitted += 1
+        req.admitted = self._admitted
 
     def _busy(self) -> bool:
         return any(r is not None for r in self.rows)

@@ -284,3 +284,30 @@ def test_penalties_count_the_tokens_each_request_generated(lookahead):
             seen[0, t] = True
             seq.append(t)
         assert list(done[i].token_ids) == seq[len(p):]
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_requests_arriving_together_with_a_shared_prefix_copy_it_from_the_first(lookahead):
+    """Three requests sharing a 20-token prefix (a system prompt) on three rows: the first prefills it, the
+    others, admitted while it runs, get its K/V copied into their rows (once the first has written it) and
+    prefill only their own tails; each gets its solo tokens. A shorter shared prefix is recomputed."""
+    model = tiny_model("llama")
+    system = _prompts((20,), seed=50)[0]
+    tails = _prompts((5, 7, 3), seed=51)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    with Scheduler(Engine(model, max_seq=48, max_batch=3), lookahead=lookahead) as sched:
+        outcomes = Outcomes(3)
+        first = sched.submit(system + tails[0], sp, outcomes.listener(0))
+        while first.prefilled < len(system):            # the prefix written before the others arrive
+            time.sleep(0.001)
+        for i in (1, 2):
+            sched.submit(system + tails[i], sp, outcomes.listener(i))
+        done = outcomes.wait(120)
+        assert [done[i].cached_tokens for i in range(3)] == [0, 20, 20]
+        short = _prompts((10,), seed=52)[0]
+        _, a = _collect(sched, short + tails[0], sp)
+        _, b = _collect(sched, short + tails[1], sp)        # a 10-token match: below COPY_MIN, or a kept row's
+        assert b.cached_tokens in (0, 10)
+    for i in range(3):
+        assert list(done[i].token_ids) == _alone(model, system + tails[i], sp)
+    assert list(b.token_ids) == _alone(model, short + tails[1], sp)

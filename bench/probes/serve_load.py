@@ -5,6 +5,7 @@ max_batch 1 (requests one after another, each decoded alone, as a server without
     python bench/probes/serve_load.py OUT.csv [MODEL] [MAX_BATCHES] [REQUESTS] [TOKENS] [--random]
     (defaults: smollm2-135m, 1,4,8, 8, 64)
     python bench/probes/serve_load.py OUT.csv [MODEL] --prefix [HISTORY]     (default HISTORY 1024)
+    python bench/probes/serve_load.py OUT.csv [MODEL] --system [LENGTH]      (default LENGTH 512)
 
 Each request is a distinct random prompt of 32 tokens (seeded) and decodes exactly TOKENS tokens (greedy,
 ignore_eos); all are submitted at once. Reported per setting: wall seconds until the last finishes, generated
@@ -89,6 +90,45 @@ def prefix_reuse(lm, history: int, repeats: int = 3) -> list[dict]:
     return rows
 
 
+def shared_system_prompt(lm, length: int, requests: int = 8, repeats: int = 2) -> list[dict]:
+    """REQUESTS requests arriving together that share a LENGTH-token system prompt (each its own 16-token
+    tail, 16 tokens out): the first prefills the prefix and the others copy its K/V once it is written
+    (scheduler COPY_MIN), against the same scheduler with copying off (every request prefills it). Mean and
+    worst time to a request's first token, and the wall time, alternated REPEATS times after a warm-up."""
+    from kilnx.runtime import scheduler as S
+    from kilnx.runtime.engine import Engine
+    from kilnx.runtime.sampling import SamplingParams
+    g = torch.Generator().manual_seed(2)
+    system = torch.randint(3, lm.config.vocab_size, (length,), generator=g).tolist()
+    prompts = [system + torch.randint(3, lm.config.vocab_size, (16,), generator=g).tolist() for _ in range(requests)]
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    rows, copy_min = [], S.COPY_MIN
+    engine = Engine(lm.model, max_seq=length + 40, max_batch=requests)
+    try:
+        for rep in range(repeats + 1):
+            for copying in (True, False):
+                S.COPY_MIN = copy_min if copying else 10 ** 9
+                with S.Scheduler(engine) as sched:
+                    sched.kept = [[] for _ in sched.kept]          # nothing kept from the last round
+                    first, done, t0 = {}, {}, time.perf_counter()
+                    reqs = [sched.submit(p, sp, lambda k, x, i=i: k == "done" and done.setdefault(i, 1))
+                            for i, p in enumerate(prompts)]
+                    while len(done) < len(reqs):
+                        for i, r in enumerate(reqs):
+                            if r.tokens and i not in first:
+                                first[i] = time.perf_counter() - t0
+                        time.sleep(0.002)
+                    wall = time.perf_counter() - t0
+                if rep:
+                    ttft = [first.get(i, wall) for i in range(len(reqs))]
+                    rows.append({"system_tokens": length, "requests": requests, "copying": copying,
+                                 "cached_tokens": sched.cached_tokens, "ttft_mean_s": round(statistics.mean(ttft), 4),
+                                 "ttft_max_s": round(max(ttft), 4), "wall_s": round(wall, 4)})
+    finally:
+        S.COPY_MIN = copy_min
+    return rows
+
+
 def main(argv):
     from kilnx.models.loaders import load_model
     from kilnx.runtime.device import detect
@@ -103,6 +143,11 @@ def main(argv):
     commit = subprocess.run(["git", "log", "-1", "--format=%h"], capture_output=True, text=True).stdout.strip()
     stamp = {"model": model, "device": info.name, "torch": torch.__version__, "commit": commit or "?",
              "date": time.strftime("%Y-%m-%d")}
+    if "--system" in argv:
+        rows = [{**r, **stamp} for r in shared_system_prompt(lm, int(args[2]) if len(args) > 2 else 512)]
+        for r in rows:
+            print(r, flush=True)
+        return _write(out, rows)
     if "--prefix" in argv:
         rows = [{**r, **stamp} for r in prefix_reuse(lm, int(args[2]) if len(args) > 2 else 1024)]
         for r in rows:

@@ -121,6 +121,8 @@ class Request:
     decoder: object = None
     fed: int = 0                   # decode steps enqueued: the next one feeds position len(ids) + fed
     inflight: int = 0              # of those, steps whose token the host has not read yet (lookahead)
+    copy_from: "Request | None" = None   # the busy request whose prompt prefix this one's row will copy
+    copy_len: int = 0
     logprobs: int | None = None    # with log-probabilities of each token and this many alternatives; None: without
     echo: bool = False             # the prompt's tokens' log-probabilities too (with logprobs)
 
@@ -259,7 +261,9 @@ class Scheduler:
         prefill."""
         for req in [r for r in self.rows if r is not None and r.cancelled]:
             self._finish(req, "cancelled")
-        filling = [r for r in self.rows if r is not None and not r.tokens]
+        for req in [r for r in self.rows if r is not None and r.copy_from is not None]:
+            self._take_copy(req)
+        filling = [r for r in self.rows if r is not None and not r.tokens and r.copy_from is None]
         if filling:
             self._prefill_chunk(min(filling, key=lambda r: r.admitted))
         pipelined = self.lookahead and not any(r is not None and r.logprobs is not None for r in self.rows)
@@ -277,12 +281,12 @@ class Scheduler:
                 self._collect(step)
 
     def _admit(self, req: Request) -> None:
-        """Give req a free row, with as much of its prompt's K/V as some row already holds: the free row whose
-        kept tokens share the longest prefix with the prompt; or, where a busy row has written a longer one
-        of at least COPY_MIN tokens, that prefix copied into a free row (a system prompt shared by requests
-        that arrive together); else a free row keeping nothing, or the one freed longest ago. At least the
-        prompt's last token is prefilled again (its logits give the first token); echo wants every prompt
-        token's logits, so it reuses nothing."""
+        """Give req a free row, with as much of its prompt's K/V as some row holds or will hold: the free row
+        whose kept tokens share the longest prefix with the prompt; or, where a busy row's prompt shares a
+        longer one of at least COPY_MIN tokens (a system prompt of requests arriving together), that prefix
+        copied into a free row once the busy row has written it (`_take_copy`); else a free row keeping
+        nothing, or the one freed longest ago. At least the prompt's last token is prefilled again (its logits
+        give the first token); echo wants every prompt token's logits, so it reuses nothing."""
         ids, limit = req.ids, 0 if req.echo else len(req.ids) - 1
         free = [i for i, r in enumerate(self.rows) if r is None]
         spare = min(free, key=lambda i: (bool(self.kept[i]), self._released[i]))
@@ -292,13 +296,13 @@ class Scheduler:
             if n > have:
                 row, have = i, n
         source, copy = None, 0
-        for i, r in enumerate(self.rows):
-            n = _common_prefix(r.ids[:r.prefilled], ids, limit) if r is not None else 0
-            if n > copy:
-                source, copy = i, n
+        for r in self.rows:
+            n = _common_prefix(r.ids, ids, limit) if r is not None else 0
+            if n > copy or (n == copy and source is not None and r.prefilled > source.prefilled):
+                source, copy = r, n
         if copy >= max(have + 1, COPY_MIN):
-            row, have = spare, copy
-            self.engine.cache.copy_prefix(source, row, copy)
+            row, have = spare, 0
+            req.copy_from, req.copy_len = source, copy
         req.row, req.prefilled = row, have
         req.cached = have
         self.cached_tokens += have
@@ -306,6 +310,21 @@ class Scheduler:
         self.rows[row] = req
         self._admitted += 1
         req.admitted = self._admitted
+        self._take_copy(req)
+
+    def _take_copy(self, req: Request) -> None:
+        """Copy the prefix req shares with its source row once the source has prefilled that far; if the source
+        left its row first, req prefills the prefix itself."""
+        src = req.copy_from
+        if src is None:
+            return
+        if self.rows[src.row] is not src:
+            req.copy_from = None
+        elif src.prefilled >= req.copy_len and src.copy_from is None:
+            self.engine.cache.copy_prefix(src.row, req.row, req.copy_len)
+            req.prefilled = req.cached = req.copy_len
+            self.cached_tokens += req.copy_len
+            req.copy_from = None
 
     def _busy(self) -> bool:
         return any(r is not None for r in self.rows)

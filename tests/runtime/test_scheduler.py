@@ -288,19 +288,16 @@ def test_penalties_count_the_tokens_each_request_generated(lookahead):
 
 @pytest.mark.parametrize("lookahead", [False, True])
 def test_requests_arriving_together_with_a_shared_prefix_copy_it_from_the_first(lookahead):
-    """Three requests sharing a 20-token prefix (a system prompt) on three rows: the first prefills it, the
-    others, admitted while it runs, get its K/V copied into their rows (once the first has written it) and
-    prefill only their own tails; each gets its solo tokens. A shorter shared prefix is recomputed."""
+    """Three requests sharing a 20-token prefix (a system prompt) submitted together on three rows, prefill
+    chunks of 8 tokens: the first prefills the prefix, the others wait for it to be written, get its K/V
+    copied into their rows and prefill only their own tails; each gets its solo tokens."""
     model = tiny_model("llama")
     system = _prompts((20,), seed=50)[0]
     tails = _prompts((5, 7, 3), seed=51)
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
-    with Scheduler(Engine(model, max_seq=48, max_batch=3), lookahead=lookahead) as sched:
+    with Scheduler(Engine(model, max_seq=48, max_batch=3), lookahead=lookahead, prefill_chunk=8) as sched:
         outcomes = Outcomes(3)
-        first = sched.submit(system + tails[0], sp, outcomes.listener(0))
-        while first.prefilled < len(system):            # the prefix written before the others arrive
-            time.sleep(0.001)
-        for i in (1, 2):
+        for i in range(3):
             sched.submit(system + tails[i], sp, outcomes.listener(i))
         done = outcomes.wait(120)
         assert [done[i].cached_tokens for i in range(3)] == [0, 20, 20]

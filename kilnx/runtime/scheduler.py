@@ -20,8 +20,8 @@ K/V, at its next position, nothing reads.
 
 A freed row keeps what its cache holds (the prompt and the tokens fed back in). A new prompt that begins with
 a free row's kept tokens takes that row and prefills only the rest: a chat's next turn re-sends the whole
-conversation. A prompt sharing 16 or more leading tokens with what a busy row has written (a system prompt
-of requests arriving together) gets that prefix's K/V copied into its row. Nothing is kept beyond the rows
+conversation. A prompt sharing 16 or more leading tokens with a busy row's prompt (a system prompt of
+requests arriving together) waits for that row to have written them and gets their K/V copied into its row. Nothing is kept beyond the rows
 (no block-level prefix cache): max_batch rows, max_batch kept prefixes, the least recently freed row given
 up first.
 

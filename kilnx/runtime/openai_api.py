@@ -9,7 +9,7 @@ from typing import Union
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from kilnx.runtime.scheduler import Finished, TokenLogprob
+from kilnx.runtime.request import Finished, TokenLogprob
 
 UNSUPPORTED = {   # field -> its value that means "not asked for"
     "best_of": 1, "logit_bias": None, "suffix": None,

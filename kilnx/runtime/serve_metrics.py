@@ -6,7 +6,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-from kilnx.runtime.scheduler import Finished, Scheduler
+from kilnx.runtime.request import Finished
+from kilnx.runtime.scheduler import Scheduler
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 

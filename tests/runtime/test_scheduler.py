@@ -17,7 +17,8 @@ from kilnx.models.errors import ContextLengthError
 from kilnx.runtime.engine import Engine
 from kilnx.runtime.generate import generate_ids
 from kilnx.runtime.sampling import SamplingParams
-from kilnx.runtime.scheduler import Finished, Scheduler, check_prompt, split_at_stop
+from kilnx.runtime.request import Finished, split_at_stop
+from kilnx.runtime.scheduler import Scheduler, check_prompt
 
 
 def _prompts(lens, seed=3):
@@ -222,7 +223,7 @@ def test_log_probabilities_of_the_prompt_and_of_each_token_are_the_models():
     """With logprobs, each generated token comes with log-softmax of its step's logits at it and the top-n
     tokens there; with echo, the prompt's tokens too (the first has none), across prefill chunks. The values
     are those of one forward over the whole sequence."""
-    from kilnx.runtime.scheduler import TokenLogprob
+    from kilnx.runtime.request import TokenLogprob
     model = tiny_model("llama")
     p = _prompts((11,), seed=30)[0]
     events = []

@@ -157,8 +157,9 @@ def test_steps_run_ahead_on_graphs_give_the_synchronous_loops_tokens(sampled, mo
 
 def test_continuous_batching_on_cuda_graphs():
     """The server's scheduler on the GPU's graph steps: five requests on three rows all finish with their
-    budgets; two equal requests decoded side by side draw equal tokens; every first token (a prefill into
-    the request's row) is the one-row engine's."""
+    budgets; two equal requests decoded side by side draw equal tokens; two sharing a 20-token prefix, the
+    second copying its K/V from the first's row; every first token (a prefill into the request's row, or a
+    copy and the rest) is the one-row engine's."""
     from outcomes import Outcomes
 
     from kilnx.runtime.generate import generate_ids
@@ -168,6 +169,8 @@ def test_continuous_batching_on_cuda_graphs():
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 9, 5, 12, 7)]
     prompts[2] = prompts[0]
+    system = torch.randint(3, 256, (20,), generator=g).tolist()
+    prompts[3], prompts[4] = system + prompts[3], system + prompts[4]
     budgets = (12, 4, 12, 6, 5)
     outcomes = Outcomes(len(prompts))
     with Scheduler(Engine(m, max_seq=64, max_batch=3)) as sched:
@@ -177,6 +180,7 @@ def test_continuous_batching_on_cuda_graphs():
         assert sched.rows_decoded > sched.steps
     assert [len(done[i].token_ids) for i in range(5)] == list(budgets)
     assert done[0].token_ids == done[2].token_ids
+    assert done[4].cached_tokens == 20
     for i, p in enumerate(prompts):
         alone = next(t for t in generate_ids(Engine(m, max_seq=64), p, SamplingParams(max_tokens=1, ignore_eos=True)))
         assert done[i].token_ids[0] == alone

@@ -143,6 +143,8 @@ class Server:
 
     async def answer(self, req: Sampling, writer: Writer, work, choices: list[Choice], *, echo: bool = False):
         """The whole response, or with req.stream a StreamingResponse of its chunks."""
+        if req.stops() and self.lm.tokenizer is None:     # checked here: a stream's headers go out before submit
+            raise APIError(400, "`stop` strings need the model's tokenizer, and this model has none.", param="stop")
         events = self.run(work, req.stops(), logprobs=writer.top, echo=echo)
         if not req.stream:
             async for i, kind, payload in events:

@@ -52,6 +52,11 @@ def generate(
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass (1 = off).")] = 1.0,
     ops: Annotated[Optional[str], typer.Option(help=_OPS_HELP)] = None,
     stats: Annotated[bool, typer.Option(help="Print timing after the text.")] = True,
+    repetition_penalty: Annotated[float, typer.Option(
+        help="Divide a prompt or output token's logit by this where positive, multiply where negative (1 = off).")] = 1.0,
+    presence_penalty: Annotated[float, typer.Option(help="Subtract from a generated token's logit (OpenAI's).")] = 0.0,
+    frequency_penalty: Annotated[float, typer.Option(
+        help="Subtract per time a token was generated (OpenAI's).")] = 0.0,
 ) -> None:
     """Generate text from a prompt, streaming it as it is produced."""
     from kilnx.models.loaders import load_model
@@ -59,7 +64,9 @@ def generate(
     from kilnx.runtime.generate import GenerationStats, stream
     from kilnx.runtime.sampling import SamplingParams
     try:
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens)
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens,
+                                repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                                frequency_penalty=frequency_penalty)
     except ValueError as e:
         _fail(str(e))
     try:

@@ -52,6 +52,7 @@ def generate_ids(engine: Engine, ids: list[int], params: SamplingParams) -> Iter
     engine.check_fits(len(ids))
     budget = min(params.max_tokens, engine.max_seq - len(ids))
     sampler = Sampler(params, device=engine.device, ops=engine.model.ops)
+    sampler.start(ids, engine.config.vocab_size)
     stops = set(params.stop_token_ids)
     t0 = time.perf_counter()
     out: list[int] = []
@@ -64,6 +65,7 @@ def generate_ids(engine: Engine, ids: list[int], params: SamplingParams) -> Iter
         return
     logits = engine.prefill(ids)
     first = sampler(logits)
+    sampler.observe(first[:1])
     tok = int(first[0])
     ttft = time.perf_counter() - t0
     decode_start = time.perf_counter()
@@ -128,6 +130,7 @@ class _StepQueue:
         i = len(self.done)
         logits = self.engine.decode(self.tok, self.pos, max_position=self.first_position + i)
         nxt = self.sampler(logits)[:1]
+        self.sampler.observe(nxt)                             # penalties count it (on the device)
         self.tok.copy_(nxt)
         self.pos.add_(1)
         self.host[i + 1:i + 2].copy_(nxt, non_blocking=True)

@@ -302,3 +302,21 @@ def test_a_batched_bench_decodes_each_row_as_greedy_alone_would(monkeypatch):
     assert two.bytes_per_decode_token == one.bytes_per_decode_token - one.weight_bytes // 2
     with pytest.raises(ValueError, match="one length"):
         bench.batched_greedy(Engine(model, max_seq=16, max_batch=2), [[1, 2], [3]], 2)
+
+
+@pytest.mark.parametrize("lookahead", ["0", "1"])
+def test_generate_counts_penalties_as_the_server_does(lookahead, monkeypatch):
+    """`kilnx generate`'s loop (steps enqueued ahead or not) with repetition / frequency penalties gives the
+    tokens the scheduler gives, which tests/runtime/test_scheduler.py checks against the formula."""
+    from kilnx.runtime.generate import generate_ids
+    from kilnx.runtime.scheduler import Scheduler
+    monkeypatch.setenv("KILNX_DECODE_LOOKAHEAD", lookahead)
+    model = tiny_model("llama")
+    sp = SamplingParams(max_tokens=10, ignore_eos=True, frequency_penalty=1.5, repetition_penalty=1.3)
+    ids = torch.randint(3, 256, (7,), generator=torch.Generator().manual_seed(9)).tolist()
+    got = [t for t in generate_ids(Engine(model, max_seq=32), ids, sp) if isinstance(t, int)]
+    with Scheduler(Engine(model, max_seq=32)) as sched:
+        want = list(list(sched.stream(ids, sp))[-1].token_ids)
+    plain = [t for t in generate_ids(Engine(model, max_seq=32), ids, SamplingParams(max_tokens=10, ignore_eos=True))
+             if isinstance(t, int)]
+    assert got == want and got != plain

@@ -116,26 +116,25 @@ class Engine:
         t = prefill_bucket(n, self.prefill_graph_max) if self.prefill_graph_max else None
         if t is not None and (row, t) not in self.prefill_graph_refused:
             return self._prefill_graphed(ids, row, start, t, cache)
-        logits = None
-        for s in range(0, n, self.prefill_chunk):
-            e = min(n, s + self.prefill_chunk)
+        return self._forward_chunks(ids, cache, start, last=-1)[-1][0, -1]
+
+    def _forward_chunks(self, ids: torch.Tensor, cache, start: int, last) -> list[torch.Tensor]:
+        """Eager forwards of ids at positions start.. in prefill_chunk pieces: each piece's logits."""
+        out = []
+        for s in range(0, ids.numel(), self.prefill_chunk):
+            e = min(ids.numel(), s + self.prefill_chunk)
             pos = torch.arange(start + s, start + e, device=self.device).unsqueeze(0)
-            logits = self.model.forward(ids[s:e].unsqueeze(0), pos, cache, last=-1)
-        return logits[0, -1]
+            out.append(self.model.forward(ids[s:e].unsqueeze(0), pos, cache, last=last))
+        return out
 
     @torch.no_grad()
     def prefill_logits(self, ids: list[int] | torch.Tensor, row: int = 0, start: int = 0) -> torch.Tensor:
         """prefill() returning every token's logits (n, V), not the last one's: eager chunks, no graph (a prompt's
         log-probabilities, which a server's echo asks for)."""
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
-        n = ids.numel()
-        self.check_fits(start + n)
-        ids, cache, out = ids.to(self.device), self.cache.rows(row, row + 1), []
-        for s in range(0, n, self.prefill_chunk):
-            e = min(n, s + self.prefill_chunk)
-            pos = torch.arange(start + s, start + e, device=self.device).unsqueeze(0)
-            out.append(self.model.forward(ids[s:e].unsqueeze(0), pos, cache)[0])
-        return torch.cat(out)
+        self.check_fits(start + ids.numel())
+        pieces = self._forward_chunks(ids.to(self.device), self.cache.rows(row, row + 1), start, last=None)
+        return torch.cat([p[0] for p in pieces])
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, *, max_position: int | None = None) -> torch.Tensor:

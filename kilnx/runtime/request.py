@@ -78,8 +78,12 @@ class Request:
         """Ask the scheduler to drop this request (its row frees at the next step); safe from any thread."""
         self.cancelled = True
 
+    def spent(self, max_seq: int, inflight: int = 0) -> bool:
+        """Whether this request has all the tokens it may have (max_tokens, or the context's end), counting
+        `inflight` tokens of steps whose token is not read yet."""
+        have = len(self.tokens) + inflight
+        return have >= self.params.max_tokens or len(self.ids) + have >= max_seq
+
     def wants_step(self, max_seq: int) -> bool:
-        """Whether another decode step can still give this request a token it may keep (counting a step in
-        flight, whose token is not read yet)."""
-        have = len(self.tokens) + self.inflight
-        return bool(self.tokens) and have < self.params.max_tokens and len(self.ids) + have < max_seq
+        """Whether another decode step can still give this request a token it may keep."""
+        return bool(self.tokens) and not self.spent(max_seq, self.inflight)

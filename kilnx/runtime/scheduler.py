@@ -51,7 +51,7 @@ from kilnx.runtime.sampling import Sampler, SamplingParams
 
 COPY_MIN = 16
 """Prompt tokens another row must share before its K/V is copied rather than recomputed (a copy is 2 x layers
-tensor copies: for a few tokens, the prefill of them costs about the same)."""
+tensor copies; the threshold is a choice, not measured)."""
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
@@ -63,7 +63,8 @@ def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
 
 @dataclass
 class _InFlight:
-    """A decode step enqueued: its rows, their sampled tokens on the device and on the way to the host."""
+    """A decode step enqueued: its rows, their sampled tokens (indexed by row) on the device and on the way to
+    the host."""
     rows: list[tuple[int, Request]]
     picked: torch.Tensor
     host: torch.Tensor
@@ -83,8 +84,8 @@ class Scheduler:
             lookahead = int(os.environ.get("KILNX_SERVE_LOOKAHEAD", "1" if engine.device.type == "cuda" else "0"))
         self.lookahead = bool(lookahead)
         self._pending: _InFlight | None = None
-        # a chunk: on a GPU one graph-replayed prefill (512 tokens: engine.prefill_graph_max), on the CPU ~0.3 s of
-        # SmolLM2-135M, the most the other streams wait for a token
+        # a chunk, the most the other streams wait for a token: on a GPU one graph-replayed prefill (512 tokens,
+        # engine.prefill_graph_max); on the CPU ~0.36 s of SmolLM2-135M (1056 tokens took 3.0 s, serve_load --prefix)
         self.prefill_chunk = prefill_chunk or (512 if engine.device.type == "cuda" else 128)
         self.tokenizer = tokenizer
         self.stop_token_ids = tuple(stop_token_ids)
@@ -297,20 +298,20 @@ class Scheduler:
             t = torch.tensor(values)
             return t.pin_memory().to(dev, non_blocking=True) if cuda else t
         tok, pos = to_device(tokens), to_device(positions)
-        carried = [(i, j) for j, (i, r) in enumerate(prev.rows) if r.inflight and self.rows[i] is r] if prev else []
+        carried = [i for i, r in prev.rows if r.inflight and self.rows[i] is r] if prev else []
         if carried:
-            rows, slots = zip(*carried)
-            tok[to_device(list(rows))] = prev.picked[to_device(list(slots))]
+            idx = to_device(carried)
+            tok[idx] = prev.picked[idx]
         logits = self.engine.decode(tok, pos, max_position=max(positions))
         # greedy rows share one argmax over the step's logits; sampled or penalized rows go through their own
         # samplers (generators, token counts on the device)
-        shared = [r.params.greedy and not r.params.penalized for _, r in live]
-        top = self._argmax(logits) if any(shared) else None
-        picked = torch.cat([top[i:i + 1] if plain else r.sampler(logits[i:i + 1]).reshape(1)
-                            for (i, r), plain in zip(live, shared)])
-        for j, (_, r) in enumerate(live):
+        # picked[i]: row i's token (parked rows' entries unused)
+        own = [(i, r) for i, r in live if not r.params.greedy or r.params.penalized]
+        picked = self._argmax(logits) if len(own) < len(live) else torch.zeros(B, dtype=torch.long, device=dev)
+        for i, r in own:
+            picked[i:i + 1] = r.sampler(logits[i:i + 1]).reshape(1)
             if r.params.penalized:
-                r.sampler.observe(picked[j:j + 1])
+                r.sampler.observe(picked[i:i + 1])
         for _, r in live:
             r.fed += 1
             r.inflight += 1
@@ -330,7 +331,9 @@ class Scheduler:
             step.ready.synchronize()
         self.steps += 1
         self.rows_decoded += len(step.rows)
-        for (i, req), tok in zip(step.rows, step.host.tolist()):
+        tokens = step.host.tolist()
+        for i, req in step.rows:
+            tok = tokens[i]
             req.inflight -= 1
             if self.rows[i] is req:
                 self._accept(req, int(tok), step.logits[i] if step.logits is not None else None)
@@ -363,7 +366,7 @@ class Scheduler:
             piece = req.decoder.push(tok)
             if piece and self._emit(req, piece):
                 return
-        if len(req.tokens) >= req.params.max_tokens or len(req.ids) + len(req.tokens) >= self.engine.max_seq:
+        if req.spent(self.engine.max_seq):
             self._finish(req, "length")
 
     def _emit(self, req: Request, piece: str) -> bool:

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kilnx.runtime.request import Finished, TokenLogprob
 
 UNSUPPORTED = {   # field -> its value that means "not asked for"
-    "best_of": 1, "logit_bias": None, "suffix": None,
+    "best_of": 1, "suffix": None,
     "tools": None, "functions": None,
 }
 
@@ -47,12 +47,27 @@ class Sampling(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0)
+    logit_bias: dict[str, float] | None = None      # token id (as a string, OpenAI's JSON) -> added to its logit
+    min_tokens: int = Field(0, ge=0)
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias) pairs; a key that is not a token id or a bias outside [-100, 100] is
+        a 400 naming the field."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise APIError(400, f"logit_bias keys are token ids, got {key!r}.", param="logit_bias")
+            if not -100 <= bias <= 100:
+                raise APIError(400, f"logit_bias values lie in [-100, 100], got {bias} for token {key}.",
+                               param="logit_bias")
+            pairs.append((int(key), float(bias)))
+        return tuple(pairs)
 
     def refuse_unsupported(self) -> None:
         extra = self.model_extra or {}
         for name, neutral in UNSUPPORTED.items():
             value = extra.get(name, neutral)
-            if value not in (neutral, None) and not (name == "logit_bias" and value == {}):
+            if value not in (neutral, None):
                 raise APIError(400, f"`{name}`={value!r} is not supported by this server; leave it out.", param=name)
         fmt = extra.get("response_format")
         if fmt not in (None, {"type": "text"}):

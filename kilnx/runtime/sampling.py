@@ -24,6 +24,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0    # OpenAI's: subtracted per time it was generated
     repetition_penalty: float = 1.0   # HF / vLLM's: a token of the prompt or the output has its logit divided
                                       # by it where positive, multiplied where negative (1 = off)
+    logit_bias: tuple[tuple[int, float], ...] = ()   # OpenAI's: (token id, added to its logit), each in [-100, 100]
+    min_tokens: int = 0               # vLLM's: the stop tokens cannot be chosen before this many were generated
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -39,10 +41,28 @@ class SamplingParams:
                              f"{self.presence_penalty} and {self.frequency_penalty}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias):
+            raise ValueError(f"logit_bias values must lie in [-100, 100] (OpenAI's range), got {self.logit_bias}")
+        if any(t < 0 for t, _ in self.logit_bias):
+            raise ValueError(f"logit_bias token ids must be >= 0, got {self.logit_bias}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
 
     @property
     def penalized(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    def check_vocab(self, vocab: int) -> None:
+        """ValueError if logit_bias names a token past a vocabulary of `vocab` tokens."""
+        past = [t for t, _ in self.logit_bias if t >= vocab]
+        if past:
+            raise ValueError(f"logit_bias names token {past[0]}, past the vocabulary's {vocab} tokens")
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether the logits are changed before choosing (penalties, a bias, stop tokens held back), so that a
+        sequence needs its own Sampler started on its prompt and told each token it generates."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def greedy(self) -> bool:
@@ -92,10 +112,25 @@ class Sampler:
         self.device = torch.device(device)
         self.gen = torch.Generator(device=self.device).manual_seed(params.seed)
         self.counts = self.seen = None     # with penalties: (1, V) generated counts and prompt-or-output marks
+        self.bias = None                   # with logit_bias: (1, V) added to the logits
+        self.held = None                   # with min_tokens: (1, V) -inf at the stop tokens, 0 elsewhere
+        self.generated = 0                 # tokens observed (min_tokens counts them)
 
-    def start(self, prompt: list[int], vocab: int) -> None:
-        """Begin a sequence after `prompt` (what repetition_penalty counts as seen); only penalties need it."""
-        if self.params.penalized:
+    def start(self, prompt: list[int], vocab: int, stop_token_ids: tuple[int, ...] = ()) -> None:
+        """Begin a sequence after `prompt` (what repetition_penalty counts as seen). Needed where
+        params.shapes_logits; `stop_token_ids` are those min_tokens holds back (beside params.stop_token_ids)."""
+        p = self.params
+        self.generated = 0
+        if p.logit_bias:
+            p.check_vocab(vocab)
+            self.bias = torch.zeros(1, vocab, device=self.device)
+            for t, b in p.logit_bias:
+                self.bias[0, t] = b
+        stops = sorted({t for t in (*p.stop_token_ids, *stop_token_ids) if 0 <= t < vocab})
+        if p.min_tokens and stops:
+            self.held = torch.zeros(1, vocab, device=self.device)
+            self.held[0, stops] = -torch.inf
+        if p.penalized:
             self.counts = torch.zeros(1, vocab, device=self.device)
             self.seen = torch.zeros(1, vocab, dtype=torch.bool, device=self.device)
             if self.params.repetition_penalty != 1.0:
@@ -103,6 +138,7 @@ class Sampler:
 
     def observe(self, token: torch.Tensor) -> None:
         """Count a generated token (a (1,) tensor, on the device: no host read)."""
+        self.generated += 1
         if self.counts is not None:
             t = token.reshape(1).to(self.device)
             self.counts[0].index_add_(0, t, torch.ones(1, device=self.device))
@@ -121,6 +157,10 @@ class Sampler:
             logits = logits.unsqueeze(0)
         if self.counts is not None:
             logits = apply_penalties(logits, self.counts, self.seen, self.params)
+        if self.bias is not None:
+            logits = logits.float() + self.bias
+        if self.held is not None and self.generated < self.params.min_tokens:
+            logits = logits.float() + self.held
         if self.params.greedy:
             if self.ops is not None:
                 return self.ops.argmax(logits)

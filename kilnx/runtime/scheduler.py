@@ -112,6 +112,7 @@ class Scheduler:
         of the prompt's tokens (first, as one event a prefill chunk). A prompt that cannot fit the context
         raises ContextLengthError here, before anything is queued."""
         self.engine.check_fits(len(ids))
+        params.check_vocab(self.engine.config.vocab_size)
         if stop and self.tokenizer is None:
             raise ValueError("stop strings need the model's tokenizer, and this model has none.")
         req = Request(list(ids), params, tuple(s for s in stop if s), on_event, logprobs=logprobs,
@@ -257,7 +258,7 @@ class Scheduler:
     def _prefill_chunk(self, req: Request) -> None:
         if req.sampler is None:
             req.sampler = Sampler(req.params, device=self.engine.device, ops=self.engine.model.ops)
-            req.sampler.start(req.ids, self.engine.config.vocab_size)
+            req.sampler.start(req.ids, self.engine.config.vocab_size, self.stop_token_ids)
             req.decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
             if req.params.max_tokens == 0 and not req.echo:
                 self._finish(req, "length")
@@ -303,15 +304,14 @@ class Scheduler:
             idx = to_device(carried)
             tok[idx] = prev.picked[idx]
         logits = self.engine.decode(tok, pos, max_position=max(positions))
-        # greedy rows share one argmax over the step's logits; sampled or penalized rows go through their own
-        # samplers (generators, token counts on the device)
+        # greedy rows share one argmax over the step's logits; sampled rows and rows whose logits are shaped
+        # (penalties, bias, min_tokens) go through their own samplers (generators, token counts on the device)
         # picked[i]: row i's token (parked rows' entries unused)
-        own = [(i, r) for i, r in live if not r.params.greedy or r.params.penalized]
+        own = [(i, r) for i, r in live if not r.params.greedy or r.params.shapes_logits]
         picked = self._argmax(logits) if len(own) < len(live) else torch.zeros(B, dtype=torch.long, device=dev)
         for i, r in own:
             picked[i:i + 1] = r.sampler(logits[i:i + 1]).reshape(1)
-            if r.params.penalized:
-                r.sampler.observe(picked[i:i + 1])
+            r.sampler.observe(picked[i:i + 1])
         for _, r in live:
             r.fed += 1
             r.inflight += 1

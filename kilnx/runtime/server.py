@@ -3,11 +3,11 @@
 Endpoints: GET /health, GET /metrics (Prometheus), GET /v1/models, POST /v1/completions, POST /v1/chat/completions, with `stream` (server-
 sent events, `data: [DONE]` at the end, `stream_options.include_usage`), `max_tokens` (chat also takes
 `max_completion_tokens`), `temperature`, `top_p`, `presence_penalty`, `frequency_penalty`, `top_k`,
-`repetition_penalty` and `ignore_eos` (vLLM's extensions), `seed`, `stop`,
+`repetition_penalty`, `min_tokens` and `ignore_eos` (vLLM's extensions), `logit_bias`, `seed`, `stop`,
 log-probabilities (completions: `logprobs` N and `echo`, which also scores the prompt — with `max_tokens` 0, a
 loglikelihood request as evaluation harnesses send; chat: `logprobs` and `top_logprobs`) and several prompts in
 one completions request and `n` choices a prompt (choice j sampled with seed + j; all decoded side by side).
-What this server cannot honour (best_of, logit_bias, tools, a JSON response format) is refused with a 400 that names the field, never silently
+What this server cannot honour (best_of, tools, a JSON response format) is refused with a 400 that names the field, never silently
 ignored. Errors take OpenAI's shape: {"error": {"message", "type", "param", "code"}}. Log-probabilities are the
 model's (log-softmax of its logits, before temperature and filters).
 
@@ -105,9 +105,15 @@ class Server:
         room = engine.max_seq - n_prompt
         budget = max_tokens if max_tokens is not None else min(default_max or room, room)
         seed = req.seed if req.seed is not None else secrets.randbits(31)
+        bias = req.bias_pairs()
+        past = [t for t, _ in bias if t >= engine.config.vocab_size]
+        if past:
+            raise APIError(400, f"logit_bias names token {past[0]}; this model has {engine.config.vocab_size}.",
+                           param="logit_bias")
         return [SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=seed + j,
                                max_tokens=budget, ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
-                               frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty)
+                               frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+                               logit_bias=bias, min_tokens=req.min_tokens)
                 for j in range(req.n)]
 
     # ------------------------------------------------------------------ running

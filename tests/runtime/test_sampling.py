@@ -111,3 +111,22 @@ def test_a_penalized_greedy_pick_avoids_what_was_generated():
     assert int(s(x)[0]) == 6                       # 5 - 2 < 4
     with pytest.raises(ValueError, match="repetition_penalty"):
         SamplingParams(repetition_penalty=0)
+
+
+def test_logit_bias_is_added_and_min_tokens_holds_the_stop_tokens_back():
+    x = torch.zeros(1, 10)
+    x[0, 2], x[0, 7] = 3.0, 1.0
+    s = Sampler(SamplingParams(logit_bias=((7, 2.5), (2, -0.5)), min_tokens=2, stop_token_ids=(7,)))
+    s.start([], 10)
+    assert int(s(x)[0]) == 2                       # 3 - 0.5 > 1 + 2.5 is false, but 7 is held back
+    s.observe(torch.tensor([2]))
+    assert int(s(x)[0]) == 2
+    s.observe(torch.tensor([2]))
+    assert int(s(x)[0]) == 7                       # two generated: 7 may end it now (3.5 > 2.5)
+    later = Sampler(SamplingParams(min_tokens=1))
+    later.start([], 10, stop_token_ids=(2,))       # the caller's stop tokens count too
+    assert int(later(x)[0]) == 7
+    with pytest.raises(ValueError, match="past the vocabulary"):
+        Sampler(SamplingParams(logit_bias=((10, 1.0),))).start([], 10)
+    with pytest.raises(ValueError, match=r"\[-100, 100\]"):
+        SamplingParams(logit_bias=((1, 101.0),))

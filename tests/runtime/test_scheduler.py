@@ -309,3 +309,21 @@ def test_requests_arriving_together_with_a_shared_prefix_copy_it_from_the_first(
     for i in range(3):
         assert list(done[i].token_ids) == _alone(model, system + tails[i], sp)
     assert list(b.token_ids) == _alone(model, short + tails[1], sp)
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_a_logit_bias_and_min_tokens_steer_one_request_and_not_its_neighbour(lookahead):
+    model = tiny_model("llama")
+    p, q = _prompts((7, 5), seed=9)
+    greedy_q = _alone(model, q, SamplingParams(max_tokens=6, ignore_eos=True))
+    with Scheduler(Engine(model, max_seq=48, max_batch=2), stop_token_ids=(5,), lookahead=lookahead) as sched:
+        outcomes = Outcomes(2)
+        sched.submit(p, SamplingParams(max_tokens=6, logit_bias=((5, 100.0),), min_tokens=3), outcomes.listener(0))
+        sched.submit(q, SamplingParams(max_tokens=6, ignore_eos=True), outcomes.listener(1))
+        done = outcomes.wait(120)
+        forced = done[0]
+        assert forced.reason == "stop" and len(forced.token_ids) == 4 and forced.token_ids[-1] == 5
+        assert 5 not in forced.token_ids[:3]       # held back for three tokens, then the bias wins
+        assert list(done[1].token_ids) == greedy_q
+        with pytest.raises(ValueError, match="past the vocabulary"):
+            sched.submit(p, SamplingParams(logit_bias=((256, 1.0),)), lambda *e: None)

@@ -131,12 +131,33 @@ def test_token_id_prompts_and_seeded_sampling(served):
     assert client.post("/v1/completions", json={**body, "prompt": PROMPTS[0]}).json()["choices"][0]["text"] == a
 
 
+def test_a_logit_bias_forces_or_bans_tokens(served):
+    """OpenAI's logit_bias: +100 on one token makes greedy choose it at every step; -100 on the greedy first
+    token makes the model's second choice come first."""
+    lm, client = served
+    forced = lm.tokenizer.encode(" Paris")[0]
+    body = {"prompt": PROMPTS[1], "max_tokens": 3, "temperature": 0, "logprobs": 0}
+    r = client.post("/v1/completions", json={**body, "logit_bias": {str(forced): 100}}).json()
+    assert r["choices"][0]["logprobs"]["tokens"] == [lm.tokenizer.decode([forced])] * 3
+    plain = client.post("/v1/completions", json={**body, "logprobs": 2}).json()["choices"][0]["logprobs"]
+    from kilnx.runtime.engine import Engine
+    from kilnx.runtime.generate import generate_ids
+    first = next(generate_ids(Engine(lm.model, max_seq=96), lm.tokenizer.encode(PROMPTS[1]),
+                              SamplingParams(max_tokens=1)))
+    assert lm.tokenizer.decode([first]) == plain["tokens"][0]
+    banned = client.post("/v1/completions", json={**body, "logprobs": 2, "logit_bias": {str(first): -100}}).json()
+    second = [t for t in plain["top_logprobs"][0] if t != plain["tokens"][0]]
+    assert banned["choices"][0]["logprobs"]["tokens"][0] == max(second, key=plain["top_logprobs"][0].get)
+
+
 @pytest.mark.parametrize("body, status, words", [
     ({"prompt": "hi", "n": 0}, 400, "n"),
     ({"prompt": "hi", "best_of": 3}, 400, "`best_of`"),
     ({"prompt": "hi", "logprobs": 30}, 400, "logprobs"),
     ({"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
-    ({"prompt": "hi", "logit_bias": {"5": 1}}, 400, "`logit_bias`"),
+    ({"prompt": "hi", "logit_bias": {"five": 1}}, 400, "token ids"),
+    ({"prompt": "hi", "logit_bias": {"5": 101}}, 400, "[-100, 100]"),
+    ({"prompt": "hi", "logit_bias": {"99999": 1}}, 400, "this model has 49152"),
     ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "serves `smollm2`"),
     ({"prompt": "hi " * 120}, 400, "shorten the prompt"),

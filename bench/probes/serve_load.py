@@ -6,6 +6,7 @@ max_batch 1 (requests one after another, each decoded alone, as a server without
     (defaults: smollm2-135m, 1,4,8, 8, 64)
     python bench/probes/serve_load.py OUT.csv [MODEL] --prefix [HISTORY]     (default HISTORY 1024)
     python bench/probes/serve_load.py OUT.csv [MODEL] --system [LENGTH]      (default LENGTH 512)
+    python bench/probes/serve_load.py OUT.csv [MODEL] --conversations [COUNT] (default COUNT 6)
 
 Each request is a distinct random prompt of 32 tokens (seeded) and decodes exactly TOKENS tokens (greedy,
 ignore_eos); all are submitted at once. Reported per setting: wall seconds until the last finishes, generated
@@ -129,6 +130,45 @@ def shared_system_prompt(lm, length: int, requests: int = 8, repeats: int = 2) -
     return rows
 
 
+def conversations(lm, count: int, history: int = 256, rows: int = 2, rounds: int = 3) -> list[dict]:
+    """COUNT conversations taking turns on ROWS cache rows (one request at a time, as users answering in turn):
+    each starts with a HISTORY-token prompt; each next turn re-sends the conversation with the 16 tokens
+    generated and 16 new ones. With COUNT kept prefixes (runtime/prefix_store.py) against none: mean time to
+    a turn's first token after the first round, and the prompt tokens reused."""
+    from kilnx.runtime.engine import Engine
+    from kilnx.runtime.sampling import SamplingParams
+    from kilnx.runtime.scheduler import Scheduler
+    g = torch.Generator().manual_seed(3)
+    starts = [torch.randint(3, lm.config.vocab_size, (history,), generator=g).tolist() for _ in range(count)]
+    news = [[torch.randint(3, lm.config.vocab_size, (16,), generator=g).tolist() for _ in range(rounds)]
+            for _ in range(count)]
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    engine = Engine(lm.model, max_seq=history + rounds * 32 + 16, max_batch=rows)
+    out = []
+    for slots in (count, 0, count, 0):
+        with Scheduler(engine, prefix_slots=slots) as sched:
+            sched.kept = [[] for _ in sched.kept]                  # nothing kept from the last setting
+            convs, ttft, cached = [list(s) for s in starts], [], 0
+            for r in range(rounds):
+                for c in range(count):
+                    done, t0 = threading.Event(), time.perf_counter()
+                    ends = []
+                    req = sched.submit(convs[c], sp, lambda k, x: k == "done" and (ends.append(x), done.set()))
+                    while not req.tokens:                          # the first token: poll the request
+                        time.sleep(0.0005)
+                    first = time.perf_counter() - t0
+                    done.wait()
+                    fin = ends[0]
+                    if r:
+                        ttft.append(first)
+                        cached += fin.cached_tokens
+                    convs[c] += list(fin.token_ids) + news[c][r]
+        out.append({"conversations": count, "rows": rows, "history": history, "prefix_slots": slots,
+                    "turns_timed": len(ttft), "cached_tokens": cached, "ttft_mean_s": round(statistics.mean(ttft), 4),
+                    "ttft_max_s": round(max(ttft), 4)})
+    return out
+
+
 def main(argv):
     from kilnx.models.loaders import load_model
     from kilnx.runtime.device import detect
@@ -145,6 +185,11 @@ def main(argv):
              "date": time.strftime("%Y-%m-%d")}
     if "--system" in argv:
         rows = [{**r, **stamp} for r in shared_system_prompt(lm, int(args[2]) if len(args) > 2 else 512)]
+        for r in rows:
+            print(r, flush=True)
+        return _write(out, rows)
+    if "--conversations" in argv:
+        rows = [{**r, **stamp} for r in conversations(lm, int(args[2]) if len(args) > 2 else 6)]
         for r in rows:
             print(r, flush=True)
         return _write(out, rows)

@@ -184,6 +184,9 @@ def serve(
     weights: Annotated[str, typer.Option(help="Random weight format: q4 (MLX 4-bit, groups of 64) or bf16.")] = "q4",
     api_key: Annotated[Optional[str], typer.Option(
         envvar="KILNX_API_KEY", help="Require `Authorization: Bearer KEY` on /v1 routes (default: open).")] = None,
+    prefix_slots: Annotated[Optional[int], typer.Option(
+        help="Sequences' K/V kept beyond the rows for prompts that begin with them, e.g. conversations' next "
+             "turns (default: --max-batch; 0: off).")] = None,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API, batching concurrent requests."""
     try:
@@ -195,10 +198,13 @@ def serve(
     from kilnx.runtime.engine import Engine
     from kilnx.runtime.generate import default_stop_ids
     from kilnx.runtime.scheduler import Scheduler
+    import torch
     if max_batch < 1:
         _fail("--max-batch must be at least 1.")
     if max_seq is not None and max_seq < 2:
         _fail("--max-seq must be at least 2.")
+    if prefix_slots is not None and prefix_slots < 0:
+        _fail("--prefix-slots must be 0 or more.")
     if not 0 <= port < 65536:
         _fail(f"--port {port}: give a port number from 0 to 65535.")
     if weights not in ("q4", "bf16"):
@@ -211,9 +217,13 @@ def serve(
     except _user_errors() as e:
         _fail(str(e))
     name = served_model_name or model
-    scheduler = Scheduler(engine, lm.tokenizer, stop_token_ids=default_stop_ids(lm))
+    slots = max_batch if prefix_slots is None else prefix_slots
+    try:
+        scheduler = Scheduler(engine, lm.tokenizer, stop_token_ids=default_stop_ids(lm), prefix_slots=slots)
+    except torch.OutOfMemoryError:
+        _fail(f"no memory for {slots} kept prefixes of {engine.max_seq} tokens; lower --prefix-slots or --max-seq.")
     print(f"kilnx: serving {name} on {info.name} at http://{host}:{port}/v1 "
-          f"({max_batch} rows of {engine.max_seq} tokens)", file=sys.stderr)
+          f"({max_batch} rows of {engine.max_seq} tokens, {slots} kept prefixes)", file=sys.stderr)
     try:
         serve_forever(Server(lm, scheduler, name, api_key=api_key), host, port)
     finally:

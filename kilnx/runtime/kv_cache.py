@@ -54,5 +54,9 @@ class KVCache:
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Positions [0, n) of sequence src's K and V into sequence dst (a shared prompt prefix, reused)."""
-        for t in self.k + self.v:
-            t[dst, :, :n].copy_(t[src, :, :n])
+        self.copy_prefix_from(self, src, dst, n)
+
+    def copy_prefix_from(self, other: "KVCache", src: int, dst: int, n: int) -> None:
+        """Positions [0, n) of `other`'s sequence src into this cache's sequence dst (same layers and heads)."""
+        for mine, theirs in zip(self.k + self.v, other.k + other.v):
+            mine[dst, :, :n].copy_(theirs[src, :, :n])

@@ -21,9 +21,10 @@ K/V, at its next position, nothing reads.
 A freed row keeps what its cache holds (the prompt and the tokens fed back in). A new prompt that begins with
 a free row's kept tokens takes that row and prefills only the rest: a chat's next turn re-sends the whole
 conversation. A prompt sharing 16 or more leading tokens with a busy row's prompt (a system prompt of
-requests arriving together) waits for that row to have written them and gets their K/V copied into its row. Nothing is kept beyond the rows
-(no block-level prefix cache): max_batch rows, max_batch kept prefixes, the least recently freed row given
-up first.
+requests arriving together) waits for that row to have written them and gets their K/V copied into its row.
+With `prefix_slots`, a row's kept tokens are copied into a PrefixStore (runtime/prefix_store.py) before the row
+is given to a request that would overwrite them, and a prompt that begins with a stored sequence gets that
+prefix copied back: more conversations than rows keep their histories (least recently used given up first).
 
 Each request samples its own row with its own seeded Sampler, so its tokens are those it would get alone: the
 batched logits equal the one-row logits to rounding (tests/runtime/test_engine.py), and greedy tokens are
@@ -46,19 +47,13 @@ import torch
 
 from kilnx.models.errors import ContextLengthError
 from kilnx.runtime.engine import Engine
+from kilnx.runtime.prefix_store import PrefixStore, common_prefix
 from kilnx.runtime.request import Finished, Listener, Request, TokenLogprob, split_at_stop
 from kilnx.runtime.sampling import Sampler, SamplingParams
 
 COPY_MIN = 16
 """Prompt tokens another row must share before its K/V is copied rather than recomputed (a copy is 2 x layers
 tensor copies; the threshold is a choice, not measured)."""
-
-
-def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    n, limit = 0, min(len(a), len(b), limit)
-    while n < limit and a[n] == b[n]:
-        n += 1
-    return n
 
 
 @dataclass
@@ -76,8 +71,9 @@ class Scheduler:
     """Serves requests on `engine` (its max_batch rows) from a thread of its own; close() stops it."""
 
     def __init__(self, engine: Engine, tokenizer=None, *, stop_token_ids: tuple[int, ...] = (),
-                 prefill_chunk: int | None = None, lookahead: int | None = None):
+                 prefill_chunk: int | None = None, lookahead: int | None = None, prefix_slots: int = 0):
         self.engine = engine
+        self.store = PrefixStore(engine.cache, prefix_slots, min_tokens=COPY_MIN) if prefix_slots else None
         # a GPU step is enqueued before the host reads the previous step's tokens (their detokenizing, stop
         # checks and events run while it computes); on the CPU kernels run as launched, so nothing overlaps
         if lookahead is None:
@@ -207,28 +203,41 @@ class Scheduler:
                 self._collect(step)
 
     def _admit(self, req: Request) -> None:
-        """Give req a free row, with as much of its prompt's K/V as some row holds or will hold: the free row
-        whose kept tokens share the longest prefix with the prompt; or, where a busy row's prompt shares a
-        longer one of at least COPY_MIN tokens (a system prompt of requests arriving together), that prefix
-        copied into a free row once the busy row has written it (`_take_copy`); else a free row keeping
-        nothing, or the one freed longest ago. At least the prompt's last token is prefilled again (its logits
+        """Give req a free row, with as much of its prompt's K/V as some row holds, will hold or the store holds:
+        the free row whose kept tokens share the longest prefix with the prompt; or, where a busy row's prompt
+        shares a longer one of at least COPY_MIN tokens (a system prompt of requests arriving together), that
+        prefix copied into a free row once the busy row has written it (`_take_copy`); or a longer stored
+        prefix copied in now; else a free row keeping nothing, or the one freed longest ago. Kept tokens the
+        request would overwrite go to the store first. At least the prompt's last token is prefilled again (its logits
         give the first token); echo wants every prompt token's logits, so it reuses nothing."""
         ids, limit = req.ids, 0 if req.echo else len(req.ids) - 1
         free = [i for i, r in enumerate(self.rows) if r is None]
         spare = min(free, key=lambda i: (bool(self.kept[i]), self._released[i]))
         row, have = spare, 0
         for i in free:
-            n = _common_prefix(self.kept[i], ids, limit)
+            n = common_prefix(self.kept[i], ids, limit)
             if n > have:
                 row, have = i, n
         source, copy = None, 0
         for r in self.rows:
-            n = _common_prefix(r.ids, ids, limit) if r is not None else 0
+            n = common_prefix(r.ids, ids, limit) if r is not None else 0
             if n > copy or (n == copy and source is not None and r.prefilled > source.prefilled):
                 source, copy = r, n
-        if copy >= max(have + 1, COPY_MIN):
-            row, have = spare, 0
+        slot, stored = self.store.best(ids, limit) if self.store is not None else (None, 0)
+        if copy >= max(have + 1, COPY_MIN, stored + 1):
+            row, have, slot = spare, 0, None
             req.copy_from, req.copy_len = source, copy
+        elif stored >= max(have + 1, COPY_MIN):
+            row, have = spare, 0
+        else:
+            slot = None
+        kept = self.kept[row]
+        overwritten = self.store is not None and common_prefix(kept, ids, len(kept)) < len(kept)
+        if slot is not None:       # the stored prefix in, and the row's kept tokens into the slot it leaves
+            self.store.exchange(slot, stored, kept if overwritten else [], self.engine.cache, row)
+            have = stored
+        elif overwritten:
+            self.store.save(kept, self.engine.cache, row)   # what the request will overwrite
         req.row, req.prefilled = row, have
         req.cached = have
         self.cached_tokens += have

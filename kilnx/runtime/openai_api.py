@@ -49,6 +49,42 @@ class Sampling(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0)
     logit_bias: dict[str, float] | None = None      # token id (as a string, OpenAI's JSON) -> added to its logit
     min_tokens: int = Field(0, ge=0)
+    response_format: dict | None = None
+    guided_json: Union[dict, str, None] = None      # vLLM's structured-output extensions
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+
+    def grammar(self) -> str | None:
+        """The llguidance grammar the output must follow (runtime/structured.py): OpenAI's response_format
+        json_object / json_schema, or vLLM's guided_json / guided_regex / guided_choice; None for free text."""
+        from kilnx.runtime import structured as S
+        fmt = self.response_format or {"type": "text"}
+        kind = fmt.get("type")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise APIError(400, f"response_format type {kind!r} is not one of text, json_object, json_schema.",
+                           param="response_format")
+        asked = [name for name, on in (("response_format", kind != "text"), ("guided_json", self.guided_json is not None),
+                                       ("guided_regex", self.guided_regex is not None),
+                                       ("guided_choice", self.guided_choice is not None)) if on]
+        if len(asked) > 1:
+            raise APIError(400, f"give one of {', '.join(asked)}, not several.", param=asked[1])
+        if not asked:
+            return None
+        try:
+            if kind == "json_object":
+                return S.json_object_grammar()
+            if kind == "json_schema":
+                schema = (fmt.get("json_schema") or {}).get("schema")
+                if not isinstance(schema, dict):
+                    raise S.GrammarError("response_format json_schema needs json_schema.schema, a JSON schema object.")
+                return S.json_schema_grammar(schema)
+            if self.guided_json is not None:
+                return S.json_schema_grammar(self.guided_json)
+            if self.guided_regex is not None:
+                return S.regex_grammar(self.guided_regex)
+            return S.choice_grammar(self.guided_choice)
+        except S.GrammarError as e:
+            raise APIError(400, str(e), param=asked[0]) from e
 
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
         """logit_bias as (token id, bias) pairs; a key that is not a token id or a bias outside [-100, 100] is
@@ -69,10 +105,6 @@ class Sampling(BaseModel):
             value = extra.get(name, neutral)
             if value not in (neutral, None):
                 raise APIError(400, f"`{name}`={value!r} is not supported by this server; leave it out.", param=name)
-        fmt = extra.get("response_format")
-        if fmt not in (None, {"type": "text"}):
-            raise APIError(400, "only text responses are supported; leave `response_format` out.",
-                           param="response_format")
 
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())

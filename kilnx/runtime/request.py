@@ -73,6 +73,7 @@ class Request:
     copy_len: int = 0
     logprobs: int | None = None    # with log-probabilities of each token and this many alternatives; None: without
     echo: bool = False             # the prompt's tokens' log-probabilities too (with logprobs)
+    constraint: object = None      # a GrammarConstraint where params.grammar is set (runtime/structured.py)
 
     def cancel(self) -> None:
         """Ask the scheduler to drop this request (its row frees at the next step); safe from any thread."""

@@ -26,6 +26,7 @@ class SamplingParams:
                                       # by it where positive, multiplied where negative (1 = off)
     logit_bias: tuple[tuple[int, float], ...] = ()   # OpenAI's: (token id, added to its logit), each in [-100, 100]
     min_tokens: int = 0               # vLLM's: the stop tokens cannot be chosen before this many were generated
+    grammar: str | None = None        # llguidance grammar the tokens must follow (runtime/structured.py)
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -62,7 +63,7 @@ class SamplingParams:
     def shapes_logits(self) -> bool:
         """Whether the logits are changed before choosing (penalties, a bias, stop tokens held back), so that a
         sequence needs its own Sampler started on its prompt and told each token it generates."""
-        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or self.grammar is not None
 
     @property
     def greedy(self) -> bool:
@@ -115,6 +116,7 @@ class Sampler:
         self.bias = None                   # with logit_bias: (1, V) added to the logits
         self.held = None                   # with min_tokens: (1, V) -inf at the stop tokens, 0 elsewhere
         self.generated = 0                 # tokens observed (min_tokens counts them)
+        self.constraint = None             # with a grammar: its GrammarConstraint (set by the scheduler)
 
     def start(self, prompt: list[int], vocab: int, stop_token_ids: tuple[int, ...] = ()) -> None:
         """Begin a sequence after `prompt` (what repetition_penalty counts as seen). Needed where
@@ -161,6 +163,8 @@ class Sampler:
             logits = logits.float() + self.bias
         if self.held is not None and self.generated < self.params.min_tokens:
             logits = logits.float() + self.held
+        if self.constraint is not None:
+            logits = self.constraint.apply(logits)
         if self.params.greedy:
             if self.ops is not None:
                 return self.ops.argmax(logits)

@@ -111,8 +111,13 @@ class Scheduler:
         params.check_vocab(self.engine.config.vocab_size)
         if stop and self.tokenizer is None:
             raise ValueError("stop strings need the model's tokenizer, and this model has none.")
+        constraint = None
+        if params.grammar is not None:     # compiled here, so that a bad grammar is the caller's error
+            from kilnx.runtime.structured import GrammarConstraint
+            constraint = GrammarConstraint(self.tokenizer, params.grammar, self.engine.config.vocab_size,
+                                           self.stop_token_ids)
         req = Request(list(ids), params, tuple(s for s in stop if s), on_event, logprobs=logprobs,
-                      echo=echo and logprobs is not None)
+                      echo=echo and logprobs is not None, constraint=constraint)
         with self._cv:
             if self._closed:
                 raise RuntimeError("the scheduler is closed")
@@ -188,7 +193,9 @@ class Scheduler:
         filling = [r for r in self.rows if r is not None and not r.tokens and r.copy_from is None]
         if filling:
             self._prefill_chunk(min(filling, key=lambda r: r.admitted))
-        pipelined = self.lookahead and not any(r is not None and r.logprobs is not None for r in self.rows)
+        # a step is looked past only where no row needs its tokens on the host before the next step
+        pipelined = self.lookahead and not any(r is not None and (r.logprobs is not None or r.constraint is not None)
+                                               for r in self.rows)
         if pipelined:              # step n + 1 is enqueued, then step n's tokens are read and handled
             step = self._enqueue(self._pending)
             if self._pending is not None:
@@ -268,6 +275,7 @@ class Scheduler:
         if req.sampler is None:
             req.sampler = Sampler(req.params, device=self.engine.device, ops=self.engine.model.ops)
             req.sampler.start(req.ids, self.engine.config.vocab_size, self.stop_token_ids)
+            req.sampler.constraint = req.constraint
             req.decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
             if req.params.max_tokens == 0 and not req.echo:
                 self._finish(req, "length")
@@ -366,6 +374,8 @@ class Scheduler:
 
     def _accept(self, req: Request, tok: int, logits: torch.Tensor | None = None) -> None:
         req.tokens.append(tok)
+        if req.constraint is not None:
+            req.constraint.accept(tok)
         if tok in self.stop_token_ids and not req.params.ignore_eos:
             self._finish(req, "stop")         # a stop token is neither text nor a logprobs entry
             return
@@ -375,6 +385,9 @@ class Scheduler:
             piece = req.decoder.push(tok)
             if piece and self._emit(req, piece):
                 return
+        if req.constraint is not None and req.constraint.matcher.is_stopped():
+            self._finish(req, "stop")          # the grammar is complete: nothing but a stop token could follow
+            return
         if req.spent(self.engine.max_seq):
             self._finish(req, "length")
 

@@ -7,6 +7,8 @@ sent events, `data: [DONE]` at the end, `stream_options.include_usage`), `max_to
 log-probabilities (completions: `logprobs` N and `echo`, which also scores the prompt — with `max_tokens` 0, a
 loglikelihood request as evaluation harnesses send; chat: `logprobs` and `top_logprobs`) and several prompts in
 one completions request and `n` choices a prompt (choice j sampled with seed + j; all decoded side by side).
+Structured output: `response_format` json_object / json_schema (OpenAI's), `guided_json`, `guided_regex`,
+`guided_choice` (vLLM's), through llguidance (runtime/structured.py).
 What this server cannot honour (best_of, tools, a JSON response format) is refused with a 400 that names the field, never silently
 ignored. Errors take OpenAI's shape: {"error": {"message", "type", "param", "code"}}. Log-probabilities are the
 model's (log-softmax of its logits, before temperature and filters).
@@ -105,7 +107,13 @@ class Server:
         room = engine.max_seq - n_prompt
         budget = max_tokens if max_tokens is not None else min(default_max or room, room)
         seed = req.seed if req.seed is not None else secrets.randbits(31)
-        bias = req.bias_pairs()
+        bias, grammar = req.bias_pairs(), req.grammar()
+        if grammar is not None:        # compiled now: a bad one is a 400 before any stream begins
+            from kilnx.runtime.structured import GrammarConstraint, GrammarError
+            try:
+                GrammarConstraint(self.lm.tokenizer, grammar, engine.config.vocab_size, self.scheduler.stop_token_ids)
+            except GrammarError as e:
+                raise APIError(400, str(e), param="response_format") from e
         past = [t for t, _ in bias if t >= engine.config.vocab_size]
         if past:
             raise APIError(400, f"logit_bias names token {past[0]}; this model has {engine.config.vocab_size}.",
@@ -113,7 +121,7 @@ class Server:
         return [SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=seed + j,
                                max_tokens=budget, ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
                                frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-                               logit_bias=bias, min_tokens=req.min_tokens)
+                               logit_bias=bias, min_tokens=req.min_tokens, grammar=grammar)
                 for j in range(req.n)]
 
     # ------------------------------------------------------------------ running

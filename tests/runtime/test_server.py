@@ -150,12 +150,41 @@ def test_a_logit_bias_forces_or_bans_tokens(served):
     assert banned["choices"][0]["logprobs"]["tokens"][0] == max(second, key=plain["top_logprobs"][0].get)
 
 
+def test_structured_output_through_both_apis(served):
+    """OpenAI's response_format (json_schema, json_object) on chat, vLLM's guided_choice on completions,
+    streamed or not: the text follows the grammar."""
+    pytest.importorskip("llguidance")
+    _, client = served
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    msgs = [{"role": "user", "content": "Which city is the capital of France? Answer in JSON."}]
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 30, "temperature": 0,
+                                                  "response_format": {"type": "json_schema",
+                                                                      "json_schema": {"name": "c", "schema": schema}}})
+    assert r.status_code == 200, r.text
+    answer = json.loads(r.json()["choices"][0]["message"]["content"])
+    assert list(answer) == ["city"] and isinstance(answer["city"], str)
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 40, "temperature": 0.7, "seed": 3,
+                                                  "stream": True, "response_format": {"type": "json_object"}})
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in _events(r) if e["choices"])
+    assert text.lstrip().startswith("{")
+    r = client.post("/v1/completions", json={"prompt": "Is Paris in France? Answer:", "max_tokens": 5,
+                                             "guided_choice": ["yes", "no"], "n": 2, "temperature": 1.0})
+    assert [c["text"] for c in r.json()["choices"]] in ([a, b] for a in ("yes", "no") for b in ("yes", "no"))
+
+
 @pytest.mark.parametrize("body, status, words", [
     ({"prompt": "hi", "n": 0}, 400, "n"),
     ({"prompt": "hi", "best_of": 3}, 400, "`best_of`"),
     ({"prompt": "hi", "logprobs": 30}, 400, "logprobs"),
     ({"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"prompt": "hi", "logit_bias": {"five": 1}}, 400, "token ids"),
+    ({"prompt": "hi", "response_format": {"type": "yaml"}}, 400, "not one of text"),
+    ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
+     "json_schema.schema"),
+    ({"prompt": "hi", "guided_regex": "(unclosed"}, 400, "regex cannot be used"),
+    ({"prompt": "hi", "guided_regex": "a", "guided_choice": ["b"]}, 400, "not several"),
+    ({"prompt": "hi", "tools": [{"type": "function"}]}, 400, "`tools`"),
     ({"prompt": "hi", "logit_bias": {"5": 101}}, 400, "[-100, 100]"),
     ({"prompt": "hi", "logit_bias": {"99999": 1}}, 400, "this model has 49152"),
     ({"prompt": "hi", "temperature": -1}, 400, "temperature"),

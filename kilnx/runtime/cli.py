@@ -57,6 +57,9 @@ def generate(
     presence_penalty: Annotated[float, typer.Option(help="Subtract from a generated token's logit (OpenAI's).")] = 0.0,
     frequency_penalty: Annotated[float, typer.Option(
         help="Subtract per time a token was generated (OpenAI's).")] = 0.0,
+    json_schema: Annotated[Optional[str], typer.Option(
+        help="Constrain the output to this JSON schema (a file, or the schema itself; '{}' for any JSON object).")] = None,
+    regex: Annotated[Optional[str], typer.Option(help="Constrain the output to this regular expression.")] = None,
 ) -> None:
     """Generate text from a prompt, streaming it as it is produced."""
     from kilnx.models.loaders import load_model
@@ -66,12 +69,14 @@ def generate(
     try:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens,
                                 repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                                frequency_penalty=frequency_penalty)
+                                frequency_penalty=frequency_penalty, grammar=_grammar(json_schema, regex))
     except ValueError as e:
         _fail(str(e))
     try:
         info = detect(device)
         lm = load_model(model, device=info.torch_device, ops=ops or os.environ.get("KILNX_OPS", "auto"))
+        if params.grammar is not None:
+            return _generate_constrained(lm, prompt, params, chat, stats)
         result = None
         for item in stream(lm, prompt, params, chat=chat):
             if isinstance(item, GenerationStats):
@@ -86,6 +91,49 @@ def generate(
         print(f"[{result.prompt_tokens} prompt tokens, {result.generated_tokens} generated ({result.stop_reason}); "
               f"TTFT {result.ttft_s * 1e3:.0f} ms, prefill {result.prefill_tok_s:.1f} tok/s, "
               f"decode {result.decode_tok_s:.1f} tok/s on {info.name}]", file=sys.stderr)
+
+
+def _grammar(json_schema: str | None, regex: str | None) -> str | None:
+    """--json-schema / --regex as the grammar structured output follows (runtime/structured.py)."""
+    if json_schema is None and regex is None:
+        return None
+    if json_schema is not None and regex is not None:
+        _fail("give --json-schema or --regex, not both.")
+    import json
+    from kilnx.runtime import structured as S
+    if regex is not None:
+        return S.regex_grammar(regex)
+    text = json_schema
+    if os.path.isfile(json_schema):
+        with open(json_schema) as f:
+            text = f.read()
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        _fail(f"--json-schema: neither a file nor JSON ({e}).")
+    return S.json_object_grammar() if schema == {} else S.json_schema_grammar(schema)
+
+
+def _generate_constrained(lm, prompt: str, params, chat: bool, stats: bool) -> None:
+    """A grammar's tokens advance its matcher on the host: generated on a one-row scheduler (runtime/structured.py)."""
+    import time
+    from kilnx.runtime.engine import Engine
+    from kilnx.runtime.generate import default_stop_ids, prompt_ids
+    from kilnx.runtime.request import Finished
+    from kilnx.runtime.scheduler import Scheduler
+    ids = prompt_ids(lm, prompt, chat=chat)
+    engine = Engine(lm.model, max_seq=min(lm.config.max_position_embeddings, len(ids) + params.max_tokens + 1))
+    t0 = time.perf_counter()
+    with Scheduler(engine, lm.tokenizer, stop_token_ids=default_stop_ids(lm)) as sched:
+        for item in sched.stream(ids, params):
+            if isinstance(item, Finished):
+                sys.stdout.write("\n")
+                if stats:
+                    print(f"[{item.prompt_tokens} prompt tokens, {item.completion_tokens} generated ({item.reason}) "
+                          f"under the grammar in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
+            else:
+                sys.stdout.write(item)
+                sys.stdout.flush()
 
 
 def bench(

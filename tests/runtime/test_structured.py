@@ -100,3 +100,23 @@ def test_bad_grammars_are_one_clear_error(served):
         S.regex_grammar("(unclosed")
     with pytest.raises(S.GrammarError, match="grammar cannot be used"):
         sched.submit([1, 2, 3], SamplingParams(grammar="not a grammar"), lambda *e: None)
+
+
+def test_kilnx_generate_under_a_schema_or_a_regex(smollm2_path, monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from kilnx.cli import app
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    schema = tmp_path / "dog.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"],
+                                  "additionalProperties": False}))
+    base = ["generate", "--model", smollm2_path, "--device", "cpu", "--max-tokens", "30"]
+    r = CliRunner().invoke(app, base + ["--chat", "--prompt", "Name a dog, as JSON.", "--json-schema", str(schema)])
+    assert r.exit_code == 0, r.output
+    assert list(json.loads(r.stdout)) == ["name"]
+    r = CliRunner().invoke(app, base + ["--prompt", "My phone number is", "--regex", " [0-9]{3}-[0-9]{4}"])
+    assert re.fullmatch(r" [0-9]{3}-[0-9]{4}\n", r.stdout)
+    r = CliRunner().invoke(app, base + ["--prompt", "x", "--regex", "("])
+    assert r.exit_code == 1 and "regex cannot be used" in r.stderr
+    r = CliRunner().invoke(app, base + ["--prompt", "x", "--json-schema", "{nope"])
+    assert r.exit_code == 1 and "neither a file nor JSON" in r.stderr

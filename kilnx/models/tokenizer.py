@@ -112,7 +112,8 @@ class Tokenizer:
     def decode(self, ids, *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True, **extra) -> str:
+        """The template rendered over `messages`; `extra` are more variables it may use (e.g. `tools`)."""
         if not self.chat_template:
             raise CheckpointError("this model has no chat template; run without --chat.")
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -122,7 +123,7 @@ class Tokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens, **extra)
 
     def encode_chat(self, prompt: str) -> list[int]:
         text = self.apply_chat_template([{"role": "user", "content": prompt}])

@@ -12,8 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kilnx.runtime.request import Finished, TokenLogprob
 
 UNSUPPORTED = {   # field -> its value that means "not asked for"
-    "best_of": 1, "suffix": None,
-    "tools": None, "functions": None,
+    "best_of": 1, "suffix": None, "functions": None,
 }
 
 
@@ -133,6 +132,27 @@ class ChatRequest(Sampling):
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list | None = None
+    tool_choice: Union[str, dict, None] = None
+
+    def tool_mode(self) -> tuple[str, list[dict]]:
+        """("none" | "auto" | "forced", the tools the answer may call): runtime/tools.py."""
+        from kilnx.runtime.tools import mode_of
+        return mode_of(self.tools, self.tool_choice)
+
+    def grammar(self) -> str | None:
+        """A forced tool call's grammar (a call of one of the tools), else the response format's."""
+        mode, tools = self.tool_mode()
+        if mode != "forced":
+            return super().grammar()
+        if super().grammar() is not None:
+            raise APIError(400, "give `tool_choice` or a response format, not both.", param="tool_choice")
+        from kilnx.runtime import structured as S
+        from kilnx.runtime.tools import call_schema
+        try:
+            return S.json_schema_grammar(call_schema(tools))
+        except S.GrammarError as e:
+            raise APIError(400, f"the tools' parameters: {e}", param="tools") from e
 
     def top(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -198,8 +218,10 @@ class Writer:
     """The response shapes of one endpoint: `chat` or completions, with log-probabilities when asked
     (`top` alternatives a token; None: not asked)."""
 
-    def __init__(self, *, chat: bool, rid: str, created: int, model: str, top: int | None, token_text):
+    def __init__(self, *, chat: bool, rid: str, created: int, model: str, top: int | None, token_text,
+                 tools: tuple[str, list[dict]] = ("none", [])):
         self.chat, self.rid, self.created, self.model, self.top = chat, rid, created, model, top
+        self.tool_mode, self.tools = tools      # with tools an answer is read whole (runtime/tools.py)
         self.token_text = token_text            # id -> its text
         self._offset: dict[int, int] = {}       # completions' text_offset, running a choice
 
@@ -228,18 +250,38 @@ class Writer:
         out = []
         for c in choices:
             text, lps = c.take()
-            body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-            out.append({"index": c.index, **body, "logprobs": self.logprobs(c.index, lps),
-                        "finish_reason": finish_reason(c.finished)})
+            reason = finish_reason(c.finished)
+            if self.chat:
+                content, calls = self._calls(text)
+                body = {"message": {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}}
+                reason = "tool_calls" if calls else reason
+            else:
+                body = {"text": text}
+            out.append({"index": c.index, **body, "logprobs": self.logprobs(c.index, lps), "finish_reason": reason})
         return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": out,
                 "usage": usage([c.finished for c in choices])}
 
-    def chunk(self, choice: Choice, *, role: bool = False) -> dict:
-        """What `choice` has to send now: its new text and log-probabilities, and its end once it ended."""
+    def _calls(self, text: str) -> tuple[str | None, list[dict]]:
+        if self.tool_mode == "none":
+            return text, []
+        from kilnx.runtime.tools import parse
+        return parse(text, self.tool_mode, self.tools)
+
+    def chunk(self, choice: Choice, *, role: bool = False) -> dict | None:
+        """What `choice` has to send now: its new text and log-probabilities, and its end once it ended (None:
+        nothing yet — with tools, an answer is sent whole once it ended, when its calls can be read)."""
+        if self.tool_mode != "none" and choice.finished is None and not role:
+            return None
         text, lps = choice.take()
         reason = finish_reason(choice.finished) if choice.finished is not None else None
-        if self.chat:
+        if self.chat and self.tool_mode != "none" and not role:
+            content, calls = self._calls(text)
+            delta = {**({"content": content} if content else {}),
+                     **({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]} if calls else {})}
+            body = {"delta": delta}
+            reason = "tool_calls" if calls else reason
+        elif self.chat:
             body = {"delta": {"role": "assistant", "content": text} if role else ({"content": text} if text else {})}
         else:
             body = {"text": text}

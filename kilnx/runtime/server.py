@@ -8,8 +8,9 @@ log-probabilities (completions: `logprobs` N and `echo`, which also scores the p
 loglikelihood request as evaluation harnesses send; chat: `logprobs` and `top_logprobs`) and several prompts in
 one completions request and `n` choices a prompt (choice j sampled with seed + j; all decoded side by side).
 Structured output: `response_format` json_object / json_schema (OpenAI's), `guided_json`, `guided_regex`,
-`guided_choice` (vLLM's), through llguidance (runtime/structured.py).
-What this server cannot honour (best_of, tools, a JSON response format) is refused with a 400 that names the field, never silently
+`guided_choice` (vLLM's), through llguidance (runtime/structured.py); tool calls (`tools`, `tool_choice`,
+runtime/tools.py).
+What this server cannot honour (best_of, the legacy functions) is refused with a 400 that names the field, never silently
 ignored. Errors take OpenAI's shape: {"error": {"message", "type", "param", "code"}}. Log-probabilities are the
 model's (log-softmax of its logits, before temperature and filters).
 
@@ -73,10 +74,16 @@ class Server:
         return out
 
     def chat_prompt(self, req: ChatRequest) -> list[int]:
-        messages = [{"role": m.role, "content": text_content(m.content)} for m in req.messages]
+        from kilnx.runtime.tools import template_messages
+        messages = [{**m.model_dump(exclude_none=True), "content": text_content(m.content)} for m in req.messages]
         tok = self._tokenizer()
+        mode, tools = req.tool_mode()
         try:
-            text = tok.apply_chat_template(messages)
+            if tools and tok.chat_template:
+                messages, extra = template_messages(messages, tools, tok.chat_template)
+                text = tok.apply_chat_template(messages, **extra)
+            else:
+                text = tok.apply_chat_template(messages)
         except ModelError as e:
             raise APIError(400, f"{e} Use /v1/completions for this model.", param="messages") from e
         except Exception as e:     # the template's own raise_exception (e.g. roles out of order)
@@ -176,7 +183,9 @@ class Server:
                 async for i, kind, payload in events:
                     choices[i].add(kind, payload)
                     if kind != "logprobs":                     # these ride with the next text or the end
-                        yield sse(writer.chunk(choices[i]))
+                        chunk = writer.chunk(choices[i])
+                        if chunk is not None:
+                            yield sse(chunk)
             except APIError as e:          # the headers are sent: the error goes in the stream
                 yield sse(e.body())
                 return
@@ -245,7 +254,7 @@ def create_app(server: Server) -> FastAPI:
         ids = server.chat_prompt(req)
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         writer = Writer(chat=True, rid=f"chatcmpl-{secrets.token_hex(12)}", created=int(time.time()),
-                        model=server.name, top=req.top(), token_text=server.token_text)
+                        model=server.name, top=req.top(), token_text=server.token_text, tools=req.tool_mode())
         work = [(ids, sp) for sp in server.params(req, len(ids), limit, None)]
         return await server.answer(req, writer, work, [Choice(j) for j in range(req.n)])
 

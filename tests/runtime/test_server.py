@@ -31,7 +31,7 @@ def _served(smollm2_path):
     from kilnx.runtime.scheduler import Scheduler
     from kilnx.runtime.server import Server, create_app
     lm = load_model(smollm2_path, device="cpu", ops="auto")
-    scheduler = Scheduler(Engine(lm.model, max_seq=96, max_batch=4), lm.tokenizer, stop_token_ids=default_stop_ids(lm))
+    scheduler = Scheduler(Engine(lm.model, max_seq=192, max_batch=4), lm.tokenizer, stop_token_ids=default_stop_ids(lm))
     with TestClient(create_app(Server(lm, scheduler, "smollm2"))) as client:
         yield lm, client
     scheduler.close()
@@ -173,6 +173,37 @@ def test_structured_output_through_both_apis(served):
     assert [c["text"] for c in r.json()["choices"]] in ([a, b] for a in ("yes", "no") for b in ("yes", "no"))
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}}}
+
+
+def test_a_forced_tool_call_comes_back_as_tool_calls(served):
+    """tool_choice "required" (or a named function): the answer is constrained to a call of a given tool and
+    returned as OpenAI's tool_calls, whole and streamed; the conversation then goes on with the tool's result."""
+    pytest.importorskip("llguidance")
+    _, client = served
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    body = {"messages": msgs, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 40, "temperature": 0}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    call = choice["message"]["tool_calls"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert call["function"]["name"] == "get_weather" and isinstance(json.loads(call["function"]["arguments"])["city"], str)
+    named = {**body, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "stream": True}
+    events = _events(client.post("/v1/chat/completions", json=named))
+    deltas = [e["choices"][0] for e in events if e["choices"]]
+    streamed = [d["delta"]["tool_calls"][0] for d in deltas if "tool_calls" in d["delta"]]
+    assert len(streamed) == 1 and streamed[0]["function"]["arguments"] == call["function"]["arguments"]
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+    follow = msgs + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": call["id"], "content": "Sunny, 24 C"}]
+    r = client.post("/v1/chat/completions", json={"messages": follow, "tools": [WEATHER], "tool_choice": "none",
+                                                  "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] and "tool_calls" not in r.json()["choices"][0]["message"]
+
+
 @pytest.mark.parametrize("body, status, words", [
     ({"prompt": "hi", "n": 0}, 400, "n"),
     ({"prompt": "hi", "best_of": 3}, 400, "`best_of`"),
@@ -184,12 +215,12 @@ def test_structured_output_through_both_apis(served):
      "json_schema.schema"),
     ({"prompt": "hi", "guided_regex": "(unclosed"}, 400, "regex cannot be used"),
     ({"prompt": "hi", "guided_regex": "a", "guided_choice": ["b"]}, 400, "not several"),
-    ({"prompt": "hi", "tools": [{"type": "function"}]}, 400, "`tools`"),
+    ({"prompt": "hi", "functions": [{"name": "f"}]}, 400, "`functions`"),
     ({"prompt": "hi", "logit_bias": {"5": 101}}, 400, "[-100, 100]"),
     ({"prompt": "hi", "logit_bias": {"99999": 1}}, 400, "this model has 49152"),
     ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "serves `smollm2`"),
-    ({"prompt": "hi " * 120}, 400, "shorten the prompt"),
+    ({"prompt": "hi " * 250}, 400, "shorten the prompt"),
     ({"prompt": "hi", "max_tokens": 500}, 400, "lower max_tokens"),
     ({"prompt": [1, 2, 10**9]}, 400, "token ids must lie in"),
     ({"prompt": []}, 400, "empty"),
@@ -207,7 +238,7 @@ def test_models_and_health(served):
     _, client = served
     assert client.get("/health").json() == {"status": "ok"}
     data = client.get("/v1/models").json()["data"]
-    assert [m["id"] for m in data] == ["smollm2"] and data[0]["max_model_len"] == 96
+    assert [m["id"] for m in data] == ["smollm2"] and data[0]["max_model_len"] == 192
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]})
     assert r.status_code == 400 and "image_url" in r.json()["error"]["message"]

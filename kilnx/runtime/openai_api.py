@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kilnx.runtime.request import Finished, TokenLogprob
 
 UNSUPPORTED = {   # field -> its value that means "not asked for"
-    "best_of": 1, "suffix": None, "functions": None,
+    "suffix": None, "functions": None,
 }
 
 
@@ -116,6 +116,17 @@ class CompletionRequest(Sampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=64)
+
+    def candidates(self) -> int:
+        """Samples drawn a prompt: best_of (the n with the highest mean token log-probability are returned)."""
+        best_of = self.best_of or self.n
+        if best_of < self.n:
+            raise APIError(400, f"best_of ({best_of}) must be at least n ({self.n}).", param="best_of")
+        if best_of > self.n and (self.stream or self.echo):
+            raise APIError(400, "best_of above n cannot be streamed or echoed (the best are known at the end).",
+                           param="best_of")
+        return best_of
 
     def top(self) -> int | None:
         return self.logprobs
@@ -246,7 +257,8 @@ class Writer:
         text = self.token_text(token)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-    def response(self, choices: list[Choice]) -> dict:
+    def response(self, choices: list[Choice], counted: list[Choice] | None = None) -> dict:
+        """The whole response; `counted`: the choices whose tokens the usage counts (best_of: every sample)."""
         out = []
         for c in choices:
             text, lps = c.take()
@@ -260,7 +272,7 @@ class Writer:
             out.append({"index": c.index, **body, "logprobs": self.logprobs(c.index, lps), "finish_reason": reason})
         return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": out,
-                "usage": usage([c.finished for c in choices])}
+                "usage": usage([c.finished for c in counted or choices])}
 
     def _calls(self, text: str) -> tuple[str | None, list[dict]]:
         if self.tool_mode == "none":

@@ -10,7 +10,8 @@ one completions request and `n` choices a prompt (choice j sampled with seed + j
 Structured output: `response_format` json_object / json_schema (OpenAI's), `guided_json`, `guided_regex`,
 `guided_choice` (vLLM's), through llguidance (runtime/structured.py); tool calls (`tools`, `tool_choice`,
 runtime/tools.py).
-What this server cannot honour (best_of, the legacy functions) is refused with a 400 that names the field, never silently
+`best_of` (completions) returns the n samples of best_of with the highest mean token log-probability.
+What this server cannot honour (the legacy functions, suffix) is refused with a 400 that names the field, never silently
 ignored. Errors take OpenAI's shape: {"error": {"message", "type", "param", "code"}}. Log-probabilities are the
 model's (log-softmax of its logits, before temperature and filters).
 
@@ -102,9 +103,9 @@ class Server:
         return self._token_texts[token]
 
     def params(self, req: Sampling, n_prompt: int, max_tokens: int | None,
-               default_max: int | None) -> list[SamplingParams]:
-        """The sampling of each of the prompt's req.n choices: choice j draws with seed + j (a given seed makes
-        the whole request reproducible; none, a random one)."""
+               default_max: int | None, count: int | None = None) -> list[SamplingParams]:
+        """The sampling of each of the prompt's req.n (or `count`) samples: sample j draws with seed + j (a given
+        seed makes the whole request reproducible; none, a random one)."""
         engine = self.scheduler.engine
         try:
             check_prompt(engine, n_prompt, max_tokens)
@@ -129,7 +130,7 @@ class Server:
                                max_tokens=budget, ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
                                frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
                                logit_bias=bias, min_tokens=req.min_tokens, grammar=grammar)
-                for j in range(req.n)]
+                for j in range(count or req.n)]
 
     # ------------------------------------------------------------------ running
     async def run(self, work: list[tuple[list[int], SamplingParams]], stops: tuple[str, ...], *,
@@ -161,6 +162,26 @@ class Server:
         finally:
             for r in reqs:
                 r.cancel()
+
+    async def best_of(self, req: CompletionRequest, writer: Writer, work, prompts: int, best_of: int):
+        """best_of samples a prompt, each token's log-probability computed; the n with the highest mean are the
+        prompt's choices (OpenAI's rule), in that order. Usage counts every sample's tokens."""
+        samples = [Choice(k) for k in range(len(work))]
+        async for i, kind, payload in self.run(work, req.stops(), logprobs=req.logprobs or 0):
+            samples[i].add(kind, payload)
+
+        def mean_logprob(c: Choice) -> float:
+            lps = [lp.logprob for lp in c.logprobs if lp.logprob is not None]
+            return sum(lps) / len(lps) if lps else float("-inf")
+        chosen = []
+        for p in range(prompts):
+            group = sorted(samples[p * best_of:(p + 1) * best_of], key=mean_logprob, reverse=True)[:req.n]
+            for j, c in enumerate(group):
+                c.index = p * req.n + j
+                if req.logprobs is None:
+                    c.logprobs = []
+                chosen.append(c)
+        return writer.response(chosen, counted=samples)
 
     async def answer(self, req: Sampling, writer: Writer, work, choices: list[Choice], *, echo: bool = False):
         """The whole response, or with req.stream a StreamingResponse of its chunks."""
@@ -239,10 +260,13 @@ def create_app(server: Server) -> FastAPI:
         server.check_model(req)
         req.refuse_unsupported()
         prompts = server.prompts(req)
+        best_of = req.candidates()
         # choice i * n + j: prompt i's j-th sample (OpenAI's order)
-        work = [(ids, sp) for ids, _ in prompts for sp in server.params(req, len(ids), req.max_tokens, 16)]
+        work = [(ids, sp) for ids, _ in prompts for sp in server.params(req, len(ids), req.max_tokens, 16, best_of)]
         writer = Writer(chat=False, rid=f"cmpl-{secrets.token_hex(12)}", created=int(time.time()), model=server.name,
                         top=req.top(), token_text=server.token_text)
+        if best_of > req.n:
+            return await server.best_of(req, writer, work, len(prompts), best_of)
         choices = [Choice(i * req.n + j, text if req.echo else "") for i, (_, text) in enumerate(prompts)
                    for j in range(req.n)]
         return await server.answer(req, writer, work, choices, echo=req.echo)

@@ -173,6 +173,20 @@ def test_structured_output_through_both_apis(served):
     assert [c["text"] for c in r.json()["choices"]] in ([a, b] for a in ("yes", "no") for b in ("yes", "no"))
 
 
+def test_best_of_returns_the_samples_with_the_highest_mean_log_probability(served):
+    """best_of 4, n 2: the same four seeded samples as n 4 gives, the two with the highest mean token
+    log-probability, best first; usage counts all four."""
+    _, client = served
+    body = {"prompt": PROMPTS[2], "max_tokens": 6, "temperature": 1.0, "seed": 11}
+    every = client.post("/v1/completions", json={**body, "n": 4, "logprobs": 0}).json()
+    mean = {c["text"]: sum(c["logprobs"]["token_logprobs"]) / len(c["logprobs"]["token_logprobs"])
+            for c in every["choices"]}
+    best = client.post("/v1/completions", json={**body, "n": 2, "best_of": 4}).json()
+    assert [c["text"] for c in best["choices"]] == sorted(mean, key=mean.get, reverse=True)[:2]
+    assert [c["index"] for c in best["choices"]] == [0, 1] and best["choices"][0]["logprobs"] is None
+    assert best["usage"]["completion_tokens"] == every["usage"]["completion_tokens"]
+
+
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}}}
 
@@ -206,7 +220,8 @@ def test_a_forced_tool_call_comes_back_as_tool_calls(served):
 
 @pytest.mark.parametrize("body, status, words", [
     ({"prompt": "hi", "n": 0}, 400, "n"),
-    ({"prompt": "hi", "best_of": 3}, 400, "`best_of`"),
+    ({"prompt": "hi", "n": 3, "best_of": 2}, 400, "at least n"),
+    ({"prompt": "hi", "best_of": 2, "stream": True}, 400, "cannot be streamed"),
     ({"prompt": "hi", "logprobs": 30}, 400, "logprobs"),
     ({"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"prompt": "hi", "logit_bias": {"five": 1}}, 400, "token ids"),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU-machine driver: bash bench/device_run.sh STEP...   (needs .whl carried; everything lands in $OUT)
-# Steps: gputests gpuquick (TESTS=files GPUQUICK_SECS) e2eab (AB_MODELS="8b 1b moe" AB_VAR=KILNX_PDL|KILNX_PREPARED_LAUNCH|KILNX_WG|KILNX_GEMV_PREFETCH|KILNX_FUSED_QKV_ROPE|KILNX_FUSED_ROPE|KILNX_DECODE_LOOKAHEAD|KILNX_MOE_PREPARED AB_VALUES="1 0" AB_PROMPTS=128,2048) quant qmv tc qmm ncu fusions moe e2e1b e2e8b (E2E_CSV=name) tune (TUNE_MODEL) tune8b tunewg cold8b moeprobe (MOEPROBE_ROUNDS) tcgemv tcqmm attnprobe batchdecode (BATCH_MODEL BATCH_SIZES BATCH_STEPS) batchbench (BATCH_SIZES="1 4 8 16" BATCH_MODEL) serveload (SERVE_MODEL SERVE_BATCHES SERVE_REQUESTS) serveconv (SERVE_CONVERSATIONS) qmmrows mmprefill (MMP_ROUNDS) splitk (SPLITK_SHAPES SPLITK_TILES SPLITK_SPLITS SPLITK_STAGES)   -- each has its own time limit and log.
+# Steps: gputests gpuquick (TESTS=files GPUQUICK_SECS) e2eab (AB_MODELS="8b 1b moe" AB_VAR=KILNX_PDL|KILNX_PREPARED_LAUNCH|KILNX_WG|KILNX_GEMV_PREFETCH|KILNX_FUSED_QKV_ROPE|KILNX_FUSED_ROPE|KILNX_DECODE_LOOKAHEAD|KILNX_MOE_PREPARED AB_VALUES="1 0" AB_PROMPTS=128,2048) quant qmv tc qmm ncu fusions moe e2e1b e2e8b (E2E_CSV=name) tune (TUNE_MODEL) tune8b tunewg cold8b moeprobe (MOEPROBE_ROUNDS) tcgemv tcqmm attnprobe batchdecode (BATCH_MODEL BATCH_SIZES BATCH_STEPS) batchbench (BATCH_SIZES="1 4 8 16" BATCH_MODEL) serveload (SERVE_MODEL SERVE_BATCHES SERVE_REQUESTS) serveconv (SERVE_CONVERSATIONS) ncuwg qmmrows mmprefill (MMP_ROUNDS) splitk (SPLITK_SHAPES SPLITK_TILES SPLITK_SPLITS SPLITK_STAGES)   -- each has its own time limit and log.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -39,6 +39,8 @@ for s in "$@"; do case $s in
   ncu) step ncu 240 ncu --clock-control none --set detailed --section WarpStateStats --section SchedulerStats \
          -k regex:${NCU_KERNEL:-qmv} --launch-skip ${NCU_SKIP:-4} --launch-count ${NCU_COUNT:-2} \
          python3 bench/profile_qmv.py "${PROFILE_CONFIGS:-{\}}" ;;
+  ncuwg) step ncuwg 240 ncu --clock-control none --set detailed --section WarpStateStats --section SchedulerStats \
+           -k regex:qmm_wg --launch-skip 12 --launch-count 4 python3 bench/profile_wg.py ;;
   tc) KILNX_BENCH_ONLY=qmv H2_STAGES=3 QMV_PATHS=qmv_h2,qmv_tc QMV_H2_MAX=0 QMV_SWEEP_ROWS=1 step tc ${TC_SECS:-420} python3 bench/bench_kernels.py --suite quant --out $OUT/tc ;;
   qmm) KILNX_BENCH_ONLY=qmm step qmm ${QMM_SECS:-200} python3 bench/bench_kernels.py --suite quant --out $OUT/qmm ;;
   cold8b) python3 bench/cold_first_token.py --model llama-3.1-8b > $OUT/cold_warmup.log 2>&1

@@ -232,6 +232,8 @@ def serve(
     weights: Annotated[str, typer.Option(help="Random weight format: q4 (MLX 4-bit, groups of 64) or bf16.")] = "q4",
     api_key: Annotated[Optional[str], typer.Option(
         envvar="KILNX_API_KEY", help="Require `Authorization: Bearer KEY` on /v1 routes (default: open).")] = None,
+    chat_template: Annotated[Optional[str], typer.Option(
+        help="A Jinja chat template (a file, or the template itself) to use instead of the checkpoint's.")] = None,
     prefix_slots: Annotated[Optional[int], typer.Option(
         help="Sequences' K/V kept beyond the rows for prompts that begin with them, e.g. conversations' next "
              "turns (default: --max-batch; 0: off).")] = None,
@@ -264,6 +266,10 @@ def serve(
         engine = Engine(lm.model, max_seq=max_seq or min(lm.config.max_position_embeddings, 4096), max_batch=max_batch)
     except _user_errors() as e:
         _fail(str(e))
+    if chat_template is not None:
+        if lm.tokenizer is None:
+            _fail("--chat-template: this model has no tokenizer to render it with.")
+        lm.tokenizer.chat_template = open(chat_template).read() if os.path.isfile(chat_template) else chat_template
     name = served_model_name or model
     slots = max_batch if prefix_slots is None else prefix_slots
     try:

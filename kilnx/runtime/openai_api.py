@@ -48,6 +48,7 @@ class Sampling(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0)
     logit_bias: dict[str, float] | None = None      # token id (as a string, OpenAI's JSON) -> added to its logit
     min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None          # vLLM's: more tokens that end the answer
     response_format: dict | None = None
     guided_json: Union[dict, str, None] = None      # vLLM's structured-output extensions
     guided_regex: str | None = None

@@ -376,7 +376,7 @@ class Scheduler:
         req.tokens.append(tok)
         if req.constraint is not None:
             req.constraint.accept(tok)
-        if tok in self.stop_token_ids and not req.params.ignore_eos:
+        if (tok in self.stop_token_ids or tok in req.params.stop_token_ids) and not req.params.ignore_eos:
             self._finish(req, "stop")         # a stop token is neither text nor a logprobs entry
             return
         if req.logprobs is not None and logits is not None:

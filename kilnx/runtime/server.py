@@ -29,6 +29,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
+from pydantic import ValidationError
 
 from kilnx.models.errors import ContextLengthError, ModelError
 from kilnx.runtime.openai_api import (APIError, ChatRequest, Choice, CompletionRequest, Sampling, Writer, sse,
@@ -116,6 +117,8 @@ class Server:
         budget = max_tokens if max_tokens is not None else min(default_max or room, room)
         seed = req.seed if req.seed is not None else secrets.randbits(31)
         bias, grammar = req.bias_pairs(), req.grammar()
+        if any(not 0 <= t < engine.config.vocab_size for t in req.stop_token_ids or ()):
+            raise APIError(400, f"stop_token_ids must lie in [0, {engine.config.vocab_size}).", param="stop_token_ids")
         if grammar is not None:        # compiled now: a bad one is a 400 before any stream begins
             from kilnx.runtime.structured import GrammarConstraint, GrammarError
             try:
@@ -129,7 +132,8 @@ class Server:
         return [SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=seed + j,
                                max_tokens=budget, ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
                                frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-                               logit_bias=bias, min_tokens=req.min_tokens, grammar=grammar)
+                               logit_bias=bias, min_tokens=req.min_tokens, grammar=grammar,
+                               stop_token_ids=tuple(req.stop_token_ids or ()))
                 for j in range(count or req.n)]
 
     # ------------------------------------------------------------------ running
@@ -254,6 +258,29 @@ def create_app(server: Server) -> FastAPI:
     async def models():
         return {"object": "list", "data": [{"id": server.name, "object": "model", "created": server.created,
                                             "owned_by": "kilnx", "max_model_len": server.scheduler.engine.max_seq}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: dict):
+        """vLLM's: a prompt's token ids ({"prompt"}, or {"messages"} through the chat template)."""
+        if "messages" in body:
+            try:
+                chat = ChatRequest(**{k: v for k, v in body.items() if k in ("messages", "tools")})
+            except ValidationError as e:
+                raise APIError(400, f"messages: {e.errors()[0].get('msg')}", param="messages") from e
+            ids = server.chat_prompt(chat)
+        elif isinstance(body.get("prompt"), str):
+            ids = server._tokenizer().encode(body["prompt"], add_special_tokens=body.get("add_special_tokens", True))
+        else:
+            raise APIError(400, "send a `prompt` string or `messages`.", param="prompt")
+        return {"tokens": ids, "count": len(ids), "max_model_len": server.scheduler.engine.max_seq}
+
+    @app.post("/detokenize")
+    async def detokenize(body: dict):
+        ids = body.get("tokens")
+        vocab = server.lm.config.vocab_size
+        if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise APIError(400, f"`tokens` must be a list of token ids in [0, {vocab}).", param="tokens")
+        return {"prompt": server._tokenizer().decode(ids, skip_special_tokens=False)}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):

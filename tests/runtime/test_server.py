@@ -173,6 +173,24 @@ def test_structured_output_through_both_apis(served):
     assert [c["text"] for c in r.json()["choices"]] in ([a, b] for a in ("yes", "no") for b in ("yes", "no"))
 
 
+def test_tokenize_detokenize_and_extra_stop_tokens(served):
+    lm, client = served
+    r = client.post("/tokenize", json={"prompt": PROMPTS[0]}).json()
+    assert r["tokens"] == lm.tokenizer.encode(PROMPTS[0]) and r["count"] == len(r["tokens"]) and r["max_model_len"] == 192
+    chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["tokens"] == lm.tokenizer.encode_chat("Hi")
+    assert client.post("/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == PROMPTS[0]
+    assert client.post("/detokenize", json={"tokens": [-1]}).status_code == 400
+    assert client.post("/tokenize", json={"messages": "hi"}).status_code == 400
+    # vLLM's stop_token_ids: the greedy answer's third token ends it
+    body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "logprobs": 0}
+    plain = client.post("/v1/completions", json=body).json()["choices"][0]
+    third = lm.tokenizer.encode(PROMPTS[0] + "".join(plain["logprobs"]["tokens"][:3]))[-1]
+    cut = client.post("/v1/completions", json={**body, "stop_token_ids": [third]}).json()["choices"][0]
+    assert cut["finish_reason"] == "stop" and len(cut["logprobs"]["tokens"]) < len(plain["logprobs"]["tokens"])
+    assert client.post("/v1/completions", json={**body, "stop_token_ids": [10 ** 7]}).status_code == 400
+
+
 def test_best_of_returns_the_samples_with_the_highest_mean_log_probability(served):
     """best_of 4, n 2: the same four seeded samples as n 4 gives, the two with the highest mean token
     log-probability, best first; usage counts all four."""
@@ -278,8 +296,11 @@ def test_kilnx_serve_answers_over_http(served, tmp_path):
     lm, client = served
     port = _free_port()
     log = open(tmp_path / "serve.log", "w")
+    template = tmp_path / "plain.jinja"       # --chat-template: a template of our own instead of the checkpoint's
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
     proc = subprocess.Popen([sys.executable, "-m", "kilnx.cli", "serve", "--model", "smollm2-135m", "--device", "cpu",
-                             "--port", str(port), "--max-seq", "96", "--max-batch", "2"],
+                             "--port", str(port), "--max-seq", "96", "--max-batch", "2",
+                             "--chat-template", str(template)],
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TRITON_INTERPRET": "0"})
     try:
         url = f"http://127.0.0.1:{port}"
@@ -313,6 +334,10 @@ def test_kilnx_serve_answers_over_http(served, tmp_path):
         for body, text in zip(bodies, got):
             want = client.post("/v1/completions", json={**body, "model": "smollm2", "stream": False}).json()
             assert text == want["choices"][0]["text"] != ""
+        req = urllib.request.Request(url + "/tokenize", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"messages": [{"role": "user", "content": "Hi"}]}).encode())
+        ids = json.loads(urllib.request.urlopen(req, timeout=60).read())["tokens"]
+        assert ids == lm.tokenizer.encode("user: Hi\nassistant:", add_special_tokens=False)
     finally:
         proc.terminate()
         proc.wait(60)

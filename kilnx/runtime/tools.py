@@ -3,9 +3,10 @@
 - `tool_choice` "required" or a named function: the output is constrained (runtime/structured.py) to a JSON
   object {"name": <a tool's name>, "arguments": <that tool's parameters schema>}, which becomes the message's
   `tool_calls`. Any model can be made to call a tool this way.
-- "auto" (the default when tools are given): the model writes freely; calls written in the Hermes form that
-  Qwen 2.5 / Qwen 3 and Hermes models are trained on, `<tool_call>{"name": ..., "arguments": ...}</tool_call>`,
-  become `tool_calls` and the rest stays content. Other families' call formats are not parsed.
+- "auto" (the default when tools are given): the model writes freely; calls in the forms models are trained to
+  write become `tool_calls` and the rest stays content: Hermes' `<tool_call>{"name", "arguments"}</tool_call>`
+  (Qwen 2.5 / 3, Hermes), Mistral's `[TOOL_CALLS][{...}]`, and an answer that is a call or a list of calls as
+  JSON (Llama 3.1's `{"name", "parameters"}`, after `<|python_tag|>` or not). Only names among the tools count.
 - "none": the tools are shown to the template but the answer is text.
 
 The tools reach the model through the chat template's `tools` variable; a template that does not use it (SmolLM2's)
@@ -83,18 +84,32 @@ def parse(text: str, mode: str, tools: list[dict]) -> tuple[str | None, list[dic
     if mode != "auto":
         return text, []
     names = {t["function"]["name"] for t in tools}
-    calls = []
+
+    def calls_in(objs) -> list[dict]:
+        objs = objs if isinstance(objs, list) else [objs]
+        if not objs or not all(isinstance(o, dict) and o.get("name") in names for o in objs):
+            return []
+        return [_call({"name": o["name"], "arguments": o.get("arguments", o.get("parameters", {}))}) for o in objs]
+
+    calls = []                                    # Hermes: <tool_call>{...}</tool_call> blocks amid the text
     for block in _CALL.findall(text):
         try:
-            obj = json.loads(block)
+            calls += calls_in(json.loads(block))
         except json.JSONDecodeError:
             continue
-        if isinstance(obj, dict) and obj.get("name") in names:
-            calls.append(_call(obj))
+    if calls:
+        return _CALL.sub("", text).strip() or None, calls
+    # Mistral's [TOOL_CALLS][...], or the whole answer one call / a list of them as Llama 3.1 writes them
+    # ({"name", "parameters"}, after <|python_tag|> or not)
+    head, marker, tail = text.partition("[TOOL_CALLS]")
+    body = tail if marker else text.replace("<|python_tag|>", "")
+    try:
+        calls = calls_in(json.loads(body.strip()))
+    except json.JSONDecodeError:
+        calls = []
     if not calls:
         return text, []
-    rest = _CALL.sub("", text).strip()
-    return rest or None, calls
+    return (head.strip() or None) if marker else None, calls
 
 
 def template_messages(messages: list[dict], tools: list[dict], template: str) -> tuple[list[dict], dict]:

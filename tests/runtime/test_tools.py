@@ -39,6 +39,13 @@ def test_calls_are_read_from_a_finished_answer():
     content, calls = parse(text, "auto", [WEATHER, TIME])
     assert content == "Let me look." and [c["function"]["name"] for c in calls] == ["weather", "time"]
     assert parse("No calls here.", "auto", [WEATHER]) == ("No calls here.", [])
+    content, calls = parse('<|python_tag|>{"name": "weather", "parameters": {"city": "Oslo"}}', "auto", [WEATHER])
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}      # Llama 3.1
+    content, calls = parse('Sure.[TOOL_CALLS][{"name": "time", "arguments": {}}, {"name": "weather", '
+                           '"arguments": {"city": "Rome"}}]', "auto", [WEATHER, TIME])                # Mistral
+    assert content == "Sure." and [c["function"]["name"] for c in calls] == ["time", "weather"]
+    assert parse('{"name": "other", "parameters": {}}', "auto", [WEATHER])[1] == []                # not a tool
+    assert parse('{"city": "Oslo"}', "auto", [WEATHER]) == ('{"city": "Oslo"}', [])
     assert parse("<tool_call>{}</tool_call>", "none", [WEATHER]) == ("<tool_call>{}</tool_call>", [])
 
 

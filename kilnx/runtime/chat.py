@@ -20,6 +20,19 @@ from kilnx.runtime.sampling import SamplingParams
 from kilnx.runtime.scheduler import Scheduler
 
 
+def print_stream(items, summary=None) -> None:
+    """Write a scheduler stream's text to stdout as it comes; at its Finished, a newline and `summary(finished)`
+    (if given) on stderr."""
+    for item in items:
+        if isinstance(item, Finished):
+            sys.stdout.write("\n")
+            if summary is not None:
+                print(summary(item), file=sys.stderr)
+        else:
+            sys.stdout.write(item)
+            sys.stdout.flush()
+
+
 class Conversation:
     """Messages so far and the scheduler that answers them; `reply(text)` streams the assistant's answer."""
 
@@ -117,15 +130,8 @@ def chat(
                 continue
             dropped = talk.dropped
             try:
-                for item in talk.reply(text):
-                    if isinstance(item, Finished):
-                        sys.stdout.write("\n")
-                        if stats:
-                            print(f"[{item.completion_tokens} tokens ({item.reason}); {item.cached_tokens} of "
-                                  f"{item.prompt_tokens} prompt tokens reused]", file=sys.stderr)
-                    else:
-                        sys.stdout.write(item)
-                        sys.stdout.flush()
+                print_stream(talk.reply(text), (lambda f: f"[{f.completion_tokens} tokens ({f.reason}); {f.cached_tokens} "
+                                                          f"of {f.prompt_tokens} prompt tokens reused]") if stats else None)
             except _user_errors() as e:
                 talk.messages.pop()
                 print(f"error: {e}", file=sys.stderr)

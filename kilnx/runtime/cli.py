@@ -117,23 +117,16 @@ def _grammar(json_schema: str | None, regex: str | None) -> str | None:
 def _generate_constrained(lm, prompt: str, params, chat: bool, stats: bool) -> None:
     """A grammar's tokens advance its matcher on the host: generated on a one-row scheduler (runtime/structured.py)."""
     import time
+    from kilnx.runtime.chat import print_stream
     from kilnx.runtime.engine import Engine
     from kilnx.runtime.generate import default_stop_ids, prompt_ids
-    from kilnx.runtime.request import Finished
     from kilnx.runtime.scheduler import Scheduler
     ids = prompt_ids(lm, prompt, chat=chat)
     engine = Engine(lm.model, max_seq=min(lm.config.max_position_embeddings, len(ids) + params.max_tokens + 1))
     t0 = time.perf_counter()
     with Scheduler(engine, lm.tokenizer, stop_token_ids=default_stop_ids(lm)) as sched:
-        for item in sched.stream(ids, params):
-            if isinstance(item, Finished):
-                sys.stdout.write("\n")
-                if stats:
-                    print(f"[{item.prompt_tokens} prompt tokens, {item.completion_tokens} generated ({item.reason}) "
-                          f"under the grammar in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
-            else:
-                sys.stdout.write(item)
-                sys.stdout.flush()
+        print_stream(sched.stream(ids, params), (lambda f: f"[{f.prompt_tokens} prompt tokens, {f.completion_tokens} "
+                     f"generated ({f.reason}) under the grammar in {time.perf_counter() - t0:.2f} s]") if stats else None)
 
 
 def bench(

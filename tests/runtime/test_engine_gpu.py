@@ -184,3 +184,22 @@ def test_continuous_batching_on_cuda_graphs():
     for i, p in enumerate(prompts):
         alone = next(t for t in generate_ids(Engine(m, max_seq=64), p, SamplingParams(max_tokens=1, ignore_eos=True)))
         assert done[i].token_ids[0] == alone
+
+
+def test_kept_prefixes_beyond_the_rows_on_the_gpu():
+    """Three conversations on one row with two stored prefixes (runtime/prefix_store.py): every second turn
+    reuses all it sent before, copied back from the store on the device, and gets a one-row engine's tokens."""
+    from kilnx.runtime.generate import generate_ids
+    from kilnx.runtime.sampling import SamplingParams
+    from kilnx.runtime.scheduler import Scheduler
+    m = model("llama", "kilnx")
+    g = torch.Generator().manual_seed(9)
+    first = [torch.randint(3, 256, (20 + 3 * i,), generator=g).tolist() for i in range(3)]
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    with Scheduler(Engine(m, max_seq=64, max_batch=1), prefix_slots=2) as sched:
+        turn1 = [list(sched.stream(p, sp))[-1] for p in first]
+        second = [p + list(f.token_ids) + [7, 8, 9] for p, f in zip(first, turn1)]
+        turn2 = [list(sched.stream(p, sp))[-1] for p in second]
+    assert [f.cached_tokens for f in turn2] == [len(p) + 3 for p in first]
+    for p, f in zip(second, turn2):
+        assert list(f.token_ids) == [t for t in generate_ids(Engine(m, max_seq=64), p, sp) if isinstance(t, int)]

@@ -36,7 +36,7 @@ def _collect(scheduler, ids, params, stop=()):
 
 
 @pytest.mark.parametrize("lookahead", [False, True])
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_moe"])
 def test_requests_batched_together_get_the_tokens_each_gets_alone(arch, backend, lookahead):
     """Five greedy requests on three rows: rows are reused as requests end, the batch grows and shrinks,
     and free rows inside it ride along parked; each request's tokens are its tokens decoded alone. With

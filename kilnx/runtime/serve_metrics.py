@@ -24,6 +24,11 @@ class _Steps:
                                   value=s.steps)
         yield CounterMetricFamily("kilnx_decode_rows", "Rows those steps decoded (over steps: the mean batch).",
                                   value=s.rows_decoded)
+        if s.store is not None:
+            yield CounterMetricFamily("kilnx_prefix_store_saves", "Kept sequences copied into the prefix store.",
+                                      value=s.store.saved)
+            yield CounterMetricFamily("kilnx_prefix_store_loads", "Stored prefixes copied back into a row.",
+                                      value=s.store.loaded)
 
 
 class Metrics:
@@ -32,7 +37,7 @@ class Metrics:
         self.requests = Counter("kilnx_requests", "Requests finished, by finish reason.", ["reason"], registry=r)
         self.prompt_tokens = Counter("kilnx_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.cached_tokens = Counter("kilnx_prompt_cached_tokens",
-                                     "Prompt tokens whose K/V a row kept from its previous sequence.", registry=r)
+                                     "Prompt tokens whose K/V was reused (kept in a row, copied from another row or the prefix store).", registry=r)
         self.generation_tokens = Counter("kilnx_generation_tokens", "Tokens generated.", registry=r)
         self.first_token = Histogram("kilnx_time_to_first_token_seconds", "From a request's arrival to its first "
                                      "token.", buckets=_LATENCY, registry=r)

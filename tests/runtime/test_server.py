@@ -31,7 +31,8 @@ def _served(smollm2_path):
     from kilnx.runtime.scheduler import Scheduler
     from kilnx.runtime.server import Server, create_app
     lm = load_model(smollm2_path, device="cpu", ops="auto")
-    scheduler = Scheduler(Engine(lm.model, max_seq=192, max_batch=4), lm.tokenizer, stop_token_ids=default_stop_ids(lm))
+    scheduler = Scheduler(Engine(lm.model, max_seq=192, max_batch=4), lm.tokenizer, stop_token_ids=default_stop_ids(lm),
+                          prefix_slots=2)
     with TestClient(create_app(Server(lm, scheduler, "smollm2"))) as client:
         yield lm, client
     scheduler.close()
@@ -458,6 +459,7 @@ def test_metrics_count_what_was_served(served):
     assert grew("kilnx_time_to_first_token_seconds_count[]") == 2 and grew("kilnx_request_seconds_count[]") == 2
     assert grew("kilnx_decode_rows_total[]") == 8 and 4 <= grew("kilnx_decode_steps_total[]") <= 8
     assert after["kilnx_requests_running[]"] == 0 and after["kilnx_requests_waiting[]"] == 0
+    assert "kilnx_prefix_store_saves_total[]" in after and "kilnx_prefix_store_loads_total[]" in after
 
 
 def test_n_choices_a_prompt_each_with_its_own_seed(served):

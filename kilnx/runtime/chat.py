@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from typing import Iterator, Optional
 
 import typer
@@ -67,7 +68,7 @@ class Conversation:
         ids = self._prompt()
         self.scheduler.engine.check_fits(len(ids))
         room = self.scheduler.engine.max_seq - len(ids)
-        params = SamplingParams(**{**self.params.__dict__, "max_tokens": min(self.params.max_tokens, room)})
+        params = replace(self.params, max_tokens=min(self.params.max_tokens, room))
         pieces = []
         for item in self.scheduler.stream(ids, params):
             if isinstance(item, Finished):

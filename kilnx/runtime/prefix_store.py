@@ -46,10 +46,6 @@ class PrefixStore:
         self._clock = 0
         self.saved = self.loaded = 0     # copies made, for telemetry and tests
 
-    @property
-    def nbytes(self) -> int:
-        return self.cache.nbytes
-
     def _tick(self, entry: _Entry) -> None:
         self._clock += 1
         entry.used = self._clock
@@ -88,9 +84,7 @@ class PrefixStore:
         slot = covered[0] if covered else min(victims, key=lambda i: -1 if self.entries[i] is None
                                               else self.entries[i].used)
         self.cache.copy_prefix_from(source, row, slot, len(tokens))
-        self.entries[slot] = _Entry(list(tokens), 0)
-        self._tick(self.entries[slot])
-        self.saved += 1
+        self._put(slot, tokens)
 
     def load(self, slot: int, n: int, target: KVCache, row: int) -> None:
         """Copy the first n positions of entry `slot` into `target`'s row."""
@@ -111,7 +105,10 @@ class PrefixStore:
             leaving = theirs[row, :, :m].clone()
             theirs[row, :, :n].copy_(mine[slot, :, :n])
             mine[slot, :, :m].copy_(leaving)
+        self._put(slot, tokens)
+        self.loaded += 1
+
+    def _put(self, slot: int, tokens: list[int]) -> None:
         self.entries[slot] = _Entry(list(tokens), 0)
         self._tick(self.entries[slot])
-        self.loaded += 1
         self.saved += 1

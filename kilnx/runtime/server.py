@@ -119,12 +119,6 @@ class Server:
         bias, grammar = req.bias_pairs(), req.grammar()
         if any(not 0 <= t < engine.config.vocab_size for t in req.stop_token_ids or ()):
             raise APIError(400, f"stop_token_ids must lie in [0, {engine.config.vocab_size}).", param="stop_token_ids")
-        if grammar is not None:        # compiled now: a bad one is a 400 before any stream begins
-            from kilnx.runtime.structured import GrammarConstraint, GrammarError
-            try:
-                GrammarConstraint(self.lm.tokenizer, grammar, engine.config.vocab_size, self.scheduler.stop_token_ids)
-            except GrammarError as e:
-                raise APIError(400, str(e), param="response_format") from e
         past = [t for t, _ in bias if t >= engine.config.vocab_size]
         if past:
             raise APIError(400, f"logit_bias names token {past[0]}; this model has {engine.config.vocab_size}.",
@@ -137,18 +131,30 @@ class Server:
                 for j in range(count or req.n)]
 
     # ------------------------------------------------------------------ running
-    async def run(self, work: list[tuple[list[int], SamplingParams]], stops: tuple[str, ...], *,
-                  logprobs: int | None = None, echo: bool = False):
-        """Submit every prompt; yield (index, kind, payload) events as the scheduler produces them, until each
-        is done. Leaving early (a client gone) cancels what is still running."""
+    def run(self, work: list[tuple[list[int], SamplingParams]], stops: tuple[str, ...], *,
+            logprobs: int | None = None, echo: bool = False):
+        """Submit every prompt now — what the scheduler refuses (a grammar that does not compile, stop strings
+        without a tokenizer) is a 400 here, before a stream's headers go out — and return the async iterator
+        of (index, kind, payload) events."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
         def listener(i):
             return lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait, (i, kind, payload))
         t0 = time.perf_counter()
-        reqs = [self.scheduler.submit(ids, sp, listener(i), stops, logprobs=logprobs, echo=echo)
-                for i, (ids, sp) in enumerate(work)]
+        reqs = []
+        try:
+            for i, (ids, sp) in enumerate(work):
+                reqs.append(self.scheduler.submit(ids, sp, listener(i), stops, logprobs=logprobs, echo=echo))
+        except ValueError as e:             # GrammarError is one
+            for r in reqs:
+                r.cancel()
+            raise APIError(400, str(e)) from e
+        return self._events(reqs, events, t0)
+
+    async def _events(self, reqs, events: asyncio.Queue, t0: float):
+        """Yield the requests' events until each is done. Leaving early (a client gone) cancels what is still
+        running."""
         first: dict[int, float] = {}
         pending = len(reqs)
         try:
@@ -189,8 +195,6 @@ class Server:
 
     async def answer(self, req: Sampling, writer: Writer, work, choices: list[Choice], *, echo: bool = False):
         """The whole response, or with req.stream a StreamingResponse of its chunks."""
-        if req.stops() and self.lm.tokenizer is None:     # checked here: a stream's headers go out before submit
-            raise APIError(400, "`stop` strings need the model's tokenizer, and this model has none.", param="stop")
         events = self.run(work, req.stops(), logprobs=writer.top, echo=echo)
         if not req.stream:
             async for i, kind, payload in events:

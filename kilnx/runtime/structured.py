@@ -15,7 +15,7 @@ import re
 
 import torch
 
-_TOKENIZERS: dict[int, object] = {}   # id(kilnx Tokenizer) -> llguidance LLTokenizer (building one takes ~1 s)
+_TOKENIZERS: dict[tuple, object] = {}   # (id(kilnx Tokenizer), vocab, stop ids) -> llguidance LLTokenizer (~1 s to build)
 
 
 class GrammarError(ValueError):
@@ -63,7 +63,7 @@ def choice_grammar(choices: list[str]) -> str:
 
 
 def _tokenizer_for(tokenizer, vocab: int, stop_ids: tuple[int, ...]):
-    key = id(tokenizer)
+    key = (id(tokenizer), vocab, tuple(stop_ids))
     got = _TOKENIZERS.get(key)
     if got is None:
         llg = _llguidance()
@@ -87,18 +87,16 @@ class GrammarConstraint:
             raise GrammarError(f"the grammar cannot be used: {e}") from e
         if self.matcher.is_error():
             raise GrammarError(f"the grammar cannot be used: {self.matcher.get_error()}")
-        self._bits = torch.arange(32, dtype=torch.int32)
-
-    def allowed(self) -> torch.Tensor:
-        """(vocab,) bool on the CPU: the tokens the grammar allows next."""
-        words = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)
-        bits = (words[:, None] >> self._bits) & 1
+    def allowed(self, device="cpu") -> torch.Tensor:
+        """(vocab,) bool on `device`: the tokens the grammar allows next (the bitmask's words moved, then unpacked
+        there: V/8 bytes cross, not V)."""
+        words = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32).to(device)
+        bits = (words[:, None] >> torch.arange(32, dtype=torch.int32, device=words.device)) & 1
         return bits.reshape(-1)[:self.vocab].bool()
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """logits (1, V) with what the grammar forbids at -inf (fp32)."""
-        ok = self.allowed().to(logits.device, non_blocking=True)
-        return logits.float().masked_fill(~ok, -torch.inf)
+        return logits.float().masked_fill(~self.allowed(logits.device), -torch.inf)
 
     def accept(self, token: int) -> None:
         """Advance by the token sampled (a token the mask allowed; a stop token once complete)."""

@@ -233,7 +233,8 @@ class Writer:
     def __init__(self, *, chat: bool, rid: str, created: int, model: str, top: int | None, token_text,
                  tools: tuple[str, list[dict]] = ("none", [])):
         self.chat, self.rid, self.created, self.model, self.top = chat, rid, created, model, top
-        self.tool_mode, self.tools = tools      # with tools an answer is read whole (runtime/tools.py)
+        self.tool_mode, self.tools = tools      # with tools, calls are read from the answer (runtime/tools.py)
+        self._readers: dict = {}                # choice index -> its CallReader, streaming with tools
         self.token_text = token_text            # id -> its text
         self._offset: dict[int, int] = {}       # completions' text_offset, running a choice
 
@@ -267,7 +268,7 @@ class Writer:
             if self.chat:
                 content, calls = self._calls(text)
                 body = {"message": {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}}
-                reason = "tool_calls" if calls else reason
+                reason = "tool_calls" if calls and reason == "stop" else reason
             else:
                 body = {"text": text}
             out.append({"index": c.index, **body, "logprobs": self.logprobs(c.index, lps), "finish_reason": reason})
@@ -283,17 +284,21 @@ class Writer:
 
     def chunk(self, choice: Choice, *, role: bool = False) -> dict | None:
         """What `choice` has to send now: its new text and log-probabilities, and its end once it ended (None:
-        nothing yet — with tools, an answer is sent whole once it ended, when its calls can be read)."""
-        if self.tool_mode != "none" and choice.finished is None and not role:
-            return None
+        nothing yet — with tools, text that may begin a call waits until it is known; runtime/tools.py)."""
         text, lps = choice.take()
         reason = finish_reason(choice.finished) if choice.finished is not None else None
-        if self.chat and self.tool_mode != "none" and not role:
-            content, calls = self._calls(text)
-            delta = {**({"content": content} if content else {}),
-                     **({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]} if calls else {})}
+        if self.chat and self.tool_mode != "none":
+            from kilnx.runtime.tools import CallReader, merge_deltas
+            reader = self._readers.setdefault(choice.index, CallReader(self.tool_mode, self.tools))
+            delta = reader.feed(text)
+            if choice.finished is not None:
+                delta = merge_deltas(delta, reader.finish())
+                reason = "tool_calls" if reader.calls and reason == "stop" else reason
+            if role:
+                delta = {"role": "assistant", "content": delta.pop("content", ""), **delta}
+            elif not delta and reason is None and not lps:
+                return None
             body = {"delta": delta}
-            reason = "tool_calls" if calls else reason
         elif self.chat:
             body = {"delta": {"role": "assistant", "content": text} if role else ({"content": text} if text else {})}
         else:

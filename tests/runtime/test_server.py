@@ -227,8 +227,10 @@ def test_a_forced_tool_call_comes_back_as_tool_calls(served):
     events = _events(client.post("/v1/chat/completions", json=named))
     deltas = [e["choices"][0] for e in events if e["choices"]]
     streamed = [d["delta"]["tool_calls"][0] for d in deltas if "tool_calls" in d["delta"]]
-    assert len(streamed) == 1 and streamed[0]["function"]["arguments"] == call["function"]["arguments"]
-    assert deltas[-1]["finish_reason"] == "tool_calls"
+    assert streamed[0]["function"]["name"] == "get_weather" and streamed[0]["id"].startswith("call_")
+    assert len(streamed) > 1 and all("id" not in s and "name" not in s["function"] for s in streamed[1:])  # as written
+    assert "".join(s["function"]["arguments"] for s in streamed) == call["function"]["arguments"]
+    assert deltas[-1]["finish_reason"] == "tool_calls" and not any(d["delta"].get("content") for d in deltas)
     follow = msgs + [{"role": "assistant", "content": None, "tool_calls": [call]},
                      {"role": "tool", "tool_call_id": call["id"], "content": "Sunny, 24 C"}]
     r = client.post("/v1/chat/completions", json={"messages": follow, "tools": [WEATHER], "tool_choice": "none",

@@ -60,6 +60,11 @@ def generate(
     json_schema: Annotated[Optional[str], typer.Option(
         help="Constrain the output to this JSON schema (a file, or the schema itself; '{}' for any JSON object).")] = None,
     regex: Annotated[Optional[str], typer.Option(help="Constrain the output to this regular expression.")] = None,
+    prompt_lookup: Annotated[bool, typer.Option(
+        help="Speculative decoding, guessing from earlier in the text (vLLM's ngram method).")] = False,
+    draft_model: Annotated[Optional[str], typer.Option(
+        help="Speculative decoding, guessing with this smaller model of the same tokenizer.")] = None,
+    num_draft_tokens: Annotated[int, typer.Option(help="Tokens guessed a speculative round.")] = 4,
 ) -> None:
     """Generate text from a prompt, streaming it as it is produced."""
     from kilnx.models.loaders import load_model
@@ -75,10 +80,11 @@ def generate(
     try:
         info = detect(device)
         lm = load_model(model, device=info.torch_device, ops=ops or os.environ.get("KILNX_OPS", "auto"))
+        proposer = _proposer(lm, info, ops, prompt_lookup, draft_model, num_draft_tokens, params)
         if params.grammar is not None:
             return _generate_constrained(lm, prompt, params, chat, stats)
         result = None
-        for item in stream(lm, prompt, params, chat=chat):
+        for item in stream(lm, prompt, params, chat=chat, proposer=proposer):
             if isinstance(item, GenerationStats):
                 result = item
             else:
@@ -90,7 +96,31 @@ def generate(
     if stats and result is not None:
         print(f"[{result.prompt_tokens} prompt tokens, {result.generated_tokens} generated ({result.stop_reason}); "
               f"TTFT {result.ttft_s * 1e3:.0f} ms, prefill {result.prefill_tok_s:.1f} tok/s, "
-              f"decode {result.decode_tok_s:.1f} tok/s on {info.name}]", file=sys.stderr)
+              f"decode {result.decode_tok_s:.1f} tok/s on {info.name}"
+              + (f"; {result.accepted} of {result.drafted} guesses kept" if proposer is not None else "") + "]",
+              file=sys.stderr)
+
+
+def _proposer(lm, info, ops, prompt_lookup: bool, draft_model: str | None, num_draft: int, params):
+    """--prompt-lookup / --draft-model as a speculative proposer (runtime/speculative.py), or None."""
+    if not prompt_lookup and draft_model is None:
+        return None
+    from kilnx.runtime import speculative as S
+    if prompt_lookup and draft_model is not None:
+        _fail("give --prompt-lookup or --draft-model, not both.")
+    if params.grammar is not None:
+        _fail("speculative decoding does not take --json-schema / --regex: drop one.")
+    if num_draft < 1:
+        _fail("--num-draft-tokens must be at least 1.")
+    if prompt_lookup:
+        return S.PromptLookup(num_draft)
+    from kilnx.models.loaders import load_model
+    draft = load_model(draft_model, device=info.torch_device, ops=ops or os.environ.get("KILNX_OPS", "auto"))
+    try:
+        S.check_draft(lm, draft)
+    except ValueError as e:
+        _fail(str(e))
+    return S.DraftModel(draft.model, num_draft)
 
 
 def _grammar(json_schema: str | None, regex: str | None) -> str | None:

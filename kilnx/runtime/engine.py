@@ -87,6 +87,7 @@ class Engine:
             cpu_replay = self.device.type == "cpu" and os.environ.get("KILNX_CPU_REPLAY", "1") != "0"
         self.cpu_replay = bool(cpu_replay) and self.device.type == "cpu"
         self._replays: dict[int, _Graph | None] = {}   # batch size -> recorded step (None: refused)
+        self._verify: dict[tuple[int, int], _Graph] = {}  # (row, tokens) -> a speculative check's forward
         # KILNX_LAZY_GRAPHS=1: capture at the first decode step instead, so a new process's first token
         # does not wait for the decode kernels and the capture. Off: on the H200 it moved llama-3.1-8b's first
         # token only 0.13 s (1.19 s from the loaded model against 1.32 s; 3.79 s against 3.52 s in all, the
@@ -135,6 +136,46 @@ class Engine:
         self.check_fits(start + ids.numel())
         pieces = self._forward_chunks(ids.to(self.device), self.cache.rows(row, row + 1), start, last=None)
         return torch.cat([p[0] for p in pieces])
+
+    @torch.no_grad()
+    def verify(self, ids: list[int] | torch.Tensor, row: int = 0, start: int = 0) -> torch.Tensor:
+        """A few tokens `ids` (n,) into row `row` at positions start..: every one's logits (n, V) — a speculative
+        round's check (runtime/speculative.py). Such a forward is hundreds of launches of little work, like a
+        decode step: from its second use at a (row, n) it replays, as a CUDA graph or the CPU's recorded
+        launches; the first runs eagerly (compiling, filling memos) and is then captured. The logits are the
+        replay's buffer: read them before the next call."""
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1).to(self.device)
+        n, key = ids.numel(), (row, ids.numel())
+        self.check_fits(start + n)
+        if key not in self._verify:
+            z = {"dtype": torch.long, "device": self.device}
+            self._verify[key] = _Graph(None, torch.zeros(1, n, **z), torch.zeros(1, n, **z), None)
+        g = self._verify[key]
+        g.ids[0].copy_(ids)
+        torch.add(self._arange(n), start, out=g.positions[0])
+        if g.graph is not None:
+            g.graph.replay()
+            return g.logits[0]
+        cache = self.cache.rows(row, row + 1)
+        logits = self.model.forward(g.ids, g.positions, cache, last=None)
+        if g.logits is None and (self.cuda_graphs or self.cpu_replay):   # first use: capture it
+            g.logits = logits
+            if self.cuda_graphs:
+                graph = torch.cuda.CUDAGraph()
+                try:
+                    with torch.cuda.graph(graph, pool=self._pool):
+                        g.logits = self.model.forward(g.ids, g.positions, cache, last=None)
+                    g.graph = graph
+                except RuntimeError:       # a host read or sync in some op: this length stays eager
+                    pass
+            else:
+                from kilnx.codegen.numba_launch import Recorder
+                rec, guard = Recorder(), _TorchGuard()
+                with rec, guard:
+                    out = self.model.forward(g.ids, g.positions, cache, last=None)
+                if not rec.refused + guard.unsafe:
+                    g.graph, g.logits = rec, out
+        return logits[0]
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, *, max_position: int | None = None) -> torch.Tensor:

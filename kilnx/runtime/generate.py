@@ -31,6 +31,8 @@ class GenerationStats:
     total_s: float
     stop_reason: str                 # "stop_token" | "max_tokens" | "context"
     token_ids: list[int] = field(default_factory=list)
+    drafted: int = 0                 # speculative decoding: tokens guessed, and of those kept
+    accepted: int = 0
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -47,8 +49,13 @@ def prompt_ids(lm, prompt: str | list[int], *, chat: bool = False) -> list[int]:
     return lm.tokenizer.encode_chat(prompt) if chat else lm.tokenizer.encode(prompt)
 
 
-def generate_ids(engine: Engine, ids: list[int], params: SamplingParams) -> Iterator[int | GenerationStats]:
-    """Token ids one by one, then stats. Single sequence in cache row 0."""
+def generate_ids(engine: Engine, ids: list[int], params: SamplingParams, *,
+                 proposer=None) -> Iterator[int | GenerationStats]:
+    """Token ids one by one, then stats. Single sequence in cache row 0. With a `proposer`
+    (runtime/speculative.py), decoding is speculative."""
+    if proposer is not None and params.grammar is not None:
+        raise ValueError("speculative decoding does not take a grammar: drop the draft model / prompt lookup or "
+                         "the schema.")
     engine.check_fits(len(ids))
     budget = min(params.max_tokens, engine.max_seq - len(ids))
     sampler = Sampler(params, device=engine.device, ops=engine.model.ops)
@@ -69,8 +76,15 @@ def generate_ids(engine: Engine, ids: list[int], params: SamplingParams) -> Iter
     tok = int(first[0])
     ttft = time.perf_counter() - t0
     decode_start = time.perf_counter()
-    steps = _StepQueue(engine, sampler, first[:1], len(ids), budget, lookahead=_lookahead(engine))
-    while True:
+    if proposer is None:
+        steps = _StepQueue(engine, sampler, first[:1], len(ids), budget, lookahead=_lookahead(engine))
+        next_tokens = lambda: [steps.token(len(out))]   # noqa: E731
+    else:
+        rounds = _Speculation(engine, sampler, proposer, ids, out)
+        next_tokens = lambda: rounds.tokens(budget - len(out))   # noqa: E731
+    pending = [tok]
+    while pending:
+        tok = pending.pop(0)
         out.append(tok)
         yield tok
         if tok in stops and not params.ignore_eos:
@@ -79,14 +93,46 @@ def generate_ids(engine: Engine, ids: list[int], params: SamplingParams) -> Iter
         if len(out) >= budget:
             reason = "max_tokens" if len(out) >= params.max_tokens else "context"
             break
-        tok = steps.token(len(out))
+        if not pending:
+            pending = next_tokens()
     end = time.perf_counter()
     n_after = len(out) - 1
     yield GenerationStats(
         prompt_tokens=len(ids), generated_tokens=len(out), ttft_s=ttft,
         prefill_tok_s=len(ids) / ttft if ttft > 0 else 0.0,
         decode_tok_s=n_after / (end - decode_start) if n_after > 0 and end > decode_start else 0.0,
-        total_s=end - t0, stop_reason=reason, token_ids=out)
+        total_s=end - t0, stop_reason=reason, token_ids=out,
+        drafted=rounds.drafted if proposer is not None else 0, accepted=rounds.accepted if proposer is not None else 0)
+
+
+class _Speculation:
+    """Speculative rounds after the prefill: each guesses up to k tokens, checks them in one forward over the
+    last token and the guesses, and returns the tokens kept (runtime/speculative.py). A round with no guess is
+    a plain decode step. Synchronous: the host reads each round's tokens before guessing the next."""
+
+    def __init__(self, engine: Engine, sampler: Sampler, proposer, prompt: list[int], out: list[int]):
+        self.engine, self.sampler, self.proposer = engine, sampler, proposer
+        self.prompt, self.out = prompt, out
+        self.drafted = self.accepted = 0
+        if hasattr(proposer, "bind"):
+            proposer.bind(engine)
+
+    def tokens(self, room: int) -> list[int]:
+        from kilnx.runtime.speculative import accept
+        seq = self.prompt + self.out
+        pos, last = len(seq) - 1, seq[-1]                  # the last token is not in the cache yet
+        k = min(self.proposer.num_draft, room - 1)
+        draft = self.proposer.propose(seq, k) if k > 0 else []
+        if not draft:
+            e = self.engine
+            logits = e.decode(torch.tensor([last], device=e.device), torch.tensor([pos], device=e.device),
+                              max_position=pos)
+            kept = accept(self.sampler, logits, [])
+        else:
+            kept = accept(self.sampler, self.engine.verify([last, *draft], row=0, start=pos), draft)
+        self.drafted += len(draft)
+        self.accepted += len(kept) - 1
+        return kept
 
 
 def _lookahead(engine: Engine) -> int:
@@ -156,8 +202,9 @@ def default_stop_ids(lm) -> tuple[int, ...]:
 
 
 def stream(lm, prompt: str | list[int], params: SamplingParams | None = None, *, chat: bool = False,
-           engine: Engine | None = None) -> Iterator[str | GenerationStats]:
-    """Text pieces of the continuation of `prompt` (model from kilnx.models.loaders.load_model), then stats."""
+           engine: Engine | None = None, proposer=None) -> Iterator[str | GenerationStats]:
+    """Text pieces of the continuation of `prompt` (model from kilnx.models.loaders.load_model), then stats;
+    speculative with a `proposer` (runtime/speculative.py)."""
     params = params or SamplingParams()
     if not params.stop_token_ids and not params.ignore_eos:
         params = SamplingParams(**{**asdict(params), "stop_token_ids": default_stop_ids(lm)})
@@ -165,7 +212,7 @@ def stream(lm, prompt: str | list[int], params: SamplingParams | None = None, *,
     engine = engine or Engine(lm.model, max_seq=min(lm.config.max_position_embeddings,
                                                     len(ids) + params.max_tokens + 1))
     decoder = lm.tokenizer.stream_decoder() if lm.tokenizer is not None else None
-    for item in generate_ids(engine, ids, params):
+    for item in generate_ids(engine, ids, params, proposer=proposer):
         if isinstance(item, GenerationStats):
             if decoder is not None:
                 tail = decoder.flush()

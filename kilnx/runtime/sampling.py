@@ -154,7 +154,8 @@ class Sampler:
         x = filter_top_p(x, p.top_p)
         return torch.softmax(x, dim=-1)
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+    def shape(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits (B, V) as they are chosen from now: penalties, bias, stop tokens held back, a grammar's mask."""
         if logits.dim() == 1:
             logits = logits.unsqueeze(0)
         if self.counts is not None:
@@ -165,10 +166,15 @@ class Sampler:
             logits = logits.float() + self.held
         if self.constraint is not None:
             logits = self.constraint.apply(logits)
+        return logits
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.ops.argmax(logits) if self.ops is not None else torch.argmax(logits, dim=-1)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = self.shape(logits)
         if self.params.greedy:
-            if self.ops is not None:
-                return self.ops.argmax(logits)
-            return torch.argmax(logits, dim=-1)
+            return self.argmax(logits)
         probs = self.probabilities(logits)
         return torch.multinomial(probs, 1, generator=self.gen).squeeze(-1)
 

@@ -1,0 +1,112 @@
+"""Speculative decoding (runtime/speculative.py), measured two ways in one process:
+
+1. `verify`: what a round costs against a decode step — Engine.verify over 1 + k tokens (k guesses) against one
+   replayed decode step, k = 1..8, on any model (random weights are fine: the cost does not depend on them).
+   With mean tokens kept per round E, speculation pays where E x t(step) / t(verify k) > 1.
+2. `repeat` (a real checkpoint with a tokenizer): a chat prompt asking to repeat a paragraph, decoded greedily
+   plain and with prompt lookup (k = 2, 4, 6) — decode tok/s, its ratio to plain decoding in the same run, the
+   guesses kept, and whether the tokens equal plain decoding's.
+
+    python bench/probes/speculative.py OUT.csv [MODEL] [--random]     (default smollm2-135m)
+
+Each measurement runs once untimed first (compiles, recordings, graph captures), then `ROUNDS` times; the
+median is reported.
+"""
+
+from __future__ import annotations
+
+import csv
+import statistics
+import sys
+import time
+
+import torch
+
+ROUNDS = 5
+PARAGRAPH = ("The kiln was built in 1887 from local clay bricks. It fired pottery for the village until 1952, when "
+             "the last potter retired. Restored in 1990, it now holds a small museum of glazes, tools and the "
+             "ledgers in which each firing was written down: the date, the wood burned, and what broke.")
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def verify_costs(lm, device) -> list[dict]:
+    from kilnx.runtime.engine import Engine
+    engine = Engine(lm.model, max_seq=256)
+    prompt = torch.randint(0, lm.config.vocab_size, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    engine.prefill(prompt)
+    tok, pos = torch.tensor([prompt[-1]], device=device), torch.tensor([64], device=device)
+
+    def timed(fn) -> float:
+        fn()
+        times = []
+        for _ in range(ROUNDS):
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(10):
+                fn()
+            _sync(device)
+            times.append((time.perf_counter() - t0) / 10)
+        return statistics.median(times)
+
+    step = timed(lambda: engine.decode(tok, pos, max_position=64))
+    rows = [{"case": "decode_step", "k": 0, "ms": step * 1e3, "ratio_vs_step": 1.0}]
+    for k in range(1, 9):
+        t = timed(lambda: engine.verify(prompt[-1 - k:], start=64))
+        rows.append({"case": f"verify_k{k}", "k": k, "ms": t * 1e3, "ratio_vs_step": t / step})
+    return rows
+
+
+def repeat_runs(lm) -> list[dict]:
+    from kilnx.runtime.generate import stream
+    from kilnx.runtime.sampling import SamplingParams
+    from kilnx.runtime.speculative import PromptLookup
+    prompt = f"Repeat this text exactly, word for word:\n\n{PARAGRAPH}"
+    params = SamplingParams(max_tokens=64)
+
+    def once(k: int):
+        *_, stats = stream(lm, prompt, params, chat=True, proposer=PromptLookup(k) if k else None)
+        return stats
+
+    rows, plain_ids, plain_rate = [], None, None
+    for k in (0, 2, 4, 6):
+        once(k)
+        runs = [once(k) for _ in range(ROUNDS)]
+        rate = statistics.median(r.decode_tok_s for r in runs)
+        if k == 0:
+            plain_ids, plain_rate = runs[0].token_ids, rate
+        rows.append({"case": "plain" if k == 0 else f"prompt_lookup_k{k}", "k": k, "tok_s": rate,
+                     "ratio_vs_plain": rate / plain_rate, "generated": runs[0].generated_tokens,
+                     "drafted": runs[0].drafted, "accepted": runs[0].accepted,
+                     "same_tokens": runs[0].token_ids == plain_ids})
+    return rows
+
+
+def main() -> None:
+    from kilnx.models.loaders import load_model
+    from kilnx.runtime.bench import provenance
+    out = sys.argv[1]
+    args = [a for a in sys.argv[2:] if not a.startswith("--")]
+    model = args[0] if args else "smollm2-135m"
+    random = "--random" in sys.argv
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    lm = load_model(model, device=device, random=random)
+    prov = provenance(device)
+    rows = [{"part": "verify", **r} for r in verify_costs(lm, torch.device(device))]
+    if lm.tokenizer is not None and not random:
+        rows += [{"part": "repeat", **r} for r in repeat_runs(lm)]
+    fields = ["part", "case", "k", "ms", "ratio_vs_step", "tok_s", "ratio_vs_plain", "generated", "drafted",
+              "accepted", "same_tokens", "model", "gpu", "torch", "triton", "commit", "date"]
+    with open(out, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for r in rows:
+            w.writerow({**r, "model": model, **prov})
+            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""Speculative decoding: a cheap proposer guesses the next k tokens, one forward of the model over k + 1
+positions checks them (Engine.verify), and the round keeps the guesses the model agrees with plus one token of
+the model's own — up to k + 1 tokens for about the price of one decode step, since a decode step's time is
+reading the weights, which k + 1 rows read once.
+
+Proposers (what vLLM and mlx-lm users know):
+- PromptLookup — vLLM's "ngram" method, HF's prompt lookup: the tokens that followed the most recent earlier
+  occurrence of the sequence's last n tokens (n from `max_ngram` down to `min_ngram`) in the prompt and output.
+  Free, and right where the answer repeats its input (edits of code or text, extraction, summaries).
+- DraftModel — mlx-lm's `--draft-model`: a small model of the same vocabulary decodes k tokens greedily on a
+  cache of its own.
+
+The kept tokens follow the model's distribution exactly (speculative sampling: Leviathan et al. 2023, Chen et
+al. 2023), here with a proposal that is one token: a guessed token t is kept with probability p(t), p being
+what the Sampler would sample from at that position given the tokens before it (penalties, bias, temperature,
+top-k / top-p all applied); on rejection the position's token is drawn from p without t, renormalized, and the
+round ends. Greedy (temperature 0) keeps a guess while it is the argmax, so the tokens are plain greedy
+decoding's (to the rounding by which a k + 1-row forward's logits may differ from a one-row step's).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kilnx.runtime.sampling import Sampler
+
+
+class PromptLookup:
+    """Guesses from earlier in the sequence: the continuation of the latest earlier occurrence of its last
+    n tokens. The n-grams are indexed as the sequence grows, so a proposal costs the new tokens, not the
+    history."""
+
+    def __init__(self, num_draft: int = 4, *, max_ngram: int = 3, min_ngram: int = 1):
+        if num_draft < 1 or not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"prompt lookup needs num_draft >= 1 and 1 <= min_ngram <= max_ngram; got "
+                             f"{num_draft}, {min_ngram}, {max_ngram}.")
+        self.num_draft, self.max_ngram, self.min_ngram = num_draft, max_ngram, min_ngram
+        self._seq: list[int] = []
+        self._last_end: dict[tuple[int, ...], int] = {}   # n-gram -> where its latest occurrence ended
+        self._indexed = 0                                  # n-grams ending before this index are in _last_end
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        if tokens[:len(self._seq)] != self._seq:           # another sequence: start over
+            self._last_end, self._indexed = {}, 0
+        self._seq = list(tokens)
+        last = len(tokens) - 1
+        for end in range(self._indexed, last):             # every n-gram ending before the last token
+            for n in range(self.min_ngram, self.max_ngram + 1):
+                if end - n + 1 >= 0:
+                    self._last_end[tuple(tokens[end - n + 1:end + 1])] = end
+        self._indexed = max(self._indexed, last)
+        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
+            end = self._last_end.get(tuple(tokens[-n:]))
+            if end is not None:
+                return tokens[end + 1:end + 1 + k]
+        return []
+
+
+class DraftModel:
+    """Guesses from a smaller model of the same vocabulary, greedily, on its own Engine (row 0, as long a context
+    as the target's: `bind`). Its cache keeps what it has read of the sequence; after a round, what the model did
+    not keep is read again."""
+
+    def __init__(self, model, num_draft: int = 4):
+        if num_draft < 1:
+            raise ValueError(f"a draft model needs num_draft >= 1, got {num_draft}.")
+        self.model, self.num_draft = model, num_draft
+        self.engine = None
+        self._fed: list[int] = []        # the tokens whose K/V the draft's cache holds, in order
+
+    def bind(self, target_engine) -> None:
+        """A cache for sequences as long as `target_engine`'s."""
+        from kilnx.runtime.engine import Engine
+        max_seq = min(target_engine.max_seq, self.model.config.max_position_embeddings)
+        if self.engine is None or self.engine.max_seq < max_seq:
+            self.engine = Engine(self.model, max_seq=max_seq)
+        self._fed = []
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        e = self.engine
+        keep = 0
+        for a, b in zip(self._fed, tokens):
+            if a != b:
+                break
+            keep += 1
+        keep = min(keep, len(tokens) - 1)                 # the last token is read now, for its logits
+        if len(tokens) + k - 1 > e.max_seq:
+            return []
+        new = tokens[keep:]
+        if len(new) == 1:
+            logits = e.decode(torch.tensor(new, device=e.device), torch.tensor([keep], device=e.device),
+                              max_position=keep)[0]
+        else:
+            logits = e.prefill(new, row=0, start=keep)
+        out, fed = [], list(tokens)
+        for i in range(k):
+            t = int(torch.argmax(logits))
+            out.append(t)
+            if i + 1 < k:
+                pos = len(fed)
+                logits = e.decode(torch.tensor([t], device=e.device), torch.tensor([pos], device=e.device),
+                                  max_position=pos)[0]
+                fed.append(t)
+        self._fed = fed
+        return out
+
+
+def check_draft(target_lm, draft_lm) -> None:
+    """ValueError unless the draft model's tokens mean what the target's mean."""
+    tv, dv = target_lm.config.vocab_size, draft_lm.config.vocab_size
+    tt, dt = target_lm.tokenizer, draft_lm.tokenizer
+    same = tt is not None and dt is not None and tt.encode("Speculative check: 12 + 30 = 42.") == \
+        dt.encode("Speculative check: 12 + 30 = 42.") and dv <= tv
+    if not same and not (tt is None and dt is None and tv == dv):
+        raise ValueError(f"the draft model {draft_lm.source} does not share the target {target_lm.source}'s "
+                         f"tokenizer (vocabularies of {dv} and {tv} tokens): give a draft of the same family.")
+
+
+def accept(sampler: Sampler, logits: torch.Tensor, draft: list[int]) -> list[int]:
+    """The tokens a round keeps: the guesses the model agrees with and one of its own; logits (len(draft) + 1,
+    V) from the forward over [last token, *draft]. Each kept token is observed by the sampler (penalties,
+    min_tokens) before the next position is judged."""
+    out: list[int] = []
+    for i, guess in enumerate(draft):
+        x = sampler.shape(logits[i:i + 1])
+        if sampler.params.greedy:
+            tok = int(sampler.argmax(x)[0])
+        else:
+            p = sampler.probabilities(x)[0]
+            u = torch.rand(1, generator=sampler.gen, device=sampler.device)
+            if bool(u < p[guess]):
+                tok = guess
+            else:                          # rejected: the position's token from p without the guess
+                rest = p.clone()
+                rest[guess] = 0.0
+                tok = int(torch.multinomial(rest / rest.sum(), 1, generator=sampler.gen))
+        sampler.observe(torch.tensor([tok], device=sampler.device))
+        out.append(tok)
+        if tok != guess:
+            return out
+    tok = int(sampler(logits[len(draft):len(draft) + 1])[0])
+    sampler.observe(torch.tensor([tok], device=sampler.device))
+    return out + [tok]

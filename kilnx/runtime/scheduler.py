@@ -316,7 +316,10 @@ class Scheduler:
             t = torch.tensor(values)
             return t.pin_memory().to(dev, non_blocking=True) if cuda else t
         tok, pos = to_device(tokens), to_device(positions)
-        carried = [i for i, r in prev.rows if r.inflight and self.rows[i] is r] if prev else []
+        # rows of this step still waiting for their token of the step in flight (a row whose last token is in
+        # flight no longer wants a step: this step may run fewer rows than that one)
+        wanted = {i for i, _ in live}
+        carried = [i for i, r in prev.rows if r.inflight and self.rows[i] is r and i in wanted] if prev else []
         if carried:
             idx = to_device(carried)
             tok[idx] = prev.picked[idx]

@@ -203,3 +203,24 @@ def test_kept_prefixes_beyond_the_rows_on_the_gpu():
     assert [f.cached_tokens for f in turn2] == [len(p) + 3 for p in first]
     for p, f in zip(second, turn2):
         assert list(f.token_ids) == [t for t in generate_ids(Engine(m, max_seq=64), p, sp) if isinstance(t, int)]
+
+
+def test_speculative_rounds_on_verify_graphs():
+    """Engine.verify replays a captured graph per guess count from its second use, with the eager forward's
+    logits; greedy generation with prompt lookup or a draft model gives plain greedy decoding's tokens."""
+    from kilnx.runtime.generate import generate_ids
+    from kilnx.runtime.sampling import SamplingParams
+    from kilnx.runtime.speculative import DraftModel, PromptLookup
+    m = model("llama", "kilnx")
+    prompt = [5, 9, 17, 33, 5, 9, 17, 33, 5, 9]
+    engine = Engine(m, max_seq=64)
+    engine.prefill(prompt[:-1])
+    eager = engine.verify([9, 17, 33], start=9).clone()
+    for _ in range(2):
+        torch.testing.assert_close(engine.verify([9, 17, 33], start=9), eager, rtol=0, atol=0)
+    assert engine._verify[(0, 3)].graph is not None
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    *plain, _ = generate_ids(Engine(m, max_seq=64), prompt, sp)
+    for proposer in (PromptLookup(3), DraftModel(model("llama", "kilnx"), 4)):
+        *got, stats = generate_ids(Engine(m, max_seq=64), prompt, sp, proposer=proposer)
+        assert got == plain and stats.drafted > 0

@@ -327,3 +327,20 @@ def test_a_logit_bias_and_min_tokens_steer_one_request_and_not_its_neighbour(loo
         assert list(done[1].token_ids) == greedy_q
         with pytest.raises(ValueError, match="past the vocabulary"):
             sched.submit(p, SamplingParams(logit_bias=((256, 1.0),)), lambda *e: None)
+
+
+@pytest.mark.parametrize("budgets", [(8, 8, 2), (8, 2, 8), (2, 9, 3)])
+def test_a_high_row_ending_while_its_step_is_in_flight_leaves_the_others_as_they_are(budgets):
+    """With lookahead, a row whose request has its last token in flight no longer wants a step, so the next
+    step may run fewer rows than the one in flight: only the rows it runs take their tokens from the step in
+    flight (the GPU hit an index past the smaller step's rows here)."""
+    model = tiny_model("llama")
+    prompts = _prompts((4, 6, 5), seed=11)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in budgets]
+    outcomes = Outcomes(3)
+    with Scheduler(Engine(model, max_seq=48, max_batch=3), lookahead=True) as sched:
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            sched.submit(p, sp, outcomes.listener(i))
+        done = outcomes.wait(300)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        assert list(done[i].token_ids) == _alone(model, p, sp)

@@ -140,6 +140,7 @@ def test_the_route_serves_wg_min_rows_to_sixteen_rows_with_it(monkeypatch):
 @pytest.mark.gpu
 def test_qmatmul_takes_it_by_default_on_the_gpu(monkeypatch):
     from kilnx.kernels import qmatmul as qm
+    from kilnx.kernels import routing  # noqa: F401 - the route hashes the real kernel's source: built before the patch
     words, s, b, x, want = _case(256, 512, 300, 9)
     calls = []
     real = D.qmm_wg_direct

@@ -156,7 +156,8 @@ def bench_quant(rec, copy_bw: float, smoke: bool):
             _safe(rec, f"qmv_b4_M{m}_{label}", lambda: _bench_qmv(rec, label, n, k, m, 4, dev, copy_bw, smoke))
     label = "gate_up" if not smoke else "o"
     n, k = shapes[label]
-    if not only_qmm:
+    narrowed_past_m1 = bool(os.environ.get("QMV_MS")) and "1" not in os.environ["QMV_MS"].split(",") and not smoke
+    if not only_qmm and not narrowed_past_m1:      # the 8-bit and fp4 cases are M = 1 ones
         _safe(rec, f"qmv_b8_M1_{label}", lambda: _bench_qmv(rec, label, n, k, 1, 8, dev, copy_bw, smoke))
         for mode in ("mxfp4", "nvfp4"):
             _safe(rec, f"qmv_{mode}_M1_{label}", lambda mode=mode: _bench_fp4(rec, label, n, k, mode, dev, copy_bw, smoke))

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import csv
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -180,7 +179,8 @@ def main(argv):
     tokens = int(args[4]) if len(args) > 4 else 64
     info = detect("auto")
     lm = load_model(model, device=info.torch_device, ops="auto", random="--random" in argv)
-    commit = subprocess.run(["git", "log", "-1", "--format=%h"], capture_output=True, text=True).stdout.strip()
+    from kilnx.runtime.bench import commit as code_commit
+    commit = code_commit()          # KILNX_COMMIT where the driver names it: the device's copy has stale git metadata
     stamp = {"model": model, "device": info.name, "torch": torch.__version__, "commit": commit or "?",
              "date": time.strftime("%Y-%m-%d")}
     if "--system" in argv:

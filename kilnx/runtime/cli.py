@@ -50,6 +50,8 @@ def generate(
     chat: Annotated[bool, typer.Option(help="Wrap the prompt in the model's chat template.")] = False,
     top_k: Annotated[int, typer.Option(help="Sample from the k most likely tokens (0 = off).")] = 0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass (1 = off).")] = 1.0,
+    min_p: Annotated[float, typer.Option(
+        help="Drop tokens less likely than this fraction of the likeliest one (0 = off).")] = 0.0,
     ops: Annotated[Optional[str], typer.Option(help=_OPS_HELP)] = None,
     stats: Annotated[bool, typer.Option(help="Print timing after the text.")] = True,
     repetition_penalty: Annotated[float, typer.Option(
@@ -72,7 +74,8 @@ def generate(
     from kilnx.runtime.generate import GenerationStats, stream
     from kilnx.runtime.sampling import SamplingParams
     try:
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens,
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                                max_tokens=max_tokens,
                                 repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                                 frequency_penalty=frequency_penalty, grammar=_grammar(json_schema, regex))
     except ValueError as e:

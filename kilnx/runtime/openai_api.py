@@ -37,6 +37,7 @@ class Sampling(BaseModel):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0, le=1)
     seed: int | None = None
     stop: Union[str, list[str], None] = None
     stream: bool = False

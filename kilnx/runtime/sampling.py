@@ -1,4 +1,4 @@
-"""Token selection: greedy, temperature, top-k, top-p (nucleus), seeded; stop tokens.
+"""Token selection: greedy, temperature, top-k, top-p (nucleus), min-p, seeded; stop tokens.
 
 Filtering works on fp32 logits and masks excluded tokens with -inf, so the support set of the
 distribution that is sampled is exactly what the filters keep (tests check those sets).
@@ -6,6 +6,7 @@ distribution that is sampled is exactly what the filters keep (tests check those
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +17,7 @@ class SamplingParams:
     temperature: float = 0.0          # 0 = greedy
     top_k: int = 0                    # 0 = off
     top_p: float = 1.0                # 1 = off
+    min_p: float = 0.0                # vLLM's / mlx-lm's: drop tokens less likely than min_p x the likeliest (0 = off)
     seed: int = 0
     max_tokens: int = 128
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -35,6 +37,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
         if not -2.0 <= self.presence_penalty <= 2.0 or not -2.0 <= self.frequency_penalty <= 2.0:
@@ -89,6 +93,15 @@ def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     drop_sorted[..., 0] = False
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, -torch.inf)
+
+
+def filter_min_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the tokens at least p times as likely as the likeliest of their row (p x its probability), mask the
+    rest; a ratio of probabilities, so the same before or after renormalizing."""
+    if p <= 0.0:
+        return logits
+    floor = logits.max(dim=-1, keepdim=True).values + math.log(p)
+    return logits.masked_fill(logits < floor, -torch.inf)
 
 
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -147,11 +160,12 @@ class Sampler:
             self.seen[0, t] = True
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
-        """The distribution sampled from (after temperature, top-k, top-p), fp32 (B, V)."""
+        """The distribution sampled from (after temperature, top-k, top-p, min-p: HF's order), fp32 (B, V)."""
         p = self.params
         x = logits.float() / max(p.temperature, 1e-6)
         x = filter_top_k(x, p.top_k)
         x = filter_top_p(x, p.top_p)
+        x = filter_min_p(x, p.min_p)
         return torch.softmax(x, dim=-1)
 
     def shape(self, logits: torch.Tensor) -> torch.Tensor:

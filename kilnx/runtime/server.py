@@ -2,7 +2,7 @@
 
 Endpoints: GET /health, GET /metrics (Prometheus), GET /v1/models, POST /v1/completions, POST /v1/chat/completions, with `stream` (server-
 sent events, `data: [DONE]` at the end, `stream_options.include_usage`), `max_tokens` (chat also takes
-`max_completion_tokens`), `temperature`, `top_p`, `presence_penalty`, `frequency_penalty`, `top_k`,
+`max_completion_tokens`), `temperature`, `top_p`, `presence_penalty`, `frequency_penalty`, `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens` and `ignore_eos` (vLLM's extensions), `logit_bias`, `seed`, `stop`,
 log-probabilities (completions: `logprobs` N and `echo`, which also scores the prompt — with `max_tokens` 0, a
 loglikelihood request as evaluation harnesses send; chat: `logprobs` and `top_logprobs`) and several prompts in
@@ -123,7 +123,8 @@ class Server:
         if past:
             raise APIError(400, f"logit_bias names token {past[0]}; this model has {engine.config.vocab_size}.",
                            param="logit_bias")
-        return [SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=seed + j,
+        return [SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,
+                               seed=seed + j,
                                max_tokens=budget, ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
                                frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
                                logit_bias=bias, min_tokens=req.min_tokens, grammar=grammar,

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kilnx.runtime.sampling import Sampler, SamplingParams, filter_top_k, filter_top_p
+from kilnx.runtime.sampling import Sampler, SamplingParams, filter_min_p, filter_top_k, filter_top_p
 
 
 def _logits(seed: int, v: int = 50, b: int = 1) -> torch.Tensor:
@@ -51,6 +51,25 @@ def test_top_p_support_is_smallest_prefix_reaching_p(seed, p):
     mass = probs[order].cumsum(0)
     assert mass[n - 1] >= p - 1e-6                     # reaches p ...
     assert n == 1 or mass[n - 2] < p + 1e-6            # ... and is the smallest such prefix
+
+
+@given(seed=st.integers(0, 10_000), p=st.floats(0.0, 1.0), temperature=st.floats(0.3, 2.0))
+@settings(max_examples=40, deadline=None)
+def test_min_p_keeps_the_tokens_at_least_p_times_as_likely_as_the_likeliest(seed, p, temperature):
+    x = _logits(seed) / temperature
+    kept = torch.isfinite(filter_min_p(x, p))[0]
+    probs = torch.softmax(x[0].double(), -1)
+    near = (probs - p * probs.max()).abs() < 1e-9 * probs.max()          # the threshold's own rounding
+    assert torch.equal(kept[~near], (probs >= p * probs.max())[~near])
+    assert kept[probs.argmax()]
+
+
+def test_min_p_one_leaves_the_likeliest_token():
+    x = _logits(3, v=100)
+    s = Sampler(SamplingParams(temperature=1.3, min_p=1.0, seed=1))
+    assert {int(s(x)[0]) for _ in range(50)} == {int(x[0].argmax())}
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(min_p=1.5)
 
 
 def test_samples_stay_in_support():

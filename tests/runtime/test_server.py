@@ -65,6 +65,11 @@ def test_completions_greedy_text_is_generates_text(served):
     assert usage.pop("prompt_tokens_details")["cached_tokens"] >= 0
     assert usage == {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
                      "total_tokens": stats.prompt_tokens + stats.generated_tokens}
+    # min_p 1 leaves only the likeliest token at each step: sampling at any temperature is greedy decoding
+    r = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 1.5, "min_p": 1.0,
+                                             "seed": 4})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == text
 
 
 def test_several_prompts_decode_side_by_side_each_as_alone(served):
@@ -245,6 +250,7 @@ def test_a_forced_tool_call_comes_back_as_tool_calls(served):
     ({"prompt": "hi", "best_of": 2, "stream": True}, 400, "cannot be streamed"),
     ({"prompt": "hi", "logprobs": 30}, 400, "logprobs"),
     ({"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"prompt": "hi", "min_p": 1.5}, 400, "min_p"),
     ({"prompt": "hi", "logit_bias": {"five": 1}}, 400, "token ids"),
     ({"prompt": "hi", "response_format": {"type": "yaml"}}, 400, "not one of text"),
     ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,

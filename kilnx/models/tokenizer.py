@@ -125,8 +125,10 @@ class Tokenizer:
         return env.from_string(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens, **extra)
 
-    def encode_chat(self, prompt: str) -> list[int]:
-        text = self.apply_chat_template([{"role": "user", "content": prompt}])
+    def encode_chat(self, prompt: str, system: str | None = None) -> list[int]:
+        messages = ([{"role": "system", "content": system}] if system is not None else []) + \
+            [{"role": "user", "content": prompt}]
+        text = self.apply_chat_template(messages)
         # The template already writes BOS where the model wants it.
         return self.encode(text, add_special_tokens=False)
 

@@ -42,12 +42,14 @@ def _parse_lens(text: str) -> list[int]:
 
 def generate(
     model: Annotated[str, typer.Option(help="Model name (smollm2-135m, gemma-3-270m), .gguf file or safetensors dir.")],
-    prompt: Annotated[str, typer.Option(help="Prompt text.")],
+    prompt: Annotated[str, typer.Option(help="Prompt text; - reads it from standard input.")],
     max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
     chat: Annotated[bool, typer.Option(help="Wrap the prompt in the model's chat template.")] = False,
+    system_prompt: Annotated[Optional[str], typer.Option(
+        help="A system message before the prompt (implies --chat).")] = None,
     top_k: Annotated[int, typer.Option(help="Sample from the k most likely tokens (0 = off).")] = 0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass (1 = off).")] = 1.0,
     min_p: Annotated[float, typer.Option(
@@ -71,7 +73,7 @@ def generate(
     """Generate text from a prompt, streaming it as it is produced."""
     from kilnx.models.loaders import load_model
     from kilnx.runtime.device import detect
-    from kilnx.runtime.generate import GenerationStats, stream
+    from kilnx.runtime.generate import GenerationStats, prompt_ids, stream
     from kilnx.runtime.sampling import SamplingParams
     try:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
@@ -84,10 +86,12 @@ def generate(
         info = detect(device)
         lm = load_model(model, device=info.torch_device, ops=ops or os.environ.get("KILNX_OPS", "auto"))
         proposer = _proposer(lm, info, ops, prompt_lookup, draft_model, num_draft_tokens, params)
+        ids = prompt_ids(lm, sys.stdin.read() if prompt == "-" else prompt, chat=chat or system_prompt is not None,
+                         system=system_prompt)
         if params.grammar is not None:
-            return _generate_constrained(lm, prompt, params, chat, stats)
+            return _generate_constrained(lm, ids, params, False, stats)
         result = None
-        for item in stream(lm, prompt, params, chat=chat, proposer=proposer):
+        for item in stream(lm, ids, params, proposer=proposer):
             if isinstance(item, GenerationStats):
                 result = item
             else:
@@ -147,7 +151,7 @@ def _grammar(json_schema: str | None, regex: str | None) -> str | None:
     return S.json_object_grammar() if schema == {} else S.json_schema_grammar(schema)
 
 
-def _generate_constrained(lm, prompt: str, params, chat: bool, stats: bool) -> None:
+def _generate_constrained(lm, prompt: str | list[int], params, chat: bool, stats: bool) -> None:
     """A grammar's tokens advance its matcher on the host: generated on a one-row scheduler (runtime/structured.py)."""
     import time
     from kilnx.runtime.chat import print_stream

@@ -40,13 +40,14 @@ class GenerationStats:
         return d
 
 
-def prompt_ids(lm, prompt: str | list[int], *, chat: bool = False) -> list[int]:
+def prompt_ids(lm, prompt: str | list[int], *, chat: bool = False, system: str | None = None) -> list[int]:
+    """The prompt's token ids: `chat` wraps it (after a `system` message, if given) in the chat template."""
     if not isinstance(prompt, str):
         return [int(t) for t in prompt]
     if lm.tokenizer is None:
         from kilnx.models.errors import ModelError
         raise ModelError(f"{lm.source}: no tokenizer available to encode a text prompt.")
-    return lm.tokenizer.encode_chat(prompt) if chat else lm.tokenizer.encode(prompt)
+    return lm.tokenizer.encode_chat(prompt, system) if chat else lm.tokenizer.encode(prompt)
 
 
 def generate_ids(engine: Engine, ids: list[int], params: SamplingParams, *,

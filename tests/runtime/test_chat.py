@@ -84,3 +84,23 @@ def test_kilnx_chat_in_the_terminal(smollm2_path, monkeypatch):
     replies = [ln for ln in r.stdout.split(">>> ") if ln.strip()]
     assert len(replies) == 2 and replies[0] == replies[1]          # /reset: the same first turn again
     assert "prompt tokens reused]" in r.stderr
+
+
+def test_kilnx_generate_with_a_system_prompt_and_the_prompt_from_stdin(smollm2, smollm2_path, monkeypatch):
+    """--system-prompt puts a system message before the prompt in the chat template (and implies --chat);
+    --prompt - reads the prompt from standard input (mlx-lm's convention)."""
+    from typer.testing import CliRunner
+
+    from kilnx.cli import app
+    from kilnx.runtime.generate import generate_text
+    from kilnx.runtime.sampling import SamplingParams
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    system, prompt = "Answer in French.", "What is the capital of Italy?"
+    ids = smollm2.tokenizer.encode_chat(prompt, system)
+    assert system in smollm2.tokenizer.decode(ids) and system not in smollm2.tokenizer.decode(
+        smollm2.tokenizer.encode_chat(prompt))
+    want, _ = generate_text(smollm2, ids, SamplingParams(max_tokens=10))
+    r = CliRunner().invoke(app, ["generate", "--model", smollm2_path, "--device", "cpu", "--max-tokens", "10",
+                                 "--system-prompt", system, "--prompt", "-"], input=prompt)
+    assert r.exit_code == 0, r.output
+    assert r.stdout.strip() == want.strip()

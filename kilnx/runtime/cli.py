@@ -84,12 +84,13 @@ def generate(
         _fail(str(e))
     try:
         info = detect(device)
-        lm = load_model(model, device=info.torch_device, ops=ops or os.environ.get("KILNX_OPS", "auto"))
+        ops = ops or os.environ.get("KILNX_OPS", "auto")
+        lm = load_model(model, device=info.torch_device, ops=ops)
         proposer = _proposer(lm, info, ops, prompt_lookup, draft_model, num_draft_tokens, params)
         ids = prompt_ids(lm, sys.stdin.read() if prompt == "-" else prompt, chat=chat or system_prompt is not None,
                          system=system_prompt)
         if params.grammar is not None:
-            return _generate_constrained(lm, ids, params, False, stats)
+            return _generate_constrained(lm, ids, params, stats)
         result = None
         for item in stream(lm, ids, params, proposer=proposer):
             if isinstance(item, GenerationStats):
@@ -122,7 +123,7 @@ def _proposer(lm, info, ops, prompt_lookup: bool, draft_model: str | None, num_d
     if prompt_lookup:
         return S.PromptLookup(num_draft)
     from kilnx.models.loaders import load_model
-    draft = load_model(draft_model, device=info.torch_device, ops=ops or os.environ.get("KILNX_OPS", "auto"))
+    draft = load_model(draft_model, device=info.torch_device, ops=ops)
     try:
         S.check_draft(lm, draft)
     except ValueError as e:
@@ -151,14 +152,13 @@ def _grammar(json_schema: str | None, regex: str | None) -> str | None:
     return S.json_object_grammar() if schema == {} else S.json_schema_grammar(schema)
 
 
-def _generate_constrained(lm, prompt: str | list[int], params, chat: bool, stats: bool) -> None:
+def _generate_constrained(lm, ids: list[int], params, stats: bool) -> None:
     """A grammar's tokens advance its matcher on the host: generated on a one-row scheduler (runtime/structured.py)."""
     import time
     from kilnx.runtime.chat import print_stream
     from kilnx.runtime.engine import Engine
-    from kilnx.runtime.generate import default_stop_ids, prompt_ids
+    from kilnx.runtime.generate import default_stop_ids
     from kilnx.runtime.scheduler import Scheduler
-    ids = prompt_ids(lm, prompt, chat=chat)
     engine = Engine(lm.model, max_seq=min(lm.config.max_position_embeddings, len(ids) + params.max_tokens + 1))
     t0 = time.perf_counter()
     with Scheduler(engine, lm.tokenizer, stop_token_ids=default_stop_ids(lm)) as sched:

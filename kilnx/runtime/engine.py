@@ -88,6 +88,7 @@ class Engine:
         self.cpu_replay = bool(cpu_replay) and self.device.type == "cpu"
         self._replays: dict[int, _Graph | None] = {}   # batch size -> recorded step (None: refused)
         self._verify: dict[tuple[int, int], _Graph] = {}  # (row, tokens) -> a speculative check's forward
+        self.verify_refused: dict[tuple[int, int], str] = {}  # (row, tokens) -> why it stays eager
         # KILNX_LAZY_GRAPHS=1: capture at the first decode step instead, so a new process's first token
         # does not wait for the decode kernels and the capture. Off: on the H200 it moved llama-3.1-8b's first
         # token only 0.13 s (1.19 s from the loaded model against 1.32 s; 3.79 s against 3.52 s in all, the
@@ -158,23 +159,12 @@ class Engine:
             return g.logits[0]
         cache = self.cache.rows(row, row + 1)
         logits = self.model.forward(g.ids, g.positions, cache, last=None)
-        if g.logits is None and (self.cuda_graphs or self.cpu_replay):   # first use: capture it
-            g.logits = logits
-            if self.cuda_graphs:
-                graph = torch.cuda.CUDAGraph()
-                try:
-                    with torch.cuda.graph(graph, pool=self._pool):
-                        g.logits = self.model.forward(g.ids, g.positions, cache, last=None)
-                    g.graph = graph
-                except RuntimeError:       # a host read or sync in some op: this length stays eager
-                    pass
+        if (self.cuda_graphs or self.cpu_replay) and key not in self.verify_refused:   # first use: capture it
+            graph, out = self._capture_forward(lambda: self.model.forward(g.ids, g.positions, cache, last=None))
+            if graph is None:
+                self.verify_refused[key] = out
             else:
-                from kilnx.codegen.numba_launch import Recorder
-                rec, guard = Recorder(), _TorchGuard()
-                with rec, guard:
-                    out = self.model.forward(g.ids, g.positions, cache, last=None)
-                if not rec.refused + guard.unsafe:
-                    g.graph, g.logits = rec, out
+                g.graph, g.logits = graph, out
         return logits[0]
 
     @torch.no_grad()
@@ -230,15 +220,31 @@ class Engine:
             g.graph.replay()
             return g.logits[0, -1].clone()   # the buffer is the next replay's output
         logits = self.model.forward(g.ids, g.positions, cache, last=g.last)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self._pool):
-                out = self.model.forward(g.ids, g.positions, cache, last=g.last)
-        except RuntimeError as e:          # a host read or sync in some op: this length stays eager
-            self.prefill_graph_refused[key] = str(e).splitlines()[0]
-            return logits[0, -1]
-        self._prefill_graphs[key] = _Graph(graph, g.ids, g.positions, out, g.last)
+        graph, out = self._capture_forward(lambda: self.model.forward(g.ids, g.positions, cache, last=g.last))
+        if graph is None:                  # this length stays eager
+            self.prefill_graph_refused[key] = out
+        else:
+            self._prefill_graphs[key] = _Graph(graph, g.ids, g.positions, out, g.last)
         return logits[0, -1]
+
+    def _capture_forward(self, forward) -> tuple[object, object]:
+        """`forward` captured for replay — a CUDA graph (capture records, it does not run) or the CPU's recorded
+        numba launches (recording runs it) — and its output buffer: (replayer, output), or (None, why not) where
+        an op reads the host or syncs (CUDA) or a launch or torch call cannot be replayed (CPU, _TorchGuard)."""
+        if self.cuda_graphs:
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=self._pool):
+                    out = forward()
+            except RuntimeError as e:
+                return None, str(e).splitlines()[0]
+            return graph, out
+        from kilnx.codegen.numba_launch import Recorder
+        rec, guard = Recorder(), _TorchGuard()
+        with rec, guard:
+            out = forward()
+        why = rec.refused + guard.unsafe
+        return (None, "; ".join(why)) if why else (rec, out)
 
     def _arange(self, t: int) -> torch.Tensor:
         if self._aranged.numel() < t:
@@ -264,19 +270,15 @@ class Engine:
         are recorded: both runs compute the same values and write the same K/V. The recording is kept
         for replay unless a launch could not be replayed or a torch call outside the kernels wrote
         data or read it on the host (_TorchGuard); then this batch size stays eager."""
-        from kilnx.codegen.numba_launch import Recorder
         B = tokens.shape[0]
         ids = tokens.view(B, 1).to(self.device).clone()
         pos = positions.view(B, 1).to(self.device).clone()
         cache = self.cache.rows(0, B) if B != self.max_batch else self.cache
-        self.model.forward(ids, pos, cache, last=-1)
-        rec, guard = Recorder(), _TorchGuard()
-        with rec, guard:
-            logits = self.model.forward(ids, pos, cache, last=-1)
-        why = rec.refused + guard.unsafe
-        self._replays[B] = _Graph(rec, ids, pos, logits) if not why else None
-        self.replay_refused = why
-        return logits[:, 0]
+        eager = self.model.forward(ids, pos, cache, last=-1)
+        rec, out = self._capture_forward(lambda: self.model.forward(ids, pos, cache, last=-1))
+        self._replays[B] = _Graph(rec, ids, pos, out) if rec is not None else None
+        self.replay_refused = [] if rec is not None else [out]
+        return (out if rec is not None else eager)[:, 0]
 
     # ------------------------------------------------------------------ CUDA graphs
     def _capture_all(self) -> None:

@@ -81,7 +81,7 @@ def generate_ids(engine: Engine, ids: list[int], params: SamplingParams, *,
         steps = _StepQueue(engine, sampler, first[:1], len(ids), budget, lookahead=_lookahead(engine))
         next_tokens = lambda: [steps.token(len(out))]   # noqa: E731
     else:
-        rounds = _Speculation(engine, sampler, proposer, ids, out)
+        rounds = _Speculation(engine, sampler, proposer, ids + [tok])
         next_tokens = lambda: rounds.tokens(budget - len(out))   # noqa: E731
     pending = [tok]
     while pending:
@@ -103,7 +103,7 @@ def generate_ids(engine: Engine, ids: list[int], params: SamplingParams, *,
         prefill_tok_s=len(ids) / ttft if ttft > 0 else 0.0,
         decode_tok_s=n_after / (end - decode_start) if n_after > 0 and end > decode_start else 0.0,
         total_s=end - t0, stop_reason=reason, token_ids=out,
-        drafted=rounds.drafted if proposer is not None else 0, accepted=rounds.accepted if proposer is not None else 0)
+        **({"drafted": rounds.drafted, "accepted": rounds.accepted} if proposer is not None else {}))
 
 
 class _Speculation:
@@ -111,28 +111,27 @@ class _Speculation:
     last token and the guesses, and returns the tokens kept (runtime/speculative.py). A round with no guess is
     a plain decode step. Synchronous: the host reads each round's tokens before guessing the next."""
 
-    def __init__(self, engine: Engine, sampler: Sampler, proposer, prompt: list[int], out: list[int]):
+    def __init__(self, engine: Engine, sampler: Sampler, proposer, sequence: list[int]):
         self.engine, self.sampler, self.proposer = engine, sampler, proposer
-        self.prompt, self.out = prompt, out
+        self.seq = list(sequence)             # the prompt and the tokens so far; the last is not in the cache yet
         self.drafted = self.accepted = 0
-        if hasattr(proposer, "bind"):
-            proposer.bind(engine)
+        proposer.begin(engine)
 
     def tokens(self, room: int) -> list[int]:
         from kilnx.runtime.speculative import accept
-        seq = self.prompt + self.out
-        pos, last = len(seq) - 1, seq[-1]                  # the last token is not in the cache yet
+        pos, last = len(self.seq) - 1, self.seq[-1]
         k = min(self.proposer.num_draft, room - 1)
-        draft = self.proposer.propose(seq, k) if k > 0 else []
+        draft = self.proposer.propose(self.seq, k) if k > 0 else []
         if not draft:
             e = self.engine
             logits = e.decode(torch.tensor([last], device=e.device), torch.tensor([pos], device=e.device),
                               max_position=pos)
-            kept = accept(self.sampler, logits, [])
         else:
-            kept = accept(self.sampler, self.engine.verify([last, *draft], row=0, start=pos), draft)
+            logits = self.engine.verify([last, *draft], row=0, start=pos)
+        kept = accept(self.sampler, logits, draft)
         self.drafted += len(draft)
         self.accepted += len(kept) - 1
+        self.seq += kept
         return kept
 
 

@@ -27,27 +27,25 @@ from kilnx.runtime.sampling import Sampler
 
 class PromptLookup:
     """Guesses from earlier in the sequence: the continuation of the latest earlier occurrence of its last
-    n tokens. The n-grams are indexed as the sequence grows, so a proposal costs the new tokens, not the
-    history."""
+    n tokens. `begin` starts a sequence, which then only grows between proposals: its n-grams are indexed as it
+    grows, so a proposal costs the new tokens, not the history."""
 
     def __init__(self, num_draft: int = 4, *, max_ngram: int = 3, min_ngram: int = 1):
         if num_draft < 1 or not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"prompt lookup needs num_draft >= 1 and 1 <= min_ngram <= max_ngram; got "
                              f"{num_draft}, {min_ngram}, {max_ngram}.")
         self.num_draft, self.max_ngram, self.min_ngram = num_draft, max_ngram, min_ngram
-        self._seq: list[int] = []
+        self.begin()
+
+    def begin(self, target_engine=None) -> None:
         self._last_end: dict[tuple[int, ...], int] = {}   # n-gram -> where its latest occurrence ended
         self._indexed = 0                                  # n-grams ending before this index are in _last_end
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
-        if tokens[:len(self._seq)] != self._seq:           # another sequence: start over
-            self._last_end, self._indexed = {}, 0
-        self._seq = list(tokens)
         last = len(tokens) - 1
         for end in range(self._indexed, last):             # every n-gram ending before the last token
-            for n in range(self.min_ngram, self.max_ngram + 1):
-                if end - n + 1 >= 0:
-                    self._last_end[tuple(tokens[end - n + 1:end + 1])] = end
+            for n in range(self.min_ngram, min(self.max_ngram, end + 1) + 1):
+                self._last_end[tuple(tokens[end - n + 1:end + 1])] = end
         self._indexed = max(self._indexed, last)
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
             end = self._last_end.get(tuple(tokens[-n:]))
@@ -58,50 +56,47 @@ class PromptLookup:
 
 class DraftModel:
     """Guesses from a smaller model of the same vocabulary, greedily, on its own Engine (row 0, as long a context
-    as the target's: `bind`). Its cache keeps what it has read of the sequence; after a round, what the model did
-    not keep is read again."""
+    as the target's). `begin` starts a sequence, which then only grows between proposals. The draft's cache holds
+    the sequence as it was at the last proposal and the guesses fed after it; what the model did not keep of
+    them is read again."""
 
     def __init__(self, model, num_draft: int = 4):
         if num_draft < 1:
             raise ValueError(f"a draft model needs num_draft >= 1, got {num_draft}.")
         self.model, self.num_draft = model, num_draft
         self.engine = None
-        self._fed: list[int] = []        # the tokens whose K/V the draft's cache holds, in order
 
-    def bind(self, target_engine) -> None:
-        """A cache for sequences as long as `target_engine`'s."""
+    def begin(self, target_engine) -> None:
+        """A cache for sequences as long as `target_engine`'s, empty."""
         from kilnx.runtime.engine import Engine
         max_seq = min(target_engine.max_seq, self.model.config.max_position_embeddings)
         if self.engine is None or self.engine.max_seq < max_seq:
             self.engine = Engine(self.model, max_seq=max_seq)
-        self._fed = []
+        self._base, self._guesses_fed = 0, []    # the cache holds sequence[:_base] + _guesses_fed
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         e = self.engine
-        keep = 0
-        for a, b in zip(self._fed, tokens):
-            if a != b:
+        if len(tokens) + k - 1 > e.max_seq:
+            return []
+        keep = self._base
+        for guess, tok in zip(self._guesses_fed, tokens[self._base:]):
+            if guess != tok:
                 break
             keep += 1
         keep = min(keep, len(tokens) - 1)                 # the last token is read now, for its logits
-        if len(tokens) + k - 1 > e.max_seq:
-            return []
-        new = tokens[keep:]
-        if len(new) == 1:
-            logits = e.decode(torch.tensor(new, device=e.device), torch.tensor([keep], device=e.device),
+        if keep == len(tokens) - 1:
+            logits = e.decode(torch.tensor(tokens[keep:], device=e.device), torch.tensor([keep], device=e.device),
                               max_position=keep)[0]
         else:
-            logits = e.prefill(new, row=0, start=keep)
-        out, fed = [], list(tokens)
+            logits = e.prefill(tokens[keep:], row=0, start=keep)
+        out = []
         for i in range(k):
-            t = int(torch.argmax(logits))
-            out.append(t)
+            out.append(int(torch.argmax(logits)))
             if i + 1 < k:
-                pos = len(fed)
-                logits = e.decode(torch.tensor([t], device=e.device), torch.tensor([pos], device=e.device),
+                pos = len(tokens) + i
+                logits = e.decode(torch.tensor(out[-1:], device=e.device), torch.tensor([pos], device=e.device),
                                   max_position=pos)[0]
-                fed.append(t)
-        self._fed = fed
+        self._base, self._guesses_fed = len(tokens), out[:-1]
         return out
 
 
@@ -109,9 +104,12 @@ def check_draft(target_lm, draft_lm) -> None:
     """ValueError unless the draft model's tokens mean what the target's mean."""
     tv, dv = target_lm.config.vocab_size, draft_lm.config.vocab_size
     tt, dt = target_lm.tokenizer, draft_lm.tokenizer
-    same = tt is not None and dt is not None and tt.encode("Speculative check: 12 + 30 = 42.") == \
-        dt.encode("Speculative check: 12 + 30 = 42.") and dv <= tv
-    if not same and not (tt is None and dt is None and tv == dv):
+    if tt is not None and dt is not None:
+        probe = "Speculative check: 12 + 30 = 42."
+        same = tt.encode(probe) == dt.encode(probe) and dv <= tv
+    else:
+        same = tt is None and dt is None and tv == dv
+    if not same:
         raise ValueError(f"the draft model {draft_lm.source} does not share the target {target_lm.source}'s "
                          f"tokenizer (vocabularies of {dv} and {tv} tokens): give a draft of the same family.")
 

@@ -87,6 +87,7 @@ class GrammarConstraint:
             raise GrammarError(f"the grammar cannot be used: {e}") from e
         if self.matcher.is_error():
             raise GrammarError(f"the grammar cannot be used: {self.matcher.get_error()}")
+
     def allowed(self, device="cpu") -> torch.Tensor:
         """(vocab,) bool on `device`: the tokens the grammar allows next (the bitmask's words moved, then unpacked
         there: V/8 bytes cross, not V)."""

@@ -28,19 +28,22 @@ def _latest_continuation(tokens: list[int], k: int, max_n: int, min_n: int) -> l
 @given(seq=st.lists(st.integers(0, 4), min_size=1, max_size=40), grow=st.lists(st.integers(0, 4), max_size=10),
        k=st.integers(1, 5), max_n=st.integers(1, 4))
 def test_prompt_lookup_guesses_what_followed_the_latest_earlier_occurrence_of_the_last_tokens(seq, grow, k, max_n):
-    """Longest n-gram first; the index grows with the sequence and is rebuilt for another one."""
+    """Longest n-gram first; the index grows with the sequence, and `begin` starts another."""
     lookup = PromptLookup(k, max_ngram=max_n)
     assert lookup.propose(seq, k) == _latest_continuation(seq, k, max_n, 1)
     longer = seq + grow
     assert lookup.propose(longer, k) == _latest_continuation(longer, k, max_n, 1)
     other = list(reversed(longer))
+    lookup.begin()
     assert lookup.propose(other, k) == _latest_continuation(other, k, max_n, 1)
 
 
 def test_prompt_lookup_examples():
     lookup = PromptLookup(3, max_ngram=2)
     assert lookup.propose([5, 6, 7, 8, 9, 5, 6], 3) == [7, 8, 9]
+    lookup.begin()
     assert lookup.propose([1, 2, 3], 3) == []
+    lookup.begin()
     assert lookup.propose([4, 1, 4, 2, 9, 4, 2], 3) == [9, 4, 2]           # "4 2" before "4"
     with pytest.raises(ValueError, match="num_draft"):
         PromptLookup(0)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU-machine driver: bash bench/device_run.sh STEP...   (needs .whl carried; everything lands in $OUT)
-# Steps: gputests gpuquick (TESTS=files GPUQUICK_SECS) e2eab (AB_MODELS="8b 1b moe" AB_VAR=KILNX_PDL|KILNX_PREPARED_LAUNCH|KILNX_WG|KILNX_GEMV_PREFETCH|KILNX_FUSED_QKV_ROPE|KILNX_FUSED_ROPE|KILNX_DECODE_LOOKAHEAD|KILNX_MOE_PREPARED AB_VALUES="1 0" AB_PROMPTS=128,2048) quant qmv tc qmm ncu fusions moe e2e1b e2e8b (E2E_CSV=name) tune (TUNE_MODEL) tune8b tunewg cold8b moeprobe (MOEPROBE_ROUNDS) tcgemv tcqmm attnprobe batchdecode (BATCH_MODEL BATCH_SIZES BATCH_STEPS) batchbench (BATCH_SIZES="1 4 8 16" BATCH_MODEL) serveload (SERVE_MODEL SERVE_BATCHES SERVE_REQUESTS) serveconv (SERVE_CONVERSATIONS) speculative (SPEC_MODEL) ncuwg qmmrows mmprefill (MMP_ROUNDS) splitk (SPLITK_SHAPES SPLITK_TILES SPLITK_SPLITS SPLITK_STAGES)   -- each has its own time limit and log.
+# Steps: gputests gpuquick (TESTS=files GPUQUICK_SECS) e2eab (AB_MODELS="8b 1b moe" AB_VAR=KILNX_PDL|KILNX_PREPARED_LAUNCH|KILNX_WG|KILNX_GEMV_PREFETCH|KILNX_FUSED_QKV_ROPE|KILNX_FUSED_ROPE|KILNX_DECODE_LOOKAHEAD|KILNX_MOE_PREPARED AB_VALUES="1 0" AB_PROMPTS=128,2048) quant qmv tc qmm ncu fusions moe e2e1b e2e8b (E2E_CSV=name) tune (TUNE_MODEL) tune8b tunewg cold8b moeprobe (MOEPROBE_ROUNDS) tcgemv tcqmm attnprobe batchdecode (BATCH_MODEL BATCH_SIZES BATCH_STEPS) batchbench (BATCH_SIZES="1 4 8 16" BATCH_MODEL) serveload (SERVE_MODEL SERVE_BATCHES SERVE_REQUESTS) serveconv (SERVE_CONVERSATIONS) speculative (SPEC_MODEL SPEC_ARGS) ncuwg qmmrows mmprefill (MMP_ROUNDS) splitk (SPLITK_SHAPES SPLITK_TILES SPLITK_SPLITS SPLITK_STAGES)   -- each has its own time limit and log.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -56,7 +56,7 @@ for s in "$@"; do case $s in
                 KILNX_WG=$([ $v = 0 ] && echo 0) step e2e_b${b}_wg$v 240 python3 -m kilnx.cli bench --model ${BATCH_MODEL:-llama-3.1-8b} --random --prompt-lens 128 --gen 64 --repeats 2 --batch $b --device cuda --csv $OUT/e2e_batch_wg$v.csv; done; done ;;
   serveload) for la in 1 0; do   # the scheduler with its GPU lookahead on / off
                KILNX_SERVE_LOOKAHEAD=$la step serveload_la$la ${SERVE_SECS:-240} python3 bench/probes/serve_load.py $OUT/serve_load_la$la.csv ${SERVE_MODEL:-llama-3.1-8b} ${SERVE_BATCHES:-1,4,8,16} ${SERVE_REQUESTS:-16} 64 --random; done ;;
-  speculative) step speculative ${SPEC_SECS:-200} python3 bench/probes/speculative.py $OUT/speculative.csv ${SPEC_MODEL:-llama-3.1-8b} --random ;;
+  speculative) step speculative ${SPEC_SECS:-200} python3 bench/probes/speculative.py $OUT/speculative.csv ${SPEC_MODEL:-llama-3.1-8b} --random ${SPEC_ARGS:---draft llama-3.2-1b} ;;
   serveconv) step serveconv ${SERVE_SECS:-240} python3 bench/probes/serve_load.py $OUT/serve_conv.csv ${SERVE_MODEL:-llama-3.1-8b} --conversations ${SERVE_CONVERSATIONS:-6} --random ;;
   batchdecode) step batchdecode ${BATCH_SECS:-330} python3 bench/probes/batch_decode.py $OUT/batch_decode.csv ${BATCH_MODEL:-llama-3.1-8b} ${BATCH_SIZES:-1,2,4,8,16} ${BATCH_STEPS:-64} ;;
   moeprobe) step moeprobe ${MOEPROBE_SECS:-300} python3 bench/probes/moe_onepass.py $OUT/moe_onepass.csv ${MOEPROBE_ROUNDS:-2} ;;

@@ -3,11 +3,16 @@
 1. `verify`: what a round costs against a decode step — Engine.verify over 1 + k tokens (k guesses) against one
    replayed decode step, k = 1..8, on any model (random weights are fine: the cost does not depend on them).
    With mean tokens kept per round E, speculation pays where E x t(step) / t(verify k) > 1.
-2. `repeat` (a real checkpoint with a tokenizer): a chat prompt asking to repeat a paragraph, decoded greedily
+2. `serve`: one request at a time through `kilnx serve`'s scheduler, plain (GPU lookahead on) against
+   speculative rounds with prompt lookup and, with `--draft MODEL`, a draft model: decode tok/s of a 128-token
+   answer to a prompt that repeats a random 32-token run four times. With random weights what is kept says
+   nothing of real text; the rows measure what the scheduler's rounds cost and give where guesses are kept
+   (prompt lookup on a random model's output loops) or mostly not (an unrelated random draft).
+3. `repeat` (a real checkpoint with a tokenizer): a chat prompt asking to repeat a paragraph, decoded greedily
    plain and with prompt lookup (k = 2, 4, 6) — decode tok/s, its ratio to plain decoding in the same run, the
    guesses kept, and whether the tokens equal plain decoding's.
 
-    python bench/probes/speculative.py OUT.csv [MODEL] [--random]     (default smollm2-135m)
+    python bench/probes/speculative.py OUT.csv [MODEL] [--random] [--draft MODEL]    (default smollm2-135m)
 
 Each measurement runs once untimed first (compiles, recordings, graph captures), then `ROUNDS` times; the
 median is reported.
@@ -60,6 +65,40 @@ def verify_costs(lm, device) -> list[dict]:
     return rows
 
 
+def serve_runs(lm, draft_lm, device) -> list[dict]:
+    import threading
+
+    from kilnx.runtime.engine import Engine
+    from kilnx.runtime.sampling import SamplingParams
+    from kilnx.runtime.scheduler import Scheduler
+    from kilnx.runtime.speculative import DraftModel, PromptLookup
+    run = torch.randint(3, lm.config.vocab_size, (32,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompt, params = run * 4, SamplingParams(max_tokens=128, ignore_eos=True)
+    proposers = [("plain", None), ("serve_prompt_lookup_k4", PromptLookup(4))]
+    if draft_lm is not None:
+        proposers.append(("serve_draft_k4", DraftModel(draft_lm.model, 4)))
+    rows, plain_rate = [], None
+    for case, proposer in proposers:
+        with Scheduler(Engine(lm.model, max_seq=512, max_batch=2), proposer=proposer) as sched:
+            rates = []
+            for i in range(ROUNDS + 1):             # the first compiles and captures
+                done = threading.Event()
+                req = sched.submit(prompt, params, lambda kind, _: done.set() if kind == "done" else None)
+                while not req.tokens:
+                    time.sleep(0.0002)
+                t0 = time.perf_counter()
+                done.wait()
+                if i:
+                    rates.append((len(req.tokens) - 1) / (time.perf_counter() - t0))
+            drafted, accepted, tokens = sched.drafted, sched.accepted, list(req.tokens)
+        rate = statistics.median(rates)
+        plain_rate = plain_rate or rate
+        rows.append({"case": case if proposer is not None else "serve_plain", "k": 0 if proposer is None else 4,
+                     "tok_s": rate, "ratio_vs_plain": rate / plain_rate, "generated": len(tokens),
+                     "drafted": drafted, "accepted": accepted})
+    return rows
+
+
 def repeat_runs(lm) -> list[dict]:
     from kilnx.runtime.generate import stream
     from kilnx.runtime.sampling import SamplingParams
@@ -89,13 +128,16 @@ def main() -> None:
     from kilnx.models.loaders import load_model
     from kilnx.runtime.bench import provenance
     out = sys.argv[1]
-    args = [a for a in sys.argv[2:] if not a.startswith("--")]
+    args = [a for i, a in enumerate(sys.argv[2:], 2) if not a.startswith("--") and sys.argv[i - 1] != "--draft"]
     model = args[0] if args else "smollm2-135m"
     random = "--random" in sys.argv
     device = "cuda" if torch.cuda.is_available() else "cpu"
     lm = load_model(model, device=device, random=random)
     prov = provenance(device)
+    draft = sys.argv[sys.argv.index("--draft") + 1] if "--draft" in sys.argv else None
+    draft_lm = load_model(draft, device=device, random=random) if draft else None
     rows = [{"part": "verify", **r} for r in verify_costs(lm, torch.device(device))]
+    rows += [{"part": "serve", **r} for r in serve_runs(lm, draft_lm, torch.device(device))]
     if lm.tokenizer is not None and not random:
         rows += [{"part": "repeat", **r} for r in repeat_runs(lm)]
     fields = ["part", "case", "k", "ms", "ratio_vs_step", "tok_s", "ratio_vs_plain", "generated", "drafted",

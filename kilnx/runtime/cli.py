@@ -116,7 +116,7 @@ def _proposer(lm, info, ops, prompt_lookup: bool, draft_model: str | None, num_d
     from kilnx.runtime import speculative as S
     if prompt_lookup and draft_model is not None:
         _fail("give --prompt-lookup or --draft-model, not both.")
-    if params.grammar is not None:
+    if params is not None and params.grammar is not None:
         _fail("speculative decoding does not take --json-schema / --regex: drop one.")
     if num_draft < 1:
         _fail("--num-draft-tokens must be at least 1.")
@@ -267,6 +267,12 @@ def serve(
     prefix_slots: Annotated[Optional[int], typer.Option(
         help="Sequences' K/V kept beyond the rows for prompts that begin with them, e.g. conversations' next "
              "turns (default: --max-batch; 0: off).")] = None,
+    prompt_lookup: Annotated[bool, typer.Option(
+        help="Speculative decoding while one request decodes, guessing from earlier in its text (vLLM's ngram).")] = False,
+    draft_model: Annotated[Optional[str], typer.Option(
+        help="Speculative decoding while one request decodes, guessing with this smaller model of the same "
+             "tokenizer.")] = None,
+    num_draft_tokens: Annotated[int, typer.Option(help="Tokens guessed a speculative round.")] = 4,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API, batching concurrent requests."""
     try:
@@ -294,6 +300,8 @@ def serve(
         lm = load_model(model, device=info.torch_device, ops=ops or os.environ.get("KILNX_OPS", "auto"),
                         random=random, random_format=weights)
         engine = Engine(lm.model, max_seq=max_seq or min(lm.config.max_position_embeddings, 4096), max_batch=max_batch)
+        proposer = _proposer(lm, info, ops or os.environ.get("KILNX_OPS", "auto"), prompt_lookup, draft_model,
+                             num_draft_tokens, None)
     except _user_errors() as e:
         _fail(str(e))
     if chat_template is not None:
@@ -303,11 +311,14 @@ def serve(
     name = served_model_name or model
     slots = max_batch if prefix_slots is None else prefix_slots
     try:
-        scheduler = Scheduler(engine, lm.tokenizer, stop_token_ids=default_stop_ids(lm), prefix_slots=slots)
+        scheduler = Scheduler(engine, lm.tokenizer, stop_token_ids=default_stop_ids(lm), prefix_slots=slots,
+                              proposer=proposer)
     except torch.OutOfMemoryError:
         _fail(f"no memory for {slots} kept prefixes of {engine.max_seq} tokens; lower --prefix-slots or --max-seq.")
     print(f"kilnx: serving {name} on {info.name} at http://{host}:{port}/v1 "
-          f"({max_batch} rows of {engine.max_seq} tokens, {slots} kept prefixes)", file=sys.stderr)
+          f"({max_batch} rows of {engine.max_seq} tokens, {slots} kept prefixes"
+          + (f", speculative rounds of {num_draft_tokens} guesses while one request decodes" if proposer else "")
+          + ")", file=sys.stderr)
     try:
         serve_forever(Server(lm, scheduler, name, api_key=api_key), host, port)
     finally:

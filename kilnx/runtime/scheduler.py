@@ -26,6 +26,13 @@ With `prefix_slots`, a row's kept tokens are copied into a PrefixStore (runtime/
 is given to a request that would overwrite them, and a prompt that begins with a stored sequence gets that
 prefix copied back: more conversations than rows keep their histories (least recently used given up first).
 
+With a `proposer` (runtime/speculative.py: prompt lookup or a draft model), a turn where one row alone decodes is a
+speculative round instead of a step: the proposer guesses up to k tokens, one forward over the row's last token and
+the guesses checks them (Engine.verify), and the row keeps the guesses the model agrees with plus one token of its
+own. With two or more rows decoding, a batched step already reads the weights once for several tokens, so rounds
+stop there (vLLM's speculative_disable_by_batch_size at 2). Rounds are synchronous (no lookahead) and skip rows
+under a grammar, whose guesses the grammar would have to judge first.
+
 Each request samples its own row with its own seeded Sampler, so its tokens are those it would get alone: the
 batched logits equal the one-row logits to rounding (tests/runtime/test_engine.py), and greedy tokens are
 the same (tests/runtime/test_scheduler.py). Text comes out of the tokenizer's incremental decoder; stop strings
@@ -71,8 +78,12 @@ class Scheduler:
     """Serves requests on `engine` (its max_batch rows) from a thread of its own; close() stops it."""
 
     def __init__(self, engine: Engine, tokenizer=None, *, stop_token_ids: tuple[int, ...] = (),
-                 prefill_chunk: int | None = None, lookahead: int | None = None, prefix_slots: int = 0):
+                 prefill_chunk: int | None = None, lookahead: int | None = None, prefix_slots: int = 0,
+                 proposer=None):
         self.engine = engine
+        self.proposer = proposer
+        self._proposing_for: Request | None = None   # the request whose sequence the proposer began
+        self.drafted = self.accepted = 0             # speculative telemetry: guesses made, guesses kept
         self.store = PrefixStore(engine.cache, prefix_slots, min_tokens=COPY_MIN) if prefix_slots else None
         # a GPU step is enqueued before the host reads the previous step's tokens (their detokenizing, stop
         # checks and events run while it computes); on the CPU kernels run as launched, so nothing overlaps
@@ -193,6 +204,8 @@ class Scheduler:
         filling = [r for r in self.rows if r is not None and not r.tokens and r.copy_from is None]
         if filling:
             self._prefill_chunk(min(filling, key=lambda r: r.admitted))
+        if self.proposer is not None and self._speculate():
+            return
         # a step is looked past only where no row needs its tokens on the host before the next step
         pipelined = self.lookahead and not any(r is not None and (r.logprobs is not None or r.constraint is not None)
                                                for r in self.rows)
@@ -298,6 +311,45 @@ class Scheduler:
             first = req.sampler(logits)
             req.sampler.observe(first)
             self._accept(req, int(first[0]), logits)
+
+    def _speculate(self) -> bool:
+        """A speculative round for the one row decoding, if one alone is and the proposer guesses something
+        (False: the turn's decode step runs instead)."""
+        live = [r for r in self.rows if r is not None and r.wants_step(self.engine.max_seq)]
+        if len(live) != 1 or live[0].constraint is not None:
+            return False
+        if self._pending is not None:          # a round starts from every token on the host
+            self._collect(self._pending)
+            self._pending = None
+            live = [r for r in self.rows if r is not None and r.wants_step(self.engine.max_seq)]
+        if len(live) != 1 or live[0].constraint is not None:
+            return False
+        from kilnx.runtime.speculative import accept
+        req = live[0]
+        seq = req.ids + req.tokens            # the last token is not in the cache yet: it is fed at `pos`
+        pos = len(seq) - 1
+        # at most max_tokens and the context: a round keeps up to k + 1 tokens, and writes positions pos..pos + k
+        k = min(self.proposer.num_draft, req.params.max_tokens - len(req.tokens) - 1, self.engine.max_seq - pos - 2)
+        if k < 1:
+            return False
+        if self._proposing_for is not req:
+            self.proposer.begin(self.engine)
+            self._proposing_for = req
+        draft = self.proposer.propose(seq, k)
+        if not draft:
+            return False
+        logits = self.engine.verify([seq[-1], *draft], row=req.row, start=pos)
+        kept = accept(req.sampler, logits, draft)
+        self.steps += 1
+        self.rows_decoded += 1
+        self.drafted += len(draft)
+        self.accepted += len(kept) - 1
+        req.fed += len(kept)                   # the last token and the kept guesses are in the cache now
+        for j, tok in enumerate(kept):
+            if self.rows[req.row] is not req:  # ended (a stop token or string): the rest is dropped
+                break
+            self._accept(req, tok, logits[j] if req.logprobs is not None else None)
+        return True
 
     def _enqueue(self, prev: _InFlight | None) -> _InFlight | None:
         """One decode step of the rows that want one (None if none does). A row of `prev`, the step still in

@@ -24,6 +24,11 @@ class _Steps:
                                   value=s.steps)
         yield CounterMetricFamily("kilnx_decode_rows", "Rows those steps decoded (over steps: the mean batch).",
                                   value=s.rows_decoded)
+        if s.proposer is not None:      # vLLM's spec_decode_num_draft_tokens / _num_accepted_tokens
+            yield CounterMetricFamily("kilnx_spec_decode_draft_tokens", "Tokens guessed by speculative rounds.",
+                                      value=s.drafted)
+            yield CounterMetricFamily("kilnx_spec_decode_accepted_tokens", "Guessed tokens the model kept.",
+                                      value=s.accepted)
         if s.store is not None:
             yield CounterMetricFamily("kilnx_prefix_store_saves", "Kept sequences copied into the prefix store.",
                                       value=s.store.saved)

@@ -233,3 +233,28 @@ def test_speculative_rounds_on_verify_graphs():
     for proposer in (PromptLookup(3), DraftModel(model("llama", "kilnx"), 4)):
         *got, stats = generate_ids(Engine(m, max_seq=64), prompt, sp, proposer=proposer)
         assert got == plain and stats.drafted > 0
+
+
+def test_the_schedulers_speculative_rounds_on_the_gpu():
+    """A lone request served with prompt lookup, on row 1 (row 0 keeps an earlier request's tokens): its rounds
+    replay verify graphs of that row, and its greedy tokens are plain greedy decoding's."""
+    from outcomes import Outcomes
+
+    from kilnx.runtime.generate import generate_ids
+    from kilnx.runtime.sampling import SamplingParams
+    from kilnx.runtime.scheduler import Scheduler
+    from kilnx.runtime.speculative import PromptLookup
+    m = model("llama", "kilnx")
+    prompt = [5, 9, 17, 33, 5, 9, 17, 33, 5, 9]
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    *plain, _ = generate_ids(Engine(m, max_seq=64), prompt, sp)
+    engine = Engine(m, max_seq=64, max_batch=2)
+    with Scheduler(engine, proposer=PromptLookup(3)) as sched:
+        first = Outcomes(1)
+        sched.submit([7, 8, 9], SamplingParams(max_tokens=2, ignore_eos=True), first.listener(0))
+        first.wait(600)
+        outcomes = Outcomes(1)
+        req = sched.submit(prompt, sp, outcomes.listener(0))
+        done = outcomes.wait(600)
+    assert req.row == 1 and list(done[0].token_ids) == plain
+    assert sched.drafted > 0 and any(row == 1 and g.graph is not None for (row, _), g in engine._verify.items())

@@ -85,30 +85,39 @@ def chat(
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_k: Annotated[int, typer.Option(help="Sample from the k most likely tokens (0 = off).")] = 0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass (1 = off).")] = 1.0,
+    min_p: Annotated[float, typer.Option(help="Drop tokens less likely than min_p x the likeliest (0 = off).")] = 0.0,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
     max_seq: Annotated[Optional[int], typer.Option(
         help="Context of the conversation in tokens (default: the model's, at most 4096).")] = None,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
     ops: Annotated[Optional[str], typer.Option(help="Op implementations: kilnx, torch or auto.")] = None,
     stats: Annotated[bool, typer.Option(help="After each reply, print its tokens and the prompt tokens reused.")] = True,
+    prompt_lookup: Annotated[bool, typer.Option(
+        help="Speculative decoding, guessing from earlier in the conversation (vLLM's ngram method).")] = False,
+    draft_model: Annotated[Optional[str], typer.Option(
+        help="Speculative decoding, guessing with this smaller model of the same tokenizer.")] = None,
+    num_draft_tokens: Annotated[int, typer.Option(help="Tokens guessed a speculative round.")] = 4,
 ) -> None:
     """Chat with a model in the terminal: type a message, Enter to send; /reset starts over, /exit (or EOF) ends."""
     from kilnx.models.loaders import load_model
-    from kilnx.runtime.cli import _fail, _user_errors
+    from kilnx.runtime.cli import _fail, _proposer, _user_errors
     from kilnx.runtime.device import detect
     from kilnx.runtime.engine import Engine
     from kilnx.runtime.generate import default_stop_ids
     if max_seq is not None and max_seq < 16:
         _fail("--max-seq must be at least 16.")
     try:
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens)
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                                max_tokens=max_tokens)
     except ValueError as e:
         _fail(str(e))
     try:
         info = detect(device)
-        lm = load_model(model, device=info.torch_device, ops=ops or os.environ.get("KILNX_OPS", "auto"))
+        ops = ops or os.environ.get("KILNX_OPS", "auto")
+        lm = load_model(model, device=info.torch_device, ops=ops)
+        proposer = _proposer(lm, info, ops, prompt_lookup, draft_model, num_draft_tokens, params)
         engine = Engine(lm.model, max_seq=max_seq or min(lm.config.max_position_embeddings, 4096))
-        scheduler = Scheduler(engine, lm.tokenizer, stop_token_ids=default_stop_ids(lm))
+        scheduler = Scheduler(engine, lm.tokenizer, stop_token_ids=default_stop_ids(lm), proposer=proposer)
     except _user_errors() as e:
         _fail(str(e))
     with scheduler:

@@ -84,6 +84,10 @@ def test_kilnx_chat_in_the_terminal(smollm2_path, monkeypatch):
     replies = [ln for ln in r.stdout.split(">>> ") if ln.strip()]
     assert len(replies) == 2 and replies[0] == replies[1]          # /reset: the same first turn again
     assert "prompt tokens reused]" in r.stderr
+    fast = CliRunner().invoke(app, ["chat", "--model", smollm2_path, "--device", "cpu", "--max-tokens", "8",
+                                    "--max-seq", "256", "--prompt-lookup", "--min-p", "0.05"], input="Hi there!\n")
+    assert fast.exit_code == 0, fast.output
+    assert [ln for ln in fast.stdout.split(">>> ") if ln.strip()] == replies[:1]   # greedy: the same reply
 
 
 def test_kilnx_generate_with_a_system_prompt_and_the_prompt_from_stdin(smollm2, smollm2_path, monkeypatch):

@@ -3,11 +3,13 @@
 1. `verify`: what a round costs against a decode step — Engine.verify over 1 + k tokens (k guesses) against one
    replayed decode step, k = 1..8, on any model (random weights are fine: the cost does not depend on them).
    With mean tokens kept per round E, speculation pays where E x t(step) / t(verify k) > 1.
-2. `serve`: one request at a time through `kilnx serve`'s scheduler, plain (GPU lookahead on) against
-   speculative rounds with prompt lookup and, with `--draft MODEL`, a draft model: decode tok/s of a 128-token
-   answer to a prompt that repeats a random 32-token run four times. With random weights what is kept says
-   nothing of real text; the rows measure what the scheduler's rounds cost and give where guesses are kept
-   (prompt lookup on a random model's output loops) or mostly not (an unrelated random draft).
+2. `serve`: 1 and 4 requests at once through `kilnx serve`'s scheduler, up to 128 tokens each (to an end-of-text
+   token), asked to repeat a text
+   (a model with a tokenizer: the paragraph below, from a different sentence each; random weights: a random run
+   four times, and their output then loops on its own): tok/s against plain serving (GPU lookahead on) in the same
+   run for prompt lookup with rounds of up to 4 rows together (speculate_rows 4) and of a row alone (1), and with `--draft MODEL` a draft
+   model (random: an unrelated model, so mostly wrong guesses — what rounds cost). The drafted / accepted / steps
+   columns count the warm-up run too.
 3. `repeat` (a real checkpoint with a tokenizer): a chat prompt asking to repeat a paragraph, decoded greedily
    plain and with prompt lookup (k = 2, 4, 6) — decode tok/s, its ratio to plain decoding in the same run, the
    guesses kept, and whether the tokens equal plain decoding's.
@@ -65,37 +67,59 @@ def verify_costs(lm, device) -> list[dict]:
     return rows
 
 
-def serve_runs(lm, draft_lm, device) -> list[dict]:
+def _serve_prompts(lm, count: int) -> list[list[int]]:
+    """Prompts that ask for repetition: a chat asking to repeat the paragraph from its i-th sentence (a model with a
+    tokenizer), or a random 32-token run four times (random weights: their output loops on its own)."""
+    if lm.tokenizer is not None and lm.tokenizer.chat_template:
+        from kilnx.runtime.generate import prompt_ids
+        sentences = PARAGRAPH.split(". ")
+        return [prompt_ids(lm, "Repeat this text exactly, word for word:\n\n" + ". ".join(sentences[i:] + sentences[:i]),
+                           chat=True) for i in range(count)]
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, lm.config.vocab_size, (32,), generator=g).tolist() * 4 for _ in range(count)]
+
+
+def serve_runs(lm, draft_lm) -> list[dict]:
+    """1 and 4 requests at once through the scheduler (4 rows), 128 tokens each: plain, prompt lookup with
+    rounds of every row decoding, prompt lookup with rounds of a row alone (speculate_rows 1), a draft model."""
     import threading
 
     from kilnx.runtime.engine import Engine
     from kilnx.runtime.sampling import SamplingParams
     from kilnx.runtime.scheduler import Scheduler
     from kilnx.runtime.speculative import DraftModel, PromptLookup
-    run = torch.randint(3, lm.config.vocab_size, (32,), generator=torch.Generator().manual_seed(1)).tolist()
-    prompt, params = run * 4, SamplingParams(max_tokens=128, ignore_eos=True)
-    proposers = [("plain", None), ("serve_prompt_lookup_k4", PromptLookup(4))]
+    params = SamplingParams(max_tokens=128)
+    cases = [("serve_plain", None, 1), ("serve_prompt_lookup_k4_rows4", lambda: PromptLookup(4), 4),
+             ("serve_prompt_lookup_k4_alone", lambda: PromptLookup(4), 1)]
     if draft_lm is not None:
-        proposers.append(("serve_draft_k4", DraftModel(draft_lm.model, 4)))
-    rows, plain_rate = [], None
-    for case, proposer in proposers:
-        with Scheduler(Engine(lm.model, max_seq=512, max_batch=2), proposer=proposer) as sched:
-            rates = []
-            for i in range(ROUNDS + 1):             # the first compiles and captures
-                done = threading.Event()
-                req = sched.submit(prompt, params, lambda kind, _: done.set() if kind == "done" else None)
-                while not req.tokens:
-                    time.sleep(0.0002)
-                t0 = time.perf_counter()
-                done.wait()
-                if i:
-                    rates.append((len(req.tokens) - 1) / (time.perf_counter() - t0))
-            drafted, accepted, tokens = sched.drafted, sched.accepted, list(req.tokens)
-        rate = statistics.median(rates)
-        plain_rate = plain_rate or rate
-        rows.append({"case": case if proposer is not None else "serve_plain", "k": 0 if proposer is None else 4,
-                     "tok_s": rate, "ratio_vs_plain": rate / plain_rate, "generated": len(tokens),
-                     "drafted": drafted, "accepted": accepted})
+        cases.append(("serve_draft_k4", lambda: DraftModel(draft_lm.model, 4), 1))
+    rows = []
+    for count in (1, 4):
+        prompts, plain_rate = _serve_prompts(lm, count), None
+        for case, make, most in cases:
+            proposer = make() if make else None
+            with Scheduler(Engine(lm.model, max_seq=512, max_batch=4), proposer=proposer, speculate_rows=most) as sched:
+                rates = []
+                for i in range(3 + 1):             # the first compiles and captures
+                    left, done = [count], threading.Event()
+
+                    def on_event(kind, _):
+                        if kind == "done":
+                            left[0] -= 1
+                            if not left[0]:
+                                done.set()
+                    t0 = time.perf_counter()
+                    reqs = [sched.submit(p, params, on_event) for p in prompts]
+                    done.wait()
+                    if i:
+                        rates.append(sum(len(r.tokens) for r in reqs) / (time.perf_counter() - t0))
+                drafted, accepted, steps = sched.drafted, sched.accepted, sched.steps
+            rate = statistics.median(rates)
+            plain_rate = plain_rate or rate
+            rows.append({"case": f"{case}_requests{count}", "k": 4 if make else 0, "tok_s": rate,
+                         "ratio_vs_plain": rate / plain_rate, "generated": sum(len(r.tokens) for r in reqs),
+                         "drafted": drafted,
+                         "accepted": accepted, "steps": steps})
     return rows
 
 
@@ -137,11 +161,11 @@ def main() -> None:
     draft = sys.argv[sys.argv.index("--draft") + 1] if "--draft" in sys.argv else None
     draft_lm = load_model(draft, device=device, random=random) if draft else None
     rows = [{"part": "verify", **r} for r in verify_costs(lm, torch.device(device))]
-    rows += [{"part": "serve", **r} for r in serve_runs(lm, draft_lm, torch.device(device))]
+    rows += [{"part": "serve", **r} for r in serve_runs(lm, draft_lm)]
     if lm.tokenizer is not None and not random:
         rows += [{"part": "repeat", **r} for r in repeat_runs(lm)]
     fields = ["part", "case", "k", "ms", "ratio_vs_step", "tok_s", "ratio_vs_plain", "generated", "drafted",
-              "accepted", "same_tokens", "model", "gpu", "torch", "triton", "commit", "date"]
+              "accepted", "steps", "same_tokens", "model", "gpu", "torch", "triton", "commit", "date"]
     with open(out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()

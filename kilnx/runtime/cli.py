@@ -273,6 +273,9 @@ def serve(
         help="Speculative decoding while one request decodes, guessing with this smaller model of the same "
              "tokenizer.")] = None,
     num_draft_tokens: Annotated[int, typer.Option(help="Tokens guessed a speculative round.")] = 4,
+    speculative_max_rows: Annotated[int, typer.Option(
+        help="Speculative rounds while at most this many requests decode, checked together in one forward "
+             "(prompt lookup; a draft model: 1).")] = 1,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API, batching concurrent requests."""
     try:
@@ -289,6 +292,8 @@ def serve(
         _fail("--max-batch must be at least 1.")
     if max_seq is not None and max_seq < 2:
         _fail("--max-seq must be at least 2.")
+    if speculative_max_rows < 1:
+        _fail("--speculative-max-rows must be at least 1.")
     if prefix_slots is not None and prefix_slots < 0:
         _fail("--prefix-slots must be 0 or more.")
     if not 0 <= port < 65536:
@@ -312,12 +317,13 @@ def serve(
     slots = max_batch if prefix_slots is None else prefix_slots
     try:
         scheduler = Scheduler(engine, lm.tokenizer, stop_token_ids=default_stop_ids(lm), prefix_slots=slots,
-                              proposer=proposer)
+                              proposer=proposer, speculate_rows=speculative_max_rows)
     except torch.OutOfMemoryError:
         _fail(f"no memory for {slots} kept prefixes of {engine.max_seq} tokens; lower --prefix-slots or --max-seq.")
     print(f"kilnx: serving {name} on {info.name} at http://{host}:{port}/v1 "
           f"({max_batch} rows of {engine.max_seq} tokens, {slots} kept prefixes"
-          + (f", speculative rounds of {num_draft_tokens} guesses while one request decodes" if proposer else "")
+          + (f", speculative rounds of {num_draft_tokens} guesses while at most {speculative_max_rows} request(s) "
+             "decode" if proposer else "")
           + ")", file=sys.stderr)
     try:
         serve_forever(Server(lm, scheduler, name, api_key=api_key), host, port)

@@ -87,8 +87,9 @@ class Engine:
             cpu_replay = self.device.type == "cpu" and os.environ.get("KILNX_CPU_REPLAY", "1") != "0"
         self.cpu_replay = bool(cpu_replay) and self.device.type == "cpu"
         self._replays: dict[int, _Graph | None] = {}   # batch size -> recorded step (None: refused)
-        self._verify: dict[tuple[int, int], _Graph] = {}  # (row, tokens) -> a speculative check's forward
-        self.verify_refused: dict[tuple[int, int], str] = {}  # (row, tokens) -> why it stays eager
+        # (row, tokens) or ("rows", rows, tokens each) -> a speculative check's forward, and why one stays eager
+        self._verify: dict[tuple, _Graph] = {}
+        self.verify_refused: dict[tuple, str] = {}
         # KILNX_LAZY_GRAPHS=1: capture at the first decode step instead, so a new process's first token
         # does not wait for the decode kernels and the capture. Off: on the H200 it moved llama-3.1-8b's first
         # token only 0.13 s (1.19 s from the loaded model against 1.32 s; 3.79 s against 3.52 s in all, the
@@ -146,18 +147,33 @@ class Engine:
         launches; the first runs eagerly (compiling, filling memos) and is then captured. The logits are the
         replay's buffer: read them before the next call."""
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1).to(self.device)
-        n, key = ids.numel(), (row, ids.numel())
+        n = ids.numel()
         self.check_fits(start + n)
+        return self._check_forward((row, n), ids[None], self._arange(n)[None] + start, self.cache.rows(row, row + 1))[0]
+
+    @torch.no_grad()
+    def verify_rows(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rows 0..B-1, n tokens each: tokens and positions (B, n) -> every token's logits (B, n, V) — speculative
+        rounds of several rows in one forward (a row with nothing to check rides along parked, as in decode).
+        Replayed like verify from the second use at a (B, n)."""
+        B, n = tokens.shape
+        if int(positions.max()) >= self.max_seq:
+            raise ContextLengthError(f"generation reached the context length ({self.max_seq} tokens).")
+        cache = self.cache.rows(0, B) if B != self.max_batch else self.cache
+        return self._check_forward(("rows", B, n), tokens, positions, cache)
+
+    def _check_forward(self, key: tuple, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        """Every token's logits of a short forward (ids, positions: (b, n)), eager at its first use at `key`, then
+        captured and replayed; what a replay returns is its buffer (read it before the next call)."""
         if key not in self._verify:
             z = {"dtype": torch.long, "device": self.device}
-            self._verify[key] = _Graph(None, torch.zeros(1, n, **z), torch.zeros(1, n, **z), None)
+            self._verify[key] = _Graph(None, torch.zeros(ids.shape, **z), torch.zeros(ids.shape, **z), None)
         g = self._verify[key]
-        g.ids[0].copy_(ids)
-        torch.add(self._arange(n), start, out=g.positions[0])
+        g.ids.copy_(ids)
+        g.positions.copy_(positions)
         if g.graph is not None:
             g.graph.replay()
-            return g.logits[0]
-        cache = self.cache.rows(row, row + 1)
+            return g.logits
         logits = self.model.forward(g.ids, g.positions, cache, last=None)
         if (self.cuda_graphs or self.cpu_replay) and key not in self.verify_refused:   # first use: capture it
             graph, out = self._capture_forward(lambda: self.model.forward(g.ids, g.positions, cache, last=None))
@@ -165,7 +181,7 @@ class Engine:
                 self.verify_refused[key] = out
             else:
                 g.graph, g.logits = graph, out
-        return logits[0]
+        return logits
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, *, max_position: int | None = None) -> torch.Tensor:

@@ -74,6 +74,7 @@ class Request:
     logprobs: int | None = None    # with log-probabilities of each token and this many alternatives; None: without
     echo: bool = False             # the prompt's tokens' log-probabilities too (with logprobs)
     constraint: object = None      # a GrammarConstraint where params.grammar is set (runtime/structured.py)
+    proposer: object = None        # its own speculative proposer, where the scheduler's forks (runtime/speculative.py)
 
     def cancel(self) -> None:
         """Ask the scheduler to drop this request (its row frees at the next step); safe from any thread."""

@@ -26,12 +26,13 @@ With `prefix_slots`, a row's kept tokens are copied into a PrefixStore (runtime/
 is given to a request that would overwrite them, and a prompt that begins with a stored sequence gets that
 prefix copied back: more conversations than rows keep their histories (least recently used given up first).
 
-With a `proposer` (runtime/speculative.py: prompt lookup or a draft model), a turn where one row alone decodes is a
-speculative round instead of a step: the proposer guesses up to k tokens, one forward over the row's last token and
-the guesses checks them (Engine.verify), and the row keeps the guesses the model agrees with plus one token of its
-own. With two or more rows decoding, a batched step already reads the weights once for several tokens, so rounds
-stop there (vLLM's speculative_disable_by_batch_size at 2). Rounds are synchronous (no lookahead) and skip rows
-under a grammar, whose guesses the grammar would have to judge first.
+With a `proposer` (runtime/speculative.py: prompt lookup or a draft model), a turn where at most `speculate_rows`
+rows decode (1 by default) is a speculative round instead of a step: each row's proposer guesses up to k tokens, one
+forward over the rows' last tokens and guesses checks them (Engine.verify for a row alone, Engine.verify_rows for
+several), and each row keeps the guesses the model agrees with plus one token of its own. Past that many rows a
+batched step already reads the weights once for several tokens, and rounds wait (vLLM's
+speculative_disable_by_batch_size). A draft model has one cache, so its rounds run for a row alone. Rounds are
+synchronous (no lookahead) and skip rows under a grammar, whose guesses the grammar would have to judge first.
 
 Each request samples its own row with its own seeded Sampler, so its tokens are those it would get alone: the
 batched logits equal the one-row logits to rounding (tests/runtime/test_engine.py), and greedy tokens are
@@ -79,10 +80,15 @@ class Scheduler:
 
     def __init__(self, engine: Engine, tokenizer=None, *, stop_token_ids: tuple[int, ...] = (),
                  prefill_chunk: int | None = None, lookahead: int | None = None, prefix_slots: int = 0,
-                 proposer=None):
+                 proposer=None, speculate_rows: int | None = None):
         self.engine = engine
         self.proposer = proposer
-        self._proposing_for: Request | None = None   # the request whose sequence the proposer began
+        # rounds run while at most this many rows decode (1 by default: on the CPU, 4 rows' rounds in one forward
+        # served 0.6x plain batched steps' tok/s, bench/probes/speculative.py); a proposer that forks runs one a
+        # request, else one is shared
+        self.speculate_rows = 1 if speculate_rows is None else speculate_rows
+        self._per_request = proposer is not None and proposer.fork() is not None
+        self._proposing_for: Request | None = None   # the request whose sequence the shared proposer began
         self.drafted = self.accepted = 0             # speculative telemetry: guesses made, guesses kept
         self.store = PrefixStore(engine.cache, prefix_slots, min_tokens=COPY_MIN) if prefix_slots else None
         # a GPU step is enqueued before the host reads the previous step's tokens (their detokenizing, stop
@@ -313,43 +319,69 @@ class Scheduler:
             self._accept(req, int(first[0]), logits)
 
     def _speculate(self) -> bool:
-        """A speculative round for the one row decoding, if one alone is and the proposer guesses something
-        (False: the turn's decode step runs instead)."""
-        live = [r for r in self.rows if r is not None and r.wants_step(self.engine.max_seq)]
-        if len(live) != 1 or live[0].constraint is not None:
-            return False
-        if self._pending is not None:          # a round starts from every token on the host
+        """A speculative round of the rows decoding, where at most `speculate_rows` do (one, for a draft model:
+        its one cache follows one sequence), none is under a grammar, each has room for a guess and some row's
+        proposer guesses something. False: the turn's decode step runs instead."""
+        most = self.speculate_rows if self._per_request else 1
+
+        def eligible():
+            live = [r for r in self.rows if r is not None and r.wants_step(self.engine.max_seq)]
+            return live if 1 <= len(live) <= most and all(r.constraint is None for r in live) else None
+        live = eligible()
+        if live is not None and self._pending is not None:     # a round starts from every token on the host
             self._collect(self._pending)
             self._pending = None
-            live = [r for r in self.rows if r is not None and r.wants_step(self.engine.max_seq)]
-        if len(live) != 1 or live[0].constraint is not None:
+            live = eligible()
+        if live is None:
             return False
         from kilnx.runtime.speculative import accept
-        req = live[0]
-        seq = req.ids + req.tokens            # the last token is not in the cache yet: it is fed at `pos`
-        pos = len(seq) - 1
-        # at most max_tokens and the context: a round keeps up to k + 1 tokens, and writes positions pos..pos + k
-        k = min(self.proposer.num_draft, req.params.max_tokens - len(req.tokens) - 1, self.engine.max_seq - pos - 2)
+        max_seq = self.engine.max_seq
+        seqs = [r.ids + r.tokens for r in live]    # each one's last token is not in the cache yet: it is fed now
+        # at most max_tokens and the context: a round keeps up to k + 1 tokens, and writes k + 1 positions
+        k = min([self.proposer.num_draft] + [min(r.params.max_tokens - len(r.tokens) - 1, max_seq - len(s) - 1)
+                                            for r, s in zip(live, seqs)])
         if k < 1:
             return False
+        drafts = [self._proposer_of(r).propose(s, k) for r, s in zip(live, seqs)]
+        if not any(drafts):
+            return False
+        if len(live) == 1:
+            logits = [self.engine.verify([seqs[0][-1], *drafts[0]], row=live[0].row, start=len(seqs[0]) - 1)]
+        else:
+            # rows 0..B-1, n tokens each: a row's last token, its guesses, then padding (positions on from there,
+            # logits unread, K/V overwritten before anything reads it); rows not in the round park at the end
+            n, B = 1 + max(map(len, drafts)), self.engine.decode_rows(live[-1].row + 1)
+            tokens, positions = torch.zeros(B, n, dtype=torch.long), torch.full((B, n), max_seq - 1)
+            for r, s, d in zip(live, seqs, drafts):
+                tokens[r.row, :len(d) + 1] = torch.tensor([s[-1], *d])
+                positions[r.row] = torch.arange(len(s) - 1, len(s) - 1 + n)
+            out = self.engine.verify_rows(tokens, positions)
+            logits = [out[r.row] for r in live]
+        self.steps += 1
+        self.rows_decoded += len(live)
+        for req, draft, x in zip(live, drafts, logits):
+            kept = accept(req.sampler, x[:len(draft) + 1], draft)
+            self.drafted += len(draft)
+            self.accepted += len(kept) - 1
+            req.fed += len(kept)               # the last token and the kept guesses are in the cache now
+            for j, tok in enumerate(kept):
+                if self.rows[req.row] is not req:  # ended (a stop token or string): the rest is dropped
+                    break
+                self._accept(req, tok, x[j] if req.logprobs is not None else None)
+        return True
+
+    def _proposer_of(self, req: Request):
+        """req's proposer, begun on its sequence: its own fork of the scheduler's, or the one shared draft model
+        (begun again when it turns to another request)."""
+        if self._per_request:
+            if req.proposer is None:
+                req.proposer = self.proposer.fork()
+                req.proposer.begin(self.engine)
+            return req.proposer
         if self._proposing_for is not req:
             self.proposer.begin(self.engine)
             self._proposing_for = req
-        draft = self.proposer.propose(seq, k)
-        if not draft:
-            return False
-        logits = self.engine.verify([seq[-1], *draft], row=req.row, start=pos)
-        kept = accept(req.sampler, logits, draft)
-        self.steps += 1
-        self.rows_decoded += 1
-        self.drafted += len(draft)
-        self.accepted += len(kept) - 1
-        req.fed += len(kept)                   # the last token and the kept guesses are in the cache now
-        for j, tok in enumerate(kept):
-            if self.rows[req.row] is not req:  # ended (a stop token or string): the rest is dropped
-                break
-            self._accept(req, tok, logits[j] if req.logprobs is not None else None)
-        return True
+        return self.proposer
 
     def _enqueue(self, prev: _InFlight | None) -> _InFlight | None:
         """One decode step of the rows that want one (None if none does). A row of `prev`, the step still in

@@ -37,6 +37,10 @@ class PromptLookup:
         self.num_draft, self.max_ngram, self.min_ngram = num_draft, max_ngram, min_ngram
         self.begin()
 
+    def fork(self) -> "PromptLookup":
+        """A proposer of the same settings for another sequence (the scheduler keeps one a request)."""
+        return PromptLookup(self.num_draft, max_ngram=self.max_ngram, min_ngram=self.min_ngram)
+
     def begin(self, target_engine=None) -> None:
         self._last_end: dict[tuple[int, ...], int] = {}   # n-gram -> where its latest occurrence ended
         self._indexed = 0                                  # n-grams ending before this index are in _last_end
@@ -65,6 +69,10 @@ class DraftModel:
             raise ValueError(f"a draft model needs num_draft >= 1, got {num_draft}.")
         self.model, self.num_draft = model, num_draft
         self.engine = None
+
+    def fork(self) -> None:
+        """None: one draft cache, so one sequence at a time (the scheduler's rounds then run for a row alone)."""
+        return None
 
     def begin(self, target_engine) -> None:
         """A cache for sequences as long as `target_engine`'s, empty."""

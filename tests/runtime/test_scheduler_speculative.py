@@ -1,6 +1,6 @@
-"""Speculative decoding in the server's scheduler: while one request decodes alone, its turns are speculative
-rounds (runtime/scheduler.py); what it gets is what it gets without them — the same greedy tokens, the same
-log-probabilities, the same ends at stop tokens and max_tokens — and rounds stop while several rows decode."""
+"""Speculative decoding in the server's scheduler (runtime/scheduler.py): the rows decoding take speculative
+rounds, together in one forward where their proposers are their own; what a request gets is what it gets without
+them — the same greedy tokens, the same log-probabilities, the same ends at stop tokens and max_tokens."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def _alone(model, ids, params, max_seq=64):
     return [t for t in generate_ids(Engine(model, max_seq=max_seq), ids, params) if isinstance(t, int)]
 
 
-def _served(model, requests, proposer, *, max_batch=2, logprobs=None, lookahead=False):
+def _served(model, requests, proposer, *, max_batch=2, logprobs=None, lookahead=False, speculate_rows=None):
     """Each (prompt, params) submitted at once: (their Finished, their log-probability events, the scheduler)."""
     outcomes, events = Outcomes(len(requests)), {i: [] for i in range(len(requests))}
 
@@ -34,7 +34,8 @@ def _served(model, requests, proposer, *, max_batch=2, logprobs=None, lookahead=
                 events[i].extend(payload)
             done(kind, payload)
         return on_event
-    with Scheduler(Engine(model, max_seq=64, max_batch=max_batch), proposer=proposer, lookahead=lookahead) as s:
+    with Scheduler(Engine(model, max_seq=64, max_batch=max_batch), proposer=proposer, lookahead=lookahead,
+                   speculate_rows=speculate_rows) as s:
         for i, (ids, params) in enumerate(requests):
             s.submit(ids, params, listener(i), logprobs=logprobs)
         done = outcomes.wait(300)
@@ -57,16 +58,38 @@ def test_a_lone_request_gets_its_plain_greedy_tokens_in_fewer_steps(proposer, lo
         assert s.accepted == s.drafted and s.steps == 4
 
 
-def test_rounds_stop_while_two_requests_decode_and_each_gets_its_own_tokens():
-    """Two requests on two rows: batched steps while both decode, rounds for the longer one once the other ends."""
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_moe"])
+def test_rows_decoding_together_check_their_guesses_in_one_forward(arch, backend):
+    """Three requests on three rows with prompt lookup (a proposer a request) and speculate_rows 3: their rounds
+    run together, one forward over every row's last token and guesses (Engine.verify_rows), the row freed first
+    riding along parked; each request gets the tokens it gets alone."""
+    model = tiny_model(arch, ops=backend.ops, seed=0, device=backend.device)
+    prompts = [REPEATING, [7, 3, 7, 3, 7, 3, 7], [11, 12, 13, 11, 12, 13, 11, 12]]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 20, 14)]
+    done, _, s = _served(model, list(zip(prompts, params)), PromptLookup(3), max_batch=3, speculate_rows=3)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        assert list(done[i].token_ids) == _alone(model, p, sp), i
+    assert any(key[0] == "rows" for key in s.engine._verify) and s.drafted > 0
+
+
+@pytest.mark.parametrize("proposer", ["draft", "one_row"])
+def test_rounds_wait_for_one_row_with_a_draft_model_or_by_default(proposer):
+    """A draft model's one cache follows one sequence (even with speculate_rows 2), and speculate_rows is 1 by
+    default: while two requests decode they take batched steps, and rounds resume once one decodes alone."""
     model = tiny_model("llama", seed=0)
     short, long_ = SamplingParams(max_tokens=4, ignore_eos=True), SamplingParams(max_tokens=20, ignore_eos=True)
     other = [7, 3, 7, 3, 7, 3, 7]
-    done, _, s = _served(model, [(REPEATING, long_), (other, short)], PromptLookup(3))
+    make = DraftModel(model, 3) if proposer == "draft" else PromptLookup(3)
+    outcomes = Outcomes(2)
+    rows = 2 if proposer == "draft" else None
+    with Scheduler(Engine(model, max_seq=64, max_batch=2), proposer=make, speculate_rows=rows) as s:
+        s.submit(REPEATING, long_, outcomes.listener(0))
+        s.submit(other, short, outcomes.listener(1))
+        done = outcomes.wait(300)
     assert list(done[0].token_ids) == _alone(model, REPEATING, long_)
     assert list(done[1].token_ids) == _alone(model, other, short)
     assert s.rows_decoded > s.steps                   # some steps decoded both rows
-    assert s.drafted > 0                              # and rounds ran once one decoded alone
+    assert s.drafted > 0 and not any(key[0] == "rows" for key in s.engine._verify)
 
 
 def test_a_round_ends_at_a_stop_token_and_at_max_tokens():

@@ -257,4 +257,27 @@ def test_the_schedulers_speculative_rounds_on_the_gpu():
         req = sched.submit(prompt, sp, outcomes.listener(0))
         done = outcomes.wait(600)
     assert req.row == 1 and list(done[0].token_ids) == plain
-    assert sched.drafted > 0 and any(row == 1 and g.graph is not None for (row, _), g in engine._verify.items())
+    assert sched.drafted > 0 and any(key[0] == 1 and g.graph is not None for key, g in engine._verify.items())
+
+
+def test_several_rows_checked_in_one_replayed_forward():
+    """Engine.verify_rows on rows 0 and 2 (row 1 parked at the cache's end): each row's logits are those of a
+    one-row check of the same tokens (to bf16 rounding), and from the second use a graph replays the same bits."""
+    m = model("llama", "kilnx")
+    g = torch.Generator().manual_seed(3)
+    prompts = {0: torch.randint(3, 256, (9,), generator=g).tolist(), 2: torch.randint(3, 256, (14,), generator=g).tolist()}
+    checks = {0: [4, 5, 6, 7], 2: [8, 9, 10, 11]}
+    engine, single = Engine(m, max_seq=64, max_batch=4), Engine(m, max_seq=64, max_batch=4)
+    for e in (engine, single):
+        for row, p in prompts.items():
+            e.prefill(p, row=row)
+    tokens, positions = torch.zeros(3, 4, dtype=torch.long), torch.full((3, 4), 63)
+    for row, p in prompts.items():
+        tokens[row], positions[row] = torch.tensor(checks[row]), torch.arange(len(p), len(p) + 4)
+    eager = engine.verify_rows(tokens, positions).clone()
+    for _ in range(2):
+        torch.testing.assert_close(engine.verify_rows(tokens, positions), eager, rtol=0, atol=0)
+    assert engine._verify[("rows", 3, 4)].graph is not None
+    for row, p in prompts.items():
+        one = single.verify(checks[row], row=row, start=len(p)).float()
+        torch.testing.assert_close(eager[row].float(), one, rtol=3e-2, atol=3e-2 * one.abs().max().item())

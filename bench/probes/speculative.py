@@ -85,6 +85,7 @@ def serve_runs(lm, draft_lm) -> list[dict]:
     import threading
 
     from kilnx.runtime.engine import Engine
+    from kilnx.runtime.generate import default_stop_ids
     from kilnx.runtime.sampling import SamplingParams
     from kilnx.runtime.scheduler import Scheduler
     from kilnx.runtime.speculative import DraftModel, PromptLookup
@@ -98,7 +99,8 @@ def serve_runs(lm, draft_lm) -> list[dict]:
         prompts, plain_rate = _serve_prompts(lm, count), None
         for case, make, most in cases:
             proposer = make() if make else None
-            with Scheduler(Engine(lm.model, max_seq=512, max_batch=4), proposer=proposer, speculate_rows=most) as sched:
+            with Scheduler(Engine(lm.model, max_seq=512, max_batch=4), stop_token_ids=default_stop_ids(lm),
+                           proposer=proposer, speculate_rows=most) as sched:
                 rates = []
                 for i in range(3 + 1):             # the first compiles and captures
                     left, done = [count], threading.Event()

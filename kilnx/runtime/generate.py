@@ -19,6 +19,7 @@ import torch
 
 from kilnx.runtime.engine import Engine
 from kilnx.runtime.sampling import Sampler, SamplingParams
+from kilnx.runtime.speculative import Pacing, accept
 
 
 @dataclass
@@ -108,20 +109,21 @@ def generate_ids(engine: Engine, ids: list[int], params: SamplingParams, *,
 
 class _Speculation:
     """Speculative rounds after the prefill: each guesses up to k tokens, checks them in one forward over the
-    last token and the guesses, and returns the tokens kept (runtime/speculative.py). A round with no guess is
-    a plain decode step. Synchronous: the host reads each round's tokens before guessing the next."""
+    last token and the guesses, and returns the tokens kept (runtime/speculative.py). A round with no guess (none
+    found, or none asked for while the guesses are mostly wrong: Pacing) is a plain decode step. Synchronous: the
+    host reads each round's tokens before guessing the next."""
 
     def __init__(self, engine: Engine, sampler: Sampler, proposer, sequence: list[int]):
         self.engine, self.sampler, self.proposer = engine, sampler, proposer
         self.seq = list(sequence)             # the prompt and the tokens so far; the last is not in the cache yet
         self.drafted = self.accepted = 0
+        self.pacing = Pacing()
         proposer.begin(engine)
 
     def tokens(self, room: int) -> list[int]:
-        from kilnx.runtime.speculative import accept
         pos, last = len(self.seq) - 1, self.seq[-1]
         k = min(self.proposer.num_draft, room - 1)
-        draft = self.proposer.propose(self.seq, k) if k > 0 else []
+        draft = self.proposer.propose(self.seq, k) if k > 0 and self.pacing.ready() else []
         if not draft:
             e = self.engine
             logits = e.decode(torch.tensor([last], device=e.device), torch.tensor([pos], device=e.device),
@@ -129,6 +131,7 @@ class _Speculation:
         else:
             logits = self.engine.verify([last, *draft], row=0, start=pos)
         kept = accept(self.sampler, logits, draft)
+        self.pacing.record(len(draft), len(kept) - 1)
         self.drafted += len(draft)
         self.accepted += len(kept) - 1
         self.seq += kept

@@ -75,6 +75,7 @@ class Request:
     echo: bool = False             # the prompt's tokens' log-probabilities too (with logprobs)
     constraint: object = None      # a GrammarConstraint where params.grammar is set (runtime/structured.py)
     proposer: object = None        # its own speculative proposer, where the scheduler's forks (runtime/speculative.py)
+    pacing: object = None          # its speculative Pacing: when its turns are rounds
 
     def cancel(self) -> None:
         """Ask the scheduler to drop this request (its row frees at the next step); safe from any thread."""

@@ -31,8 +31,9 @@ rows decode (1 by default) is a speculative round instead of a step: each row's 
 forward over the rows' last tokens and guesses checks them (Engine.verify for a row alone, Engine.verify_rows for
 several), and each row keeps the guesses the model agrees with plus one token of its own. Past that many rows a
 batched step already reads the weights once for several tokens, and rounds wait (vLLM's
-speculative_disable_by_batch_size). A draft model has one cache, so its rounds run for a row alone. Rounds are
-synchronous (no lookahead) and skip rows under a grammar, whose guesses the grammar would have to judge first.
+speculative_disable_by_batch_size). A draft model has one cache, so its rounds run for a row alone. A row whose
+guesses were mostly wrong lately guesses nothing for a while (speculative.Pacing). Rounds are synchronous (no
+lookahead) and skip rows under a grammar, whose guesses the grammar would have to judge first.
 
 Each request samples its own row with its own seeded Sampler, so its tokens are those it would get alone: the
 batched logits equal the one-row logits to rounding (tests/runtime/test_engine.py), and greedy tokens are
@@ -58,6 +59,7 @@ from kilnx.runtime.engine import Engine
 from kilnx.runtime.prefix_store import PrefixStore, common_prefix
 from kilnx.runtime.request import Finished, Listener, Request, TokenLogprob, split_at_stop
 from kilnx.runtime.sampling import Sampler, SamplingParams
+from kilnx.runtime.speculative import Pacing, accept
 
 COPY_MIN = 16
 """Prompt tokens another row must share before its K/V is copied rather than recomputed (a copy is 2 x layers
@@ -334,7 +336,6 @@ class Scheduler:
             live = eligible()
         if live is None:
             return False
-        from kilnx.runtime.speculative import accept
         max_seq = self.engine.max_seq
         seqs = [r.ids + r.tokens for r in live]    # each one's last token is not in the cache yet: it is fed now
         # at most max_tokens and the context: a round keeps up to k + 1 tokens, and writes k + 1 positions
@@ -342,7 +343,10 @@ class Scheduler:
                                             for r, s in zip(live, seqs)])
         if k < 1:
             return False
-        drafts = [self._proposer_of(r).propose(s, k) for r, s in zip(live, seqs)]
+        drafts = []
+        for r, s in zip(live, seqs):           # a row whose guesses were mostly wrong lately guesses nothing
+            proposer = self._proposer_of(r)
+            drafts.append(proposer.propose(s, k) if r.pacing.ready() else [])
         if not any(drafts):
             return False
         if len(live) == 1:
@@ -361,6 +365,7 @@ class Scheduler:
         self.rows_decoded += len(live)
         for req, draft, x in zip(live, drafts, logits):
             kept = accept(req.sampler, x[:len(draft) + 1], draft)
+            req.pacing.record(len(draft), len(kept) - 1)
             self.drafted += len(draft)
             self.accepted += len(kept) - 1
             req.fed += len(kept)               # the last token and the kept guesses are in the cache now
@@ -373,6 +378,8 @@ class Scheduler:
     def _proposer_of(self, req: Request):
         """req's proposer, begun on its sequence: its own fork of the scheduler's, or the one shared draft model
         (begun again when it turns to another request)."""
+        if req.pacing is None:
+            req.pacing = Pacing()
         if self._per_request:
             if req.proposer is None:
                 req.proposer = self.proposer.fork()

@@ -108,6 +108,46 @@ class DraftModel:
         return out
 
 
+class Pacing:
+    """Whether a sequence's next turn is a speculative round. A check of 1 + k tokens costs 1.4-2x a decode step
+    (llama-3.1-8b on the H200, SmolLM2-135M on the CPU: bench/results/2026-12-05_*_speculative_s25.csv), so
+    rounds whose guesses are mostly wrong are slower than plain steps: a sequence whose estimated chance of a
+    guess being kept falls under `min_rate` takes plain steps, `wait` of them (doubling, up to 64, while the
+    chance stays low), then one round to look again.
+
+    The chance is the guesses kept over guesses kept and rejected (a round rejects at most one: the geometric
+    acceptance model of the speculative-sampling papers), both decayed a round so that it follows the text."""
+
+    def __init__(self, min_rate: float = 0.5, decay: float = 0.8):
+        self.min_rate, self.decay = min_rate, decay
+        self.kept = self.rejected = 0.0
+        self.wait = 1              # plain steps the next low estimate buys
+        self.idle = 0              # plain steps still to take before the next round
+
+    @property
+    def rate(self) -> float:
+        seen = self.kept + self.rejected
+        return self.kept / seen if seen else 1.0
+
+    def ready(self) -> bool:
+        """Whether this turn is a round; False counts the turn as one of the plain steps owed."""
+        if self.idle:
+            self.idle -= 1
+            return False
+        return True
+
+    def record(self, drafted: int, kept: int) -> None:
+        """A round made `drafted` guesses, of which the model kept the first `kept`."""
+        if not drafted:
+            return
+        self.kept = self.kept * self.decay + kept
+        self.rejected = self.rejected * self.decay + (kept < drafted)
+        if self.rate < self.min_rate:
+            self.idle, self.wait = self.wait, min(2 * self.wait, 64)
+        else:
+            self.wait = 1
+
+
 def check_draft(target_lm, draft_lm) -> None:
     """ValueError unless the draft model's tokens mean what the target's mean."""
     tv, dv = target_lm.config.vocab_size, draft_lm.config.vocab_size

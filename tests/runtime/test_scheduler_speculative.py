@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from outcomes import Outcomes
-from tiny_models import tiny_model
+from tiny_models import WrongGuesses, tiny_model
 
 from kilnx.runtime.engine import Engine
 from kilnx.runtime.generate import generate_ids
@@ -90,6 +90,14 @@ def test_rounds_wait_for_one_row_with_a_draft_model_or_by_default(proposer):
     assert list(done[1].token_ids) == _alone(model, other, short)
     assert s.rows_decoded > s.steps                   # some steps decoded both rows
     assert s.drafted > 0 and not any(key[0] == "rows" for key in s.engine._verify)
+
+
+def test_a_request_whose_guesses_are_wrong_takes_plain_steps_between_fewer_and_fewer_rounds():
+    model = tiny_model("llama", seed=0)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    done, _, s = _served(model, [([5, 9, 17, 33], params)], WrongGuesses(), lookahead=True)
+    assert list(done[0].token_ids) == _alone(model, [5, 9, 17, 33], params)
+    assert s.drafted == 2 * 5 and s.accepted == 0        # rounds at turns 1, 3, 6, 11, 20 of 23
 
 
 def test_a_round_ends_at_a_stop_token_and_at_max_tokens():

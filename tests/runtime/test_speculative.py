@@ -10,8 +10,8 @@ from hypothesis import given, settings, strategies as st
 from kilnx.runtime.engine import Engine
 from kilnx.runtime.generate import GenerationStats, generate_ids
 from kilnx.runtime.sampling import Sampler, SamplingParams
-from kilnx.runtime.speculative import DraftModel, PromptLookup, accept, check_draft
-from tests.runtime.tiny_models import tiny_model
+from kilnx.runtime.speculative import DraftModel, Pacing, PromptLookup, accept, check_draft
+from tests.runtime.tiny_models import WrongGuesses, tiny_model
 
 
 def _latest_continuation(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
@@ -164,3 +164,34 @@ def test_prompt_lookup_on_smollm2_keeps_the_greedy_text(smollm2_path, monkeypatc
     r = CliRunner().invoke(app, ["generate", "--model", smollm2_path, "--prompt", "x", "--prompt-lookup",
                                  "--draft-model", smollm2_path])
     assert r.exit_code != 0 and "not both" in r.output
+
+
+def test_pacing_sends_a_sequence_of_wrong_guesses_to_plain_steps_for_longer_and_longer():
+    """Rounds that keep nothing: 1, 2, 4, ... plain steps between them (up to 64); rounds that keep their guesses
+    bring the rate back over min_rate and rounds every turn."""
+    pace, turns = Pacing(min_rate=0.5), []
+    for _ in range(40):
+        if pace.ready():
+            turns.append("round")
+            pace.record(4, 0)
+        else:
+            turns.append("step")
+    rounds = [i for i, t in enumerate(turns) if t == "round"]
+    assert [b - a - 1 for a, b in zip(rounds, rounds[1:])] == [1, 2, 4, 8, 16]
+    while not pace.ready():
+        pass
+    for _ in range(6):                      # guesses kept: the estimate recovers
+        pace.record(4, 4)
+    assert pace.rate >= 0.5 and pace.ready() and pace.wait == 1
+    pace.record(4, 3)                       # mostly kept: a round still ends with a rejection, rate stays high
+    assert pace.ready()
+
+
+def test_wrong_guesses_cost_a_few_rounds_not_one_a_token(backend):
+    target = tiny_model("llama", ops=backend.ops, seed=0, device=backend.device)
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain, _ = _tokens(Engine(target, max_seq=48), [5, 9, 17, 33], greedy)
+    assert 255 not in plain
+    got, stats = _tokens(Engine(target, max_seq=48), [5, 9, 17, 33], greedy, WrongGuesses())
+    assert got == plain and stats.accepted == 0
+    assert stats.drafted == 2 * 5                 # rounds at turns 1, 3, 6, 11, 20 of 23

@@ -41,3 +41,18 @@ def tiny_model(arch: str, ops="torch", seed: int = 0, fmt: str = "bf16", device:
     cfg = TINY[arch]
     src = RandomSource(cfg, fmt="q4" if cfg.is_moe else fmt, dtype=torch.float32, seed=seed)
     return LlamaModel(cfg, build_weights(cfg, src, dtype=torch.float32, device=device), ops=ops)
+
+
+class WrongGuesses:
+    """A speculative proposer whose guesses the tiny models' greedy output never takes (token 255): what rounds of
+    wrong guesses cost (runtime/speculative.py Pacing)."""
+    num_draft = 2
+
+    def begin(self, engine=None):
+        pass
+
+    def fork(self):
+        return WrongGuesses()
+
+    def propose(self, tokens, k):
+        return [255] * k

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from kilnx.runtime.sampling import Sampler, SamplingParams
 
 Listener = Callable[[str, object], None]
@@ -33,6 +35,19 @@ class TokenLogprob:
     token: int
     logprob: float | None
     top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, targets: list[int], top: int | None) -> list[TokenLogprob]:
+    """Each logits row's log-softmax at its target token, with the `top` most likely tokens."""
+    if not targets:
+        return []
+    lp = torch.log_softmax(logits.reshape(len(targets), -1).float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
+    alts = [()] * len(targets)
+    if top:
+        vals, idx = lp.topk(top, dim=-1)
+        alts = [tuple(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+    return [TokenLogprob(t, c, a) for t, c, a in zip(targets, chosen, alts)]
 
 
 def split_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, str, bool]:

@@ -57,7 +57,7 @@ import torch
 from kilnx.models.errors import ContextLengthError
 from kilnx.runtime.engine import Engine
 from kilnx.runtime.prefix_store import PrefixStore, common_prefix
-from kilnx.runtime.request import Finished, Listener, Request, TokenLogprob, split_at_stop
+from kilnx.runtime.request import Finished, Listener, Request, TokenLogprob, split_at_stop, token_logprobs
 from kilnx.runtime.sampling import Sampler, SamplingParams
 from kilnx.runtime.speculative import Pacing, accept
 
@@ -308,7 +308,7 @@ class Scheduler:
             # logits[j] predicts prompt token start + j + 1; the last chunk's last row predicts the first output
             head = [TokenLogprob(req.ids[0], None)] if start == 0 else []
             targets = req.ids[start + 1:stop + 1]
-            self._notify(req, "logprobs", head + self._logprobs(logits[:len(targets)], targets, req.logprobs))
+            self._notify(req, "logprobs", head + token_logprobs(logits[:len(targets)], targets, req.logprobs))
             logits = logits[-1]
         else:
             logits = self.engine.prefill(req.ids[start:stop], row=req.row, start=start)
@@ -330,6 +330,10 @@ class Scheduler:
             live = [r for r in self.rows if r is not None and r.wants_step(self.engine.max_seq)]
             return live if 1 <= len(live) <= most and all(r.constraint is None for r in live) else None
         live = eligible()
+        if live is not None and all(r.pacing is not None and r.pacing.idle for r in live):
+            for r in live:                     # every row owes plain steps: one, pipelined as usual
+                r.pacing.ready()
+            return False
         if live is not None and self._pending is not None:     # a round starts from every token on the host
             self._collect(self._pending)
             self._pending = None
@@ -453,19 +457,6 @@ class Scheduler:
         ops = self.engine.model.ops
         return (ops.argmax(logits) if ops is not None else torch.argmax(logits, dim=-1)).reshape(-1)
 
-    @staticmethod
-    def _logprobs(logits: torch.Tensor, targets: list[int], top: int | None) -> list[TokenLogprob]:
-        """Each row's log-softmax at its target token, with the `top` most likely tokens."""
-        if not targets:
-            return []
-        lp = torch.log_softmax(logits.reshape(len(targets), -1).float(), dim=-1)
-        chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
-        alts = [()] * len(targets)
-        if top:
-            vals, idx = lp.topk(top, dim=-1)
-            alts = [tuple(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
-        return [TokenLogprob(t, c, a) for t, c, a in zip(targets, chosen, alts)]
-
     def _accept(self, req: Request, tok: int, logits: torch.Tensor | None = None) -> None:
         req.tokens.append(tok)
         if req.constraint is not None:
@@ -474,7 +465,7 @@ class Scheduler:
             self._finish(req, "stop")         # a stop token is neither text nor a logprobs entry
             return
         if req.logprobs is not None and logits is not None:
-            self._notify(req, "logprobs", self._logprobs(logits, [tok], req.logprobs))
+            self._notify(req, "logprobs", token_logprobs(logits, [tok], req.logprobs))
         if req.decoder is not None:
             piece = req.decoder.push(tok)
             if piece and self._emit(req, piece):

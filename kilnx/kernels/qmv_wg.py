@@ -99,13 +99,19 @@ def _gemm_default(x, wb, s_g, b_g, **_):
     """Up to 16 rows (the GEMV's sizes): 16 a program, 4 groups a K step where K/64 allows, K split until the
     grid has ~2.5 programs an SM, 3 stages: on the H200 (bench/results README, session 20) that shape was the
     best or within ~10% of it on llama-3.1-8b's four projections (one group a step waited ~0.7 us a 2 KB step;
-    8 a step was slower than 4). More rows: 128 a program, 64 where that leaves SMs without a program.
+    8 a step was slower than 4). Then split once more while a program would still walk 8 or more steps: gate_up
+    (448 programs, 16 steps) at split 2 took 30.9 against 33.5 us on the H200 (session 20) and 30.8 against 38.0
+    on an H100 (session 25, bench/probes/wg_occupancy.py) — ncu found these kernels latency-bound with ~3
+    programs an SM. More rows: 128 a program, 64 where that leaves SMs without a program.
     Starting points; `kilnx tune` stores the measured best."""
     from kilnx.kernels.dense_mm import sm_count
     sms = sm_count(x)
     if x.shape[0] <= XROWS:
-        split = next((sp for sp in (1, 2, 4) if wb.shape[0] * sp >= 2.5 * sms), 8)
         gpi = min(4, _gemm_specialize(x, wb, s_g, b_g)["G_DIV"])
+        split = next((sp for sp in (1, 2, 4) if wb.shape[0] * sp >= 2.5 * sms), 8)
+        steps = s_g.shape[1] // gpi
+        while split < 8 and steps // (2 * split) >= 8:
+            split *= 2
         return {"BLOCK_M": XROWS, "GPI": gpi, "SPLIT_K": split, "num_stages": 3}
     return {"BLOCK_M": 128 if wb.shape[0] * -(-x.shape[0] // 128) >= sms else 64}
 

@@ -72,6 +72,33 @@ def test_rows_decoding_together_check_their_guesses_in_one_forward(arch, backend
     assert any(key[0] == "rows" for key in s.engine._verify) and s.drafted > 0
 
 
+class _GuessesForOne:
+    """Prompt lookup for sequences that begin with token 5 only: one of four rows guesses."""
+    num_draft = 3
+
+    def __init__(self):
+        self.lookup = PromptLookup(3)
+
+    def begin(self, engine=None):
+        self.lookup.begin(engine)
+
+    def fork(self):
+        return _GuessesForOne()
+
+    def propose(self, tokens, k):
+        return self.lookup.propose(tokens, k) if tokens[0] == 5 else []
+
+
+def test_rows_take_a_batched_step_where_fewer_than_half_of_them_guess():
+    model = tiny_model("llama", seed=0)
+    prompts = [REPEATING, [7, 3, 7, 3, 7, 3, 7], [11, 12, 13, 11, 12, 13], [8, 9, 8, 9, 8, 9]]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    done, _, s = _served(model, [(p, params) for p in prompts], _GuessesForOne(), max_batch=4, speculate_rows=4)
+    for i, p in enumerate(prompts):
+        assert list(done[i].token_ids) == _alone(model, p, params)
+    assert not any(key[0] == "rows" for key in s.engine._verify)
+
+
 @pytest.mark.parametrize("proposer", ["draft", "one_row"])
 def test_rounds_wait_for_one_row_with_a_draft_model_or_by_default(proposer):
     """A draft model's one cache follows one sequence (even with speculate_rows 2), and speculate_rows is 1 by

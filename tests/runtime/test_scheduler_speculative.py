@@ -197,6 +197,7 @@ def test_kilnx_serve_refuses_speculative_flags_that_do_not_go_together(smollm2_p
 
     from kilnx.cli import app
     for flags, message in ((["--prompt-lookup", "--draft-model", smollm2_path], "not both"),
-                           (["--prompt-lookup", "--num-draft-tokens", "0"], "at least 1")):
+                           (["--prompt-lookup", "--num-draft-tokens", "0"], "at least 1"),
+                           (["--prompt-lookup", "--speculative-max-rows", "0"], "--speculative-max-rows")):
         r = CliRunner().invoke(app, ["serve", "--model", smollm2_path, "--device", "cpu", *flags])
         assert r.exit_code != 0 and message in r.output, r.output

@@ -85,6 +85,39 @@ def time_calls(fn, arg_sets, reps: int = 20) -> float:
     return times[len(times) // 2]
 
 
+def time_paths(case: str, paths: dict, want, rounds: int, peers: tuple[str, ...] = ()) -> list[dict]:
+    """Probe rows {case, path, round, us}: each path is (fn, arg sets). Every path but the `peers` is first run
+    on its first arg set against `want` (a relative error of 3% or more, or an exception, leaves it out,
+    reported), then all are timed in turn, `rounds` times, by time_calls."""
+    ok = {}
+    for path, (fn, args) in paths.items():
+        try:
+            if path not in peers:
+                err = (fn(*args[0]).float() - want).abs().max().item() / want.abs().max().item()
+                assert err < 3e-2, f"relative error {err:.3g}"
+            ok[path] = True
+        except Exception as e:  # noqa: BLE001 - a config that does not compile or is wrong is reported, not fatal
+            print(f"{case} {path}: {e!r}"[:300], flush=True)
+            ok[path] = False
+    rows = []
+    for r in range(rounds):
+        for path, (fn, args) in paths.items():
+            if ok[path]:
+                rows.append({"case": case, "path": path, "round": r, "us": round(time_calls(fn, args, reps=10) * 1e6, 2)})
+                print(rows[-1], flush=True)
+    return rows
+
+
+def write_probe_csv(out: str, rows: list[dict], device: str) -> None:
+    """A probe's rows with the run's provenance (device, versions, commit, date) on each."""
+    from kilnx.runtime.bench import provenance
+    stamp = provenance(device)
+    with open(out, "w", newline="") as f:
+        w = csv.DictWriter(f, list(rows[0]) + list(stamp))
+        w.writeheader()
+        w.writerows({**r, **stamp} for r in rows)
+
+
 def copies_for(nbytes: int, smoke: bool) -> int:
     return 2 if smoke else max(2, min(64, (4 * L2_BYTES) // max(nbytes, 1) + 1))
 

@@ -11,7 +11,6 @@ Timing: bench_kernels.time_calls (a CUDA graph over input copies that exceed L2,
 """
 from __future__ import annotations
 
-import csv
 import os
 import sys
 
@@ -20,11 +19,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from bench_kernels import copies_for, time_calls  # noqa: E402
+from bench_kernels import copies_for, time_paths, write_probe_csv  # noqa: E402
 
 from kilnx.kernels import qmatmul  # noqa: E402
 from kilnx.quant import QWeight  # noqa: E402
-from kilnx.runtime.bench import provenance  # noqa: E402
 
 SHAPES = [("o", 4096, 4096), ("qkv", 6144, 4096), ("down", 4096, 14336), ("gate_up", 28672, 4096)]
 ROWS = [80, 128, 192, 256, 320]
@@ -47,31 +45,14 @@ def main(out: str, rounds: int) -> None:
             sets = [qmatmul.make_qmatmul_args(p, DEV) for _ in range(copies_for(n * k // 2 + m * k * 2, DEV == "cpu"))]
             dense = [(x, qmatmul._dense_spec_weight(x, wq, s, b)) for x, wq, s, b in sets]
             ws = {id(wq): QWeight.from_mlx(wq, s, b, bits=4, group_size=64) for _, wq, s, b in sets}
+            paths = {f"fused_{t}": (lambda x, wq, s, b, c=c: qmatmul.qmm(x, wq, s, b, config=c), sets)
+                     for t, c in TILES.items()}
+            paths["two_kernels"] = (qmatmul.dequant_mm, sets)
+            paths["route"] = (lambda x, wq, s, b: qmatmul.qmatmul(x, ws[id(wq)]), sets)
+            paths["cublas_bf16"] = (lambda x, w: x @ w.T, dense)
             want = qmatmul._dense_peer(*sets[0]).float()
-            paths = {f"fused_{t}": (lambda x, wq, s, b, c=c: qmatmul.qmm(x, wq, s, b, config=c)) for t, c in TILES.items()}
-            paths["two_kernels"] = lambda x, wq, s, b: qmatmul.dequant_mm(x, wq, s, b)
-            paths["route"] = lambda x, wq, s, b: qmatmul.qmatmul(x, ws[id(wq)])
-            ok = {}
-            for path, fn in paths.items():
-                try:
-                    err = (fn(*sets[0]).float() - want).abs().max().item() / want.abs().max().item()
-                    ok[path] = err < 3e-2
-                except Exception as e:  # noqa: BLE001 - a tile that does not compile is reported, not fatal
-                    print(f"{name} M={m} {path}: {e!r}"[:300], flush=True)
-                    ok[path] = False
-            for r in range(rounds):
-                for path, fn in paths.items():
-                    if ok[path]:
-                        us = time_calls(fn, sets, reps=10) * 1e6
-                        rows.append({"case": f"qmm_b4_M{m}_{name}", "path": path, "round": r, "us": round(us, 2)})
-                        print(rows[-1], flush=True)
-                us = time_calls(lambda x, w: x @ w.T, dense, reps=10) * 1e6
-                rows.append({"case": f"qmm_b4_M{m}_{name}", "path": "cublas_bf16", "round": r, "us": round(us, 2)})
-    stamp = provenance(DEV)
-    with open(out, "w", newline="") as f:
-        w = csv.DictWriter(f, list(rows[0]) + list(stamp))
-        w.writeheader()
-        w.writerows({**r, **stamp} for r in rows)
+            rows += time_paths(f"qmm_b4_M{m}_{name}", paths, want, rounds, peers=("cublas_bf16",))
+    write_probe_csv(out, rows, DEV)
 
 
 if __name__ == "__main__":

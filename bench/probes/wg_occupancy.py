@@ -11,7 +11,6 @@ Timing: bench_kernels.time_calls (a CUDA graph over input copies that exceed L2,
 """
 from __future__ import annotations
 
-import csv
 import itertools
 import os
 import sys
@@ -21,11 +20,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from bench_kernels import copies_for, time_calls  # noqa: E402
+from bench_kernels import copies_for, time_paths, write_probe_csv  # noqa: E402
 
 from kilnx.kernels import qmatmul, qmv_wg  # noqa: E402
 from kilnx.quant import QWeight  # noqa: E402
-from kilnx.runtime.bench import provenance  # noqa: E402
 
 SHAPES = [("gate_up", 28672, 4096), ("down", 4096, 14336)]
 ROWS = [4]
@@ -47,31 +45,13 @@ def main(out: str, rounds: int) -> None:
             ws = [(x, QWeight.from_mlx(wq, s, b, bits=4, group_size=64)) for x, wq, s, b in sets]
             want = qmatmul._dense_peer(*sets[0]).float()
             base = qmv_wg.qmm_wg.default_config(*ops[0])
-            paths = {"route": (qmatmul.qmatmul, ws), "route_M1": (qmatmul.qmatmul, [(x[:1], w) for x, w in ws])}
+            paths = {"route": (qmatmul.qmatmul, ws),
+                     "route_M1": (qmatmul.qmatmul, [(x[:1], w) for x, w in ws])}     # one row: a peer
             for c in CONFIGS:
                 tag = f"wg_gpi{c['GPI']}_split{c['SPLIT_K']}_st{c['num_stages']}" + ("_default" if c == base else "")
                 paths[tag] = (lambda x, wb, s, b, c=c: qmv_wg.qmm_wg(x, wb, s, b, config=c), ops)
-            ok = {}
-            for path, (fn, args) in paths.items():
-                try:
-                    if path.startswith("wg_"):
-                        got = fn(*args[0]).float()
-                        assert (got - want).abs().max().item() / want.abs().max().item() < 3e-2, "wrong numbers"
-                    ok[path] = True
-                except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, not fatal
-                    print(f"{name} M={m} {path}: {e!r}"[:300], flush=True)
-                    ok[path] = False
-            for r in range(rounds):
-                for path, (fn, args) in paths.items():
-                    if ok[path]:
-                        us = time_calls(fn, args, reps=10) * 1e6
-                        rows.append({"case": f"qmv_b4_M{m}_{name}", "path": path, "round": r, "us": round(us, 2)})
-                        print(rows[-1], flush=True)
-    stamp = provenance(DEV)
-    with open(out, "w", newline="") as f:
-        w = csv.DictWriter(f, list(rows[0]) + list(stamp))
-        w.writeheader()
-        w.writerows({**r, **stamp} for r in rows)
+            rows += time_paths(f"qmv_b4_M{m}_{name}", paths, want, rounds, peers=("route_M1",))
+    write_probe_csv(out, rows, DEV)
 
 
 if __name__ == "__main__":

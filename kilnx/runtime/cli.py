@@ -302,11 +302,10 @@ def serve(
         _fail(f"--weights {weights!r}: use q4 or bf16.")
     try:
         info = detect(device)
-        lm = load_model(model, device=info.torch_device, ops=ops or os.environ.get("KILNX_OPS", "auto"),
-                        random=random, random_format=weights)
+        ops = ops or os.environ.get("KILNX_OPS", "auto")
+        lm = load_model(model, device=info.torch_device, ops=ops, random=random, random_format=weights)
         engine = Engine(lm.model, max_seq=max_seq or min(lm.config.max_position_embeddings, 4096), max_batch=max_batch)
-        proposer = _proposer(lm, info, ops or os.environ.get("KILNX_OPS", "auto"), prompt_lookup, draft_model,
-                             num_draft_tokens, None)
+        proposer = _proposer(lm, info, ops, prompt_lookup, draft_model, num_draft_tokens, None)
     except _user_errors() as e:
         _fail(str(e))
     if chat_template is not None:

@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from kilnx.runtime.sampling import Sampler, SamplingParams
+from kilnx.runtime.speculative import Pacing
 
 Listener = Callable[[str, object], None]
 """on_event(kind, payload), called on the scheduler's thread: ("text", str) pieces of the continuation (and, where
@@ -90,7 +91,7 @@ class Request:
     echo: bool = False             # the prompt's tokens' log-probabilities too (with logprobs)
     constraint: object = None      # a GrammarConstraint where params.grammar is set (runtime/structured.py)
     proposer: object = None        # its own speculative proposer, where the scheduler's forks (runtime/speculative.py)
-    pacing: object = None          # its speculative Pacing: when its turns are rounds
+    pacing: Pacing = field(default_factory=Pacing)   # when its turns are speculative rounds (with a proposer)
 
     def cancel(self) -> None:
         """Ask the scheduler to drop this request (its row frees at the next step); safe from any thread."""

@@ -59,7 +59,7 @@ from kilnx.runtime.engine import Engine
 from kilnx.runtime.prefix_store import PrefixStore, common_prefix
 from kilnx.runtime.request import Finished, Listener, Request, TokenLogprob, split_at_stop, token_logprobs
 from kilnx.runtime.sampling import Sampler, SamplingParams
-from kilnx.runtime.speculative import Pacing, accept
+from kilnx.runtime.speculative import accept
 
 COPY_MIN = 16
 """Prompt tokens another row must share before its K/V is copied rather than recomputed (a copy is 2 x layers
@@ -85,9 +85,10 @@ class Scheduler:
                  proposer=None, speculate_rows: int | None = None):
         self.engine = engine
         self.proposer = proposer
-        # rounds run while at most this many rows decode (1 by default: on the CPU, 4 rows' rounds in one forward
-        # served 0.6x plain batched steps' tok/s, bench/probes/speculative.py); a proposer that forks runs one a
-        # request, else one is shared
+        # rounds run while at most this many rows decode. 1 by default: on an H100 four rows' rounds served 0.63x
+        # plain batched steps with a random model's guesses; on the CPU with real text (SmolLM2 repeating a
+        # paragraph) 1.15x against 1.06x for rounds of a row alone (bench/results/2026-12-05_*_speculative*_s25.csv);
+        # the GPU with real text is not measured. A proposer that forks runs one a request, else one is shared
         self.speculate_rows = 1 if speculate_rows is None else speculate_rows
         self._per_request = proposer is not None and proposer.fork() is not None
         self._proposing_for: Request | None = None   # the request whose sequence the shared proposer began
@@ -331,7 +332,7 @@ class Scheduler:
             live = [r for r in self.rows if r is not None and r.wants_step(self.engine.max_seq)]
             return live if 1 <= len(live) <= most and all(r.constraint is None for r in live) else None
         live = eligible()
-        if live is not None and all(r.pacing is not None and r.pacing.idle for r in live):
+        if live is not None and all(r.pacing.idle for r in live):
             for r in live:                     # every row owes plain steps: one, pipelined as usual
                 r.pacing.ready()
             return False
@@ -383,8 +384,6 @@ class Scheduler:
     def _proposer_of(self, req: Request):
         """req's proposer, begun on its sequence: its own fork of the scheduler's, or the one shared draft model
         (begun again when it turns to another request)."""
-        if req.pacing is None:
-            req.pacing = Pacing()
         if self._per_request:
             if req.proposer is None:
                 req.proposer = self.proposer.fork()

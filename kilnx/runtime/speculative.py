@@ -109,8 +109,9 @@ class DraftModel:
 
 
 class Pacing:
-    """Whether a sequence's next turn is a speculative round. A check of 1 + k tokens costs 1.4-2x a decode step
-    (llama-3.1-8b on the H200, SmolLM2-135M on the CPU: bench/results/2026-12-05_*_speculative_s25.csv), so
+    """Whether a sequence's next turn is a speculative round. A check of 1 + k tokens costs 1.4-2.1x a decode step
+    of llama-3.1-8b on the H200 and 1.6-3.1x one of SmolLM2-135M on the CPU at k = 1-4
+    (bench/results/2026-12-05_*_speculative_s25.csv), so
     rounds whose guesses are mostly wrong are slower than plain steps: a sequence whose estimated chance of a
     guess being kept falls under `min_rate` takes plain steps, `wait` of them (doubling, up to 64, while the
     chance stays low), then one round to look again.

@@ -161,9 +161,10 @@ def test_seeded_sampling_through_rounds_is_repeatable():
     def run(seed):
         params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, seed=seed)
         done, _, s = _served(model, [(REPEATING, params)], PromptLookup(3))
-        assert s.drafted > 0 and len(done[0].token_ids) == 16
-        return list(done[0].token_ids)
-    assert run(11) == run(11)
+        assert len(done[0].token_ids) == 16
+        return list(done[0].token_ids), s.drafted
+    tokens, drafted = run(11)
+    assert drafted > 0 and run(11) == (tokens, drafted) and run(12)[0] != tokens
 
 
 def test_the_server_serves_smollm2_with_prompt_lookup(smollm2_path, monkeypatch):

@@ -1,17 +1,19 @@
 """Batched decode throughput: B sequences stepped together through the engine's CUDA graph of that batch,
-with qmatmul's wgmma route for 4-16 rows (kernels/wg_direct.py) on and off, in one process.
+under each of qmatmul's settings for 4-16 rows, in one process.
 
-    python bench/probes/batch_decode.py OUT.csv [MODEL] [BATCHES] [STEPS]
-    (defaults: llama-3.1-8b, 1,2,4,8,16, 64)
+    python bench/probes/batch_decode.py OUT.csv [MODEL] [BATCHES] [STEPS] [SETTINGS]
+    (defaults: llama-3.1-8b, 1,2,4,8,16, 64, default,direct,off)
 
 Why: `kilnx bench` times one sequence; a server steps several at once, and every projection of such a
 step is a qmatmul of B rows (B = 2-16: the GEMV's sizes, where qmv_h2's time grows with the rows and the
 wgmma kernel's does not). Random 4-bit group-64 weights at the model's real size; each row's prompt is
 128 random tokens, prefilled into its cache row; then STEPS decode steps are timed by `kilnx bench --batch`'s loop
 (runtime/bench.py `batched_greedy`, after an untimed pass), tok/s = B * STEPS / seconds. (Session 21's CSV
-came from this probe's own loop of the same steps, at b7b068d.) The route is the qmatmul choice
-`WG_MIN_ROWS` (KILNX_WG=0 turns it off): the two settings alternate twice, each in a fresh engine (its
-graphs captured under that setting), and the peer in the same run is the route off.
+came from this probe's own loop of the same steps, at b7b068d.) The settings (KILNX_WG): `default` the route's
+choice (qmm_wg on a repacked copy for large weights, qmm_wg_direct for the others; kernels/routing.py),
+`direct` qmm_wg_direct for all, `repacked` (KILNX_WG=1) the copy for all, `off` (KILNX_WG=0) qmv_h2 and qmv_tc.
+They alternate twice, each in a fresh engine (its graphs captured under that setting); the peers in the same
+run are the other settings.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def main():
     model = sys.argv[2] if len(sys.argv) > 2 else "llama-3.1-8b"
     batches = [int(b) for b in (sys.argv[3] if len(sys.argv) > 3 else "1,2,4,8,16").split(",")]
     steps = int(sys.argv[4]) if len(sys.argv) > 4 else 64
+    settings = (sys.argv[5] if len(sys.argv) > 5 else "default,direct,off").split(",")
     dev = os.environ.get("BATCH_DECODE_DEVICE", "cuda")     # cpu: a smoke run of the probe itself
     lm = load_model(model, device=dev, random=True, random_format="q4")
     prov = provenance(dev)
@@ -51,8 +54,8 @@ def main():
                     "date"])
         for rnd in range(2):
             for batch in batches:
-                for route in ("on", "off"):
-                    os.environ["KILNX_WG"] = "0" if route == "off" else ""
+                for route in settings:
+                    os.environ["KILNX_WG"] = SETTINGS[route]
                     _forget_served()
                     rate = decode_rate(lm, batch, steps)
                     print(f"{model} B={batch} route {route} round {rnd}: {rate:.1f} tok/s", flush=True)
@@ -61,11 +64,14 @@ def main():
                     f.flush()
 
 
+SETTINGS = {"default": "", "direct": "direct", "repacked": "1", "off": "0"}
+
+
 def _forget_served():
-    """qmatmul keeps its chosen call per weight and row count: drop them so the next engine's graphs are
-    captured under the current KILNX_WG."""
-    from kilnx.kernels import qmatmul
-    qmatmul._SERVED.clear()
+    """qmatmul keeps its chosen call per weight and row count, the producers their output form: a new tuning
+    generation drops them so that the next engine's graphs are captured under the current KILNX_WG."""
+    from kilnx.dsl.kernel import forget_remembered_configs
+    forget_remembered_configs()
 
 
 if __name__ == "__main__":

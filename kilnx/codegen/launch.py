@@ -255,7 +255,9 @@ class _TritonCall:
         outs = {p.name: torch.empty(shape, dtype=torch_dtype(p.dtype), device="meta")
                 for (p, _, _), shape in zip(ir.outputs, shapes)}
         self.slots: dict[str, int] = {}
-        self.template = launch._flat_args({**tensors, **outs}, scalars, lambda t: t, self.slots)
+        # every tensor slot is filled per call: the template holds none (the first call's weights would stay alive
+        # with it after their model is gone)
+        self.template = launch._flat_args({**tensors, **outs}, scalars, lambda t: None, self.slots)
         self.inputs = [(self.slots[name], arg_index[name]) for name in tensors]
         self.outs = [(self.slots[p.name], p.name, outs[p.name].shape, outs[p.name].dtype, zero)
                      for p, _, zero in ir.outputs]

@@ -20,8 +20,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 import kilnx.dsl as kd
@@ -361,10 +359,6 @@ def qmatmul(x: torch.Tensor, w) -> torch.Tensor:
     if x2.shape[0] == 0:
         return x.new_empty(*lead, w.shape[0])
     args = (x2, w.packed, w.scales, w.biases)
-    if os.environ.get("KILNX_WG", "0") == "1":     # opt-in, 2-16 rows: kernels/qmv_wg.py (a repacked copy)
-        from kilnx.kernels import qmv_wg
-        if (call := qmv_wg.server(x2, w)) is not None:
-            return _SERVED.put((w,), key, call)(*args).reshape(*lead, w.shape[0])
     from kilnx.kernels.routing import qmatmul_rows
     # which GEMV, and up to how many rows, is the tuned choice of this device (kilnx tune stores it)
     call = _SERVED.put((w,), key, qmatmul_rows.server(*args, qmatmul_rows.choice_for(*args)))

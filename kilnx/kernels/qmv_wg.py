@@ -22,19 +22,25 @@ Measured on the H200 (bench/results README, session 20; bench/probes/tc_qmm.py, 
 it). From 2048 rows qmatmul's route (dequantize + cuBLAS) is faster (1.10-1.17x cuBLAS's time against the
 probe's best 1.56-1.85x); at 128-512 rows which wins depends on the projection.
 
-KILNX_WG=1 lets qmatmul take it for 2-16 rows (`server`) of 4-bit group-64 weights with bf16 activations,
-scales and biases. The operand layout is kept beside MLX's (the 4-bit weight's bytes twice), packed at a
-weight's first such call outside a CUDA graph capture: opt-in for that memory. By default qmatmul's route
-takes kernels/wg_direct.py's `qmm_wg_direct` for 4-16 rows instead: the same product read from MLX's layout
-(no copy), faster on qkv and o, slower on gate_up and down (session 21).
+qmatmul's route (kernels/routing.py) takes it for WG_MIN_ROWS-16 rows (4 by default) of 4-bit group-64 weights
+with bf16 activations, scales and biases where the weight is large (REPACK_MIN_BYTES: gate_up and down, not qkv
+and o) and the device has room for the operand layout beside MLX's (the 4-bit weight's bytes twice, packed at the
+weight's first such call outside a CUDA graph capture); otherwise kernels/wg_direct.py's `qmm_wg_direct`, the same
+product read from MLX's layout (no copy; faster on qkv and o, slower on gate_up and down, session 21).
+KILNX_WG=1 gives every weight the route takes the copy, KILNX_WG=direct none.
 """
 
 from __future__ import annotations
 
+import logging
+import weakref
+
 import torch
 
 import kilnx.dsl as kd
-from kilnx.kernels.qmatmul import affine_tolerance     # qmatmul imports this module only when KILNX_WG=1
+from kilnx.kernels.qmatmul import affine_tolerance
+
+log = logging.getLogger(__name__)
 
 GS, ROWS, XROWS = 64, 64, 16     # group size; weight rows per program (wgmma's M); most x rows qmatmul sends here
 BLOCK_BYTES = ROWS * GS // 2
@@ -186,39 +192,70 @@ qmm_wg.tuning(make_args=make_gemm_args, peer=lambda x, wb, s_g, b_g: x @ _dense(
 qmm_wg.tolerance = lambda args: affine_tolerance(args[0], *args[2:], 4)
 
 
-# ----------------------------------------------------------------------------- qmatmul's use (KILNX_WG=1, read there)
-def serves(x: torch.Tensor, w) -> bool:
-    """Whether these kernels take x (M, K) @ w.T: an affine 4-bit group-64 (N, K) weight, N and K multiples
-    of 64, bf16 activations, scales and biases, on the GPU (or the CPU under the Triton interpreter)."""
-    from kilnx.codegen.launch import interpreting
-    f = w.format
-    return (w.mode == "affine" and f.bits == 4 and f.group_size == GS and len(w.shape) == 2
-            and w.shape[0] % ROWS == 0 and w.shape[1] % GS == 0 and x.dtype == torch.bfloat16
-            and w.scales.dtype == torch.bfloat16 and w.biases is not None and w.biases.dtype == torch.bfloat16
-            and (x.is_cuda or interpreting()))
+# ----------------------------------------------------------------------------- the route's use (kernels/routing.py)
+# Weights of at least this many packed bytes get the repacked copy where memory allows (the route's default for
+# `WG_REPACKED`): at 4 rows on the H200 the repacked kernel took 30.9 / 18.4 us on llama-3.1-8b's gate_up (58.7 MB) /
+# down (29.4 MB) against qmm_wg_direct's 42.2 / 25.1, and lost on qkv (12.6 MB) / o (8.4 MB): 11.3 / 9.0 against
+# 10.3 / 9.2 (sessions 20-21); an H100 agreed (gate_up 30.8 against the route's 42.8 us, session 25)
+REPACK_MIN_BYTES = 16 << 20
+# Memory a copy must leave free on the device (of its total): the KV cache and activations were sized before the
+# first batched call packs, so a copy may only take what nothing else was given
+RESERVE_FRACTION, RESERVE_MIN_BYTES = 0.05, 1 << 30
+
+_OPERANDS: dict = {}
+"""id(packed words) -> (weakref to them, operand): each weight's repacked copy, made once, dropped with it."""
 
 
-def operand_of(w):
-    """(bytes, scales, biases) of w in the operand layout, made at the first call and kept on w; None inside
-    a CUDA graph capture before that (packing there would be replayed with every step)."""
-    op = getattr(w, "_wg_operand", None)
-    if op is None:
-        if w.packed.is_cuda and torch.cuda.is_current_stream_capturing():
-            return None
-        op = (flat(pack_operand(w.packed)), group_major(w.scales), group_major(w.biases))
-        w._wg_operand = op
+def serves(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, biases) -> bool:
+    """Whether qmm_wg takes x (M, K) @ W.T for MLX 4-bit group-64 words wq (N, K/8): N and K multiples of 64,
+    bf16 activations, scales and biases (the same weights as qmm_wg_direct, whose K must also be a multiple of
+    128)."""
+    k = x.shape[1]
+    return (wq.dim() == 2 and wq.element_size() == 4 and wq.shape[1] * 8 == k and wq.shape[0] % ROWS == 0
+            and scales.dim() == 2 and scales.shape[1] * GS == k and x.dtype == torch.bfloat16
+            and scales.dtype == torch.bfloat16 and biases is not None and biases.dtype == torch.bfloat16)
+
+
+def repack_pays(wq: torch.Tensor) -> bool:
+    """Whether the route's default gives this weight the repacked copy (REPACK_MIN_BYTES)."""
+    return wq.numel() * wq.element_size() >= REPACK_MIN_BYTES
+
+
+def memory_allows(wq: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor) -> bool:
+    """Whether a copy of (wq, scales, biases), with the packing's transient (codes as int32 and uint8, ~10x the
+    words), leaves RESERVE of the device's memory free. Memory torch's allocator holds unused counts as free."""
+    if not wq.is_cuda:
+        return True
+    free, total = torch.cuda.mem_get_info(wq.device)
+    free += torch.cuda.memory_reserved(wq.device) - torch.cuda.memory_allocated(wq.device)
+    words = wq.numel() * wq.element_size()
+    need = 11 * words + scales.numel() * scales.element_size() + biases.numel() * biases.element_size()
+    return free - need >= max(RESERVE_MIN_BYTES, RESERVE_FRACTION * total)
+
+
+def operand_for(wq: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor):
+    """(bytes, scales, biases) of the weight in the operand layout, made at its first call and kept while wq
+    lives; None inside a CUDA graph capture before that (packing there would be replayed with every step) or
+    where memory_allows says no (the caller serves from MLX's layout instead)."""
+    hit = _OPERANDS.get(id(wq))
+    if hit is not None and hit[0]() is wq:
+        return hit[1]
+    if wq.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    if not memory_allows(wq, scales, biases):
+        log.info("qmm_wg: no room for a repacked copy of a %s weight; qmm_wg_direct serves it", tuple(wq.shape))
+        return None
+    op = (flat(pack_operand(wq)), group_major(scales), group_major(biases))
+    key = id(wq)
+
+    def forget(ref, key=key):
+        if _OPERANDS.get(key, (None,))[0] is ref:
+            del _OPERANDS[key]
+    _OPERANDS[key] = (weakref.ref(wq, forget), op)
     return op
 
 
-def server(x: torch.Tensor, w):
-    """qmatmul's call for x's row count (args: x, packed, scales, biases), or None where the usual route
-    serves: one row (qmv_h2 is faster there), more than 16 (dequantize + cuBLAS or the tile GEMM were faster
-    from 512 rows; between 17 and 256 the best shape differs by projection and is the tuner's to find), a
-    weight this kernel does not take, or no operand yet inside a capture."""
-    m = x.shape[0]
-    if not 2 <= m <= XROWS or not serves(x, w):
-        return None
-    op = operand_of(w)
-    if op is None:
-        return None
-    return lambda x2, *_: qmm_wg(x2, *op).to(x2.dtype)      # split over K, the kernel adds in fp32
+def server_of(op, backend: str | None = None):
+    """The qmatmul call (x, wq, scales, biases) -> y in x's dtype through qmm_wg on the operand `op` (split K
+    adds in fp32, hence the cast)."""
+    return lambda x2, *_: qmm_wg(x2, *op, backend=backend).to(x2.dtype)

@@ -18,7 +18,7 @@ import torch
 from kilnx.dsl.kernel import _tuning_generation, format_key
 from kilnx.dsl.tunables import Space, choice
 
-ROUTING_VERSION = "7"   # 7: qmm_wg_direct for 4-16 rows on sm_90 (session 21)
+ROUTING_VERSION = "8"   # 7: qmm_wg_direct for 4-16 rows on sm_90 (session 21); 8: WG_REPACKED (session 26)
 TC_NEVER = 65            # past qmv_tc.MAX_ROWS: the tensor-core GEMV is never chosen
 # On the H200 qmv_tc took the same time at 1, 4 and 8 rows and beat qmv_h2 at 8 on every llama-3.1-8b
 # shape (by 9-15%), lost at 4 (by 29-71%) (bench/results/2026-12-03_h200_quant_s5.csv); kilnx tune
@@ -84,7 +84,7 @@ class QmatmulRowsRoute:
     allows) and up to how many rows (`QMV_MAX_ROWS`); more rows take the tile GEMM. From `TC_MIN_ROWS`
     rows up to qmv_tc.MAX_ROWS, 16-bit activations take the tensor-core GEMV (qmv_tc) instead; before that,
     from `WG_MIN_ROWS` up to `WG_MAX_ROWS` (16 by default) rows, bf16 calls of 4-bit group-64 weights take
-    qmm_wg_direct.
+    qmm_wg_direct, or with `WG_REPACKED` qmm_wg on a repacked copy where memory allows.
 
     Args are those of one qmatmul call at the largest row count of the sweep: x (ROWS[-1], K) and the
     packed weight. The bucket is the weight's shape and format (the choice does not depend on M).
@@ -95,8 +95,9 @@ class QmatmulRowsRoute:
 
     def __init__(self):
         from kilnx.kernels import qmatmul as qm
-        from kilnx.kernels import qmv_cpu, qmv_h2, qmv_tc, wg_direct
+        from kilnx.kernels import qmv_cpu, qmv_h2, qmv_tc, qmv_wg, wg_direct
         self._qm, self._h2, self._tc, self._il, self._wg = qm, qmv_h2, qmv_tc, qmv_cpu, wg_direct
+        self._wgr = qmv_wg
         self.space = Space({"QMV_MAX_ROWS": choice(0, 1, 2, 4, 8, 16, 32, default=qm.QMV_MAX_ROWS),
                             # qmv_h2 was 1.06-1.53x faster than qmv at every llama-3.1-8b shape, M = 1..8
                             # (H200, bench/results/2026-12-02_h200_qmv_h2_s3.csv)
@@ -104,11 +105,14 @@ class QmatmulRowsRoute:
                             "TC_MIN_ROWS": choice(1, 2, 4, 6, 8, 12, 16, TC_NEVER, default=TC_MIN_ROWS),
                             "WG_MIN_ROWS": choice(2, 3, 4, 6, 8, 12, 16, WG_NEVER, default=WG_MIN_ROWS),
                             # up to 64 rows it runs all of x's rows in one program; timed only up to 16 so far
-                            "WG_MAX_ROWS": choice(16, 32, 64, default=16)})
+                            "WG_MAX_ROWS": choice(16, 32, 64, default=16),
+                            # those rows through qmm_wg on a repacked copy of the weight (kernels/qmv_wg.py)
+                            # where memory allows; the default is per weight (qmv_wg.repack_pays)
+                            "WG_REPACKED": choice(False, True, default=False)})
         self._chosen: dict = {}
         parts = (ROUTING_VERSION + qm.qmv.source_hash + qm.qmm.source_hash + qm.qmv_prep.source_hash
                  + qmv_h2.qmv_h2.source_hash + qmv_h2.qmv_h2_prep.source_hash + qmv_tc.qmv_tc.source_hash
-                 + qmv_cpu.qmv_il.source_hash + wg_direct.qmm_wg_direct.source_hash)
+                 + qmv_cpu.qmv_il.source_hash + wg_direct.qmm_wg_direct.source_hash + qmv_wg.qmm_wg.source_hash)
         self.source_hash = hashlib.sha256(parts.encode()).hexdigest()
         self.tolerance = qm._matmul_tolerance
         self.peer = None
@@ -129,7 +133,7 @@ class QmatmulRowsRoute:
                                         "WG_MIN_ROWS": WG_NEVER})
         if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:   # wgmma: sm_90
             return self.space.validate({"WG_MIN_ROWS": WG_NEVER})
-        return self.space.default()
+        return self.space.validate({"WG_REPACKED": self._wgr.repack_pays(args[0])})
 
     def sample_problems(self) -> list[dict]:
         return [{"N": 4096, "K": 4096, "bits": 4, "gs": 64}]
@@ -162,6 +166,9 @@ class QmatmulRowsRoute:
         f = qm._format_of(x, wq, scales, biases)
         bits, group = f["BITS"], f["GROUP"]
         if self._wg_serves(x, wq, scales, biases, chosen):
+            if self._repacked(chosen) and self._wgr.serves(x, wq, scales, biases):
+                if (op := self._wgr.operand_for(wq, scales, biases)) is not None:
+                    return self._wgr.server_of(op, backend)
             return self._wg.server_of(x, wq, backend)
         if x.shape[0] >= chosen.get("TC_MIN_ROWS", TC_NEVER) and self._tc.serves(x, wq, scales, biases):
             return lambda x, wq, scales, biases: self._tc.run_qmv_tc(x, wq, scales, biases, backend=backend)
@@ -182,6 +189,12 @@ class QmatmulRowsRoute:
     def _wg_serves(self, x, wq, scales, biases, chosen: dict) -> bool:
         wg_rows = chosen.get("WG_MIN_ROWS", WG_NEVER) if os.environ.get("KILNX_WG") != "0" else WG_NEVER  # 0: an A/B
         return wg_rows <= x.shape[0] <= chosen.get("WG_MAX_ROWS", 16) and self._wg.takes(x, wq, scales, biases)
+
+    @staticmethod
+    def _repacked(chosen: dict) -> bool:
+        """KILNX_WG=1: the repacked copy for every weight the wgmma kernels take; =direct: for none (A/Bs)."""
+        env = os.environ.get("KILNX_WG")
+        return env == "1" or (env != "direct" and chosen.get("WG_REPACKED", False))
 
     def takes_wg(self, x, w, chosen: dict) -> bool:
         """Whether qmatmul of x (rows, K) by QWeight w goes to qmm_wg_direct under `chosen`: its producers

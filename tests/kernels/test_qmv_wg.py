@@ -1,7 +1,7 @@
 """The wgmma kernel with the weight in the operand layout (kernels/qmv_wg.py): the packing puts every code
 where the module says and back; qmm_wg (any rows, GPI groups a K step, split over K or not) gives x @ W.T of
 MLX's quantized weights on every backend; compiled for sm_90 its loop keeps the weight out of shared memory;
-qmatmul takes it for 2-16 rows under KILNX_WG=1."""
+qmatmul's route takes it for its wgmma rows of large weights, on a copy made where memory allows."""
 
 from __future__ import annotations
 
@@ -149,40 +149,89 @@ def test_the_gemm_gives_the_product_on_the_gpu(m):
         assert _close(W.qmm_wg(x.cuda(), W.flat(args[0]), *args[1:], config=cfg).cpu(), want), cfg
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="qmatmul takes these kernels on the GPU "
-                    "or under the Triton interpreter")
-def test_kilnx_wg_lets_qmatmul_serve_two_or_more_rows_with_them(monkeypatch):
-    from kilnx.kernels import qmatmul as qm
-    words, s, b, x, want = _case(128, 128, 70, 3)
-    w = QWeight.from_mlx(words, s, b, bits=4, group_size=64)
-    monkeypatch.setenv("KILNX_WG", "0")
-    qm.qmatmul(x[:5], w)
-    assert getattr(w, "_wg_operand", None) is None              # off: the usual route, nothing packed
+def _counting(monkeypatch, module, name):
+    """Patches module.name to record the rows of each call (its first argument) in the returned list."""
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernel runs on the CPU only "
+                    "under the Triton interpreter")
+def test_the_route_serves_its_wgmma_rows_from_a_repacked_copy_where_chosen(monkeypatch):
+    """With WG_REPACKED the route's wgmma rows (WG_MIN_ROWS-16) take qmm_wg on the operand layout, packed once
+    per weight and dropped with it; without, qmm_wg_direct on MLX's layout. KILNX_WG=1 / direct overrule the
+    choice for A/Bs, and where memory does not allow a copy the direct kernel serves."""
+    from kilnx.kernels import wg_direct as D
+    from kilnx.kernels.routing import qmatmul_rows
+    monkeypatch.delenv("KILNX_WG", raising=False)
+    words, s, b, x, want = _case(128, 256, 70, 3)
+    repacked, direct = _counting(monkeypatch, W, "qmm_wg"), _counting(monkeypatch, D, "qmm_wg_direct")
+    chosen = {**qmatmul_rows.space.default(), "WG_MIN_ROWS": 4, "WG_REPACKED": True}
+    for m in (1, 2, 4, 16, 17):
+        y = qmatmul_rows.serve(x[:m], words, s, b, chosen, backend="triton")
+        assert y.dtype == x.dtype and _close(y, want[:m]), m
+    assert repacked == [4, 16] and direct == []
+    op = W.operand_for(words, s, b)
+    assert op[0].shape == (2, 4 * 2048) and W.operand_for(words, s, b) is op        # packed once, kept
+    qmatmul_rows.serve(x[:4], words, s, b, {**chosen, "WG_REPACKED": False}, backend="triton")
+    assert direct == [4]
+    monkeypatch.setenv("KILNX_WG", "direct")
+    qmatmul_rows.serve(x[:4], words, s, b, chosen, backend="triton")
     monkeypatch.setenv("KILNX_WG", "1")
-    w = QWeight.from_mlx(words, s, b, bits=4, group_size=64)
-    calls = []
-    real = W.qmm_wg
-    monkeypatch.setattr(W, "qmm_wg", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
-    assert _close(qm.qmatmul(x[:1], w), want[:1]) and calls == []           # one row: qmv_h2's route
-    assert _close(y := qm.qmatmul(x[:5], w), want[:5]) and calls == [5] and y.dtype == x.dtype
-    assert _close(qm.qmatmul(x[:16], w), want[:16]) and calls == [5, 16]
-    assert _close(qm.qmatmul(x, w), want) and calls == [5, 16]             # 70 rows: the usual route
-    assert w._wg_operand[0].shape == (2, 2 * 2048)
-    w32 = QWeight.from_mlx(words, s.float(), b.float(), bits=4, group_size=64)   # fp32 scales: not taken
-    qm.qmatmul(x[:5], w32)
-    assert getattr(w32, "_wg_operand", None) is None
+    assert _close(qmatmul_rows.serve(x[:5], words, s, b, {**chosen, "WG_REPACKED": False}, backend="triton"), want[:5])
+    assert direct == [4, 4] and repacked == [4, 16, 5]
+    monkeypatch.setenv("KILNX_WG", "0")
+    qmatmul_rows.serve(x[:5], words, s, b, chosen, backend="triton")
+    assert direct == [4, 4] and repacked == [4, 16, 5]                            # off: qmv_h2's route
+    monkeypatch.delenv("KILNX_WG")
+    other = _case(128, 256, 4, 5)
+    monkeypatch.setattr(W, "memory_allows", lambda *a: False)
+    assert _close(qmatmul_rows.serve(other[3], *other[:3], chosen, backend="triton"), other[4])
+    assert direct == [4, 4, 4] and W.operand_for(*other[:3]) is None            # no room: MLX's layout serves
+    n = len(W._OPERANDS)
+    del words, op
+    assert len(W._OPERANDS) == n - 1                                             # the copy goes with its weight
+
+
+def test_the_default_gives_large_weights_the_copy():
+    """Gate_up and down of llama-3.1-8b get the repacked copy, qkv and o not (REPACK_MIN_BYTES); the CPU's
+    default never takes the wgmma kernels."""
+    from kilnx.kernels.routing import WG_NEVER, qmatmul_rows
+    words = {name: torch.empty(n, k // 8, dtype=torch.uint32, device="meta")
+             for name, n, k in [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]}
+    assert {name: W.repack_pays(w) for name, w in words.items()} == {"qkv": False, "o": False, "gate_up": True,
+                                                                     "down": True}
+    x, w = torch.zeros(1, 128).bfloat16(), torch.zeros(64, 16, dtype=torch.uint32)
+    assert qmatmul_rows.default_config(x, w, torch.zeros(64, 2).bfloat16(), None)["WG_MIN_ROWS"] == WG_NEVER
 
 
 @pytest.mark.gpu
-def test_kilnx_wg_serves_qmatmul_on_the_gpu(monkeypatch):
+def test_the_route_serves_from_the_copy_on_the_gpu(monkeypatch):
+    """On the GPU: the default gives a large weight the copy; qmatmul's wgmma rows then take qmm_wg; with no
+    memory to spare (the reserve set to the whole device) the direct kernel serves and nothing is packed."""
+    from kilnx.dsl.kernel import forget_remembered_configs
     from kilnx.kernels import qmatmul as qm
-    monkeypatch.setenv("KILNX_WG", "1")
+    from kilnx.kernels import routing
+    from kilnx.kernels import wg_direct as D
+    monkeypatch.delenv("KILNX_WG", raising=False)
+    big = torch.empty(28672, 512, dtype=torch.uint32, device="cuda")
+    assert routing.qmatmul_rows.default_config(torch.zeros(1, 4096, device="cuda").bfloat16(), big,
+                                               torch.empty(28672, 64, device="cuda").bfloat16(), None)["WG_REPACKED"]
     words, s, b, x, want = _case(256, 512, 300, 9)
-    w = QWeight.from_mlx(words.cuda(), s.cuda(), b.cuda(), bits=4, group_size=64)
+    words, s, b = words.cuda(), s.cuda(), b.cuda()
+    monkeypatch.setattr(W, "REPACK_MIN_BYTES", 0)
+    repacked, direct = _counting(monkeypatch, W, "qmm_wg"), _counting(monkeypatch, D, "qmm_wg_direct")
+    w = QWeight.from_mlx(words, s, b, bits=4, group_size=64)
+    forget_remembered_configs()                         # the route's memo of choices: asked afresh
     for m in (1, 4, 16, 17, 300):
         y = qm.qmatmul(x[:m].cuda(), w)
         assert y.dtype == x.dtype and _close(y.cpu(), want[:m]), m
-    assert w._wg_operand is not None
+    assert repacked == [4, 16] and direct == [] and W.operand_for(w.packed, w.scales, w.biases) is not None
+    monkeypatch.setattr(W, "RESERVE_FRACTION", 1.0)
+    w2 = QWeight.from_mlx(words.clone(), s, b, bits=4, group_size=64)
+    assert _close(qm.qmatmul(x[:4].cuda(), w2).cpu(), want[:4])
+    assert direct == [4] and W.operand_for(w2.packed, w2.scales, w2.biases) is None
 
 
 @pytest.mark.parametrize("m", [5, 70])

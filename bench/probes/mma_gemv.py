@@ -8,9 +8,10 @@ one row by a fixed ~9 us floor on qkv and o. mma.sync needs 16 weight rows a war
 program can be one warp. Compiled for sm_90 (Triton 3.6 here, on the CPU), the kd.dot of a 16-row tile takes
 the decoded weight as a register operand (`dot_op<{opIdx = 0, parent = #mma, kWidth = 4}>`, no convert) when
 the bytes are packed for kWidth 4 (`pack_kw4`); with qmm_wg's kWidth-2 packing the loop spent 208 PRMT on
-moving halves. The main loop then has 16 HMMA and ~300 instructions a thread per 2 groups (~4.7 per code,
-qmm_wg 3.8, qmv_h2 ~3.3 at one row); x is staged per program (16 rows x 64 GPI codes, two bytes each), so
-few groups a step and two stages keep the shared memory per warp small. Not run on a GPU yet (session 26 was
+moving halves. The main loop then has 32 HMMA and ~570 instructions a thread per 4 groups (~4.5 per code;
+qmm_wg 3.8, qmv_h2 ~3.3 at one row) and no shared-memory store (at 2 groups a step ~4.7, and the scales take
+an LDG + STS pair); x is staged per program (16 rows x 64 GPI codes, two bytes each), so few groups a step
+and two stages keep the shared memory per warp small. Not run on a GPU yet (session 26 was
 lent none): whether the occupancy outweighs the instructions is what this measures.
 
     GPU:  python bench/probes/mma_gemv.py OUT_CSV [rounds]

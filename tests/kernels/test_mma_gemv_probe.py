@@ -54,3 +54,35 @@ def test_the_probe_runs(tmp_path):
     p.main(str(out), 1)
     lines = out.read_text().splitlines()
     assert lines[0].startswith("case,path,round,us") and any(",mma_nw" in ln for ln in lines[1:])
+
+
+SM90 = """
+import json, sys, torch
+sys.path.insert(0, "bench/probes")
+from sass_count import main_loop, opcodes, sass_of
+from kilnx.codegen.aot import compile_for_target
+from kilnx.kernels import qmv_wg as W
+import mma_gemv as P
+wb, sg = torch.zeros(4, 64 * 2048, dtype=torch.uint8), torch.zeros(4, 64, 64).bfloat16()
+c = compile_for_target(P.qmv_mma, (torch.zeros(4, 4096).bfloat16(), wb, sg, sg),
+                       {"GPI": 4, "num_stages": 2, "num_warps": 1}, aligned=True, kw={"NW": 1})
+dots = [ln for ln in c.asm["ttgir"].splitlines() if "tt.dot " in ln]
+converts = [ln for ln in c.asm["ttgir"].splitlines() if "convert_layout" in ln and "dot_op<{opIdx = 0" in ln]
+print(json.dumps({"dots": dots, "a_converts": converts, "loop_ops": dict(opcodes(main_loop(sass_of(c))))}))
+"""
+
+
+def test_compiled_for_sm90_the_weight_reaches_mma_sync_in_registers():
+    """What the probe's doc says of the sm_90 code: mma.sync (HMMA) with the decoded weight as a kWidth-4 register
+    operand, no layout conversion into it and no shared-memory store in the main loop."""
+    import json
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = PROBE.parents[2]
+    run = subprocess.run([sys.executable, "-c", SM90], env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    facts = json.loads(run.stdout.strip().splitlines()[-1])
+    assert facts["dots"] and all("dot_op<{opIdx = 0, parent = #mma, kWidth = 4}>" in d for d in facts["dots"])
+    assert facts["a_converts"] == []
+    ops = facts["loop_ops"]
+    assert ops.get("HMMA", 0) >= 8 and ops.get("STS", 0) + ops.get("STSM", 0) == 0, ops

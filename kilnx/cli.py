@@ -1,4 +1,4 @@
-"""The `kilnx` command: tune, generate, chat, bench, serve, db, kernels."""
+"""The `kilnx` command: tune, generate, chat, bench, serve, convert, db, kernels."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 
 from kilnx.cache.cli import db_app
+from kilnx.models.cli import convert
 from kilnx.runtime.chat import chat
 from kilnx.runtime.cli import bench, generate, serve
 from kilnx.tuner.cli import tune
@@ -19,6 +20,7 @@ app.command("generate")(generate)
 app.command("chat")(chat)
 app.command("bench")(bench)
 app.command("serve")(serve)
+app.command("convert")(convert)
 app.add_typer(db_app, name="db", help="The tuning database: show, export, import, prune, plot.")
 
 kernels_app = typer.Typer(no_args_is_help=True, help="The kernel library.")

@@ -91,6 +91,8 @@ def chat(
         help="Context of the conversation in tokens (default: the model's, at most 4096).")] = None,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
     ops: Annotated[Optional[str], typer.Option(help="Op implementations: kilnx, torch or auto.")] = None,
+    quantize: Annotated[Optional[str], typer.Option(
+        help="Quantize a dense checkpoint's linears as it loads: q4, q8, mxfp4, nvfp4 (kilnx convert writes them once).")] = None,
     stats: Annotated[bool, typer.Option(help="After each reply, print its tokens and the prompt tokens reused.")] = True,
     prompt_lookup: Annotated[bool, typer.Option(
         help="Speculative decoding, guessing from earlier in the conversation (vLLM's ngram method).")] = False,
@@ -114,7 +116,7 @@ def chat(
     try:
         info = detect(device)
         ops = ops or os.environ.get("KILNX_OPS", "auto")
-        lm = load_model(model, device=info.torch_device, ops=ops)
+        lm = load_model(model, device=info.torch_device, ops=ops, quantize=quantize)
         proposer = _proposer(lm, info, ops, prompt_lookup, draft_model, num_draft_tokens, params)
         engine = Engine(lm.model, max_seq=max_seq or min(lm.config.max_position_embeddings, 4096))
         scheduler = Scheduler(engine, lm.tokenizer, stop_token_ids=default_stop_ids(lm), proposer=proposer)

@@ -55,6 +55,8 @@ def generate(
     min_p: Annotated[float, typer.Option(
         help="Drop tokens less likely than this fraction of the likeliest one (0 = off).")] = 0.0,
     ops: Annotated[Optional[str], typer.Option(help=_OPS_HELP)] = None,
+    quantize: Annotated[Optional[str], typer.Option(
+        help="Quantize a dense checkpoint's linears as it loads: q4, q8, mxfp4, nvfp4 (kilnx convert writes them once).")] = None,
     stats: Annotated[bool, typer.Option(help="Print timing after the text.")] = True,
     repetition_penalty: Annotated[float, typer.Option(
         help="Divide a prompt or output token's logit by this where positive, multiply where negative (1 = off).")] = 1.0,
@@ -85,7 +87,7 @@ def generate(
     try:
         info = detect(device)
         ops = ops or os.environ.get("KILNX_OPS", "auto")
-        lm = load_model(model, device=info.torch_device, ops=ops)
+        lm = load_model(model, device=info.torch_device, ops=ops, quantize=quantize)
         proposer = _proposer(lm, info, ops, prompt_lookup, draft_model, num_draft_tokens, params)
         ids = prompt_ids(lm, sys.stdin.read() if prompt == "-" else prompt, chat=chat or system_prompt is not None,
                          system=system_prompt)
@@ -176,6 +178,8 @@ def bench(
     csv: Annotated[Optional[str], typer.Option(help="Append result rows to this CSV file.")] = None,
     weights: Annotated[str, typer.Option(help="Random weight format: q4 (MLX 4-bit, groups of 64) or bf16.")] = "q4",
     ops: Annotated[Optional[str], typer.Option(help=_OPS_HELP)] = None,
+    quantize: Annotated[Optional[str], typer.Option(
+        help="Quantize a dense checkpoint's linears as it loads: q4, q8, mxfp4, nvfp4 (kilnx convert writes them once).")] = None,
     peer: Annotated[Optional[str], typer.Option(
         help="Also time a peer in the same run: hf (HF transformers on the same checkpoint, CPU) or mlx "
              "(mlx-lm on the same preset, random 4-bit gs64 weights; with --random).")] = None,
@@ -216,7 +220,7 @@ def bench(
     try:
         info = detect(device)
         lm = load_model(model, device=info.torch_device, ops=ops or os.environ.get("KILNX_OPS", "auto"),
-                        random=random, random_format=weights)
+                        random=random, random_format=weights, quantize=quantize)
         rows = run_bench(lm, prompt_lens=lens, gen=gen, model_name=model,
                          weights=weights_label(lm, random, weights), ops_name=ops_name(lm.model.ops),
                          bandwidth_gbps=info.copy_bandwidth_gbps, repeats=repeats, batch=batch)
@@ -258,6 +262,8 @@ def serve(
     served_model_name: Annotated[Optional[str], typer.Option(help="The model id clients send (default: --model).")] = None,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
     ops: Annotated[Optional[str], typer.Option(help=_OPS_HELP)] = None,
+    quantize: Annotated[Optional[str], typer.Option(
+        help="Quantize a dense checkpoint's linears as it loads: q4, q8, mxfp4, nvfp4 (kilnx convert writes them once).")] = None,
     random: Annotated[bool, typer.Option(help="Random weights at the preset's real size (any preset).")] = False,
     weights: Annotated[str, typer.Option(help="Random weight format: q4 (MLX 4-bit, groups of 64) or bf16.")] = "q4",
     api_key: Annotated[Optional[str], typer.Option(
@@ -303,7 +309,8 @@ def serve(
     try:
         info = detect(device)
         ops = ops or os.environ.get("KILNX_OPS", "auto")
-        lm = load_model(model, device=info.torch_device, ops=ops, random=random, random_format=weights)
+        lm = load_model(model, device=info.torch_device, ops=ops, random=random, random_format=weights,
+                        quantize=quantize)
         engine = Engine(lm.model, max_seq=max_seq or min(lm.config.max_position_embeddings, 4096), max_batch=max_batch)
         proposer = _proposer(lm, info, ops, prompt_lookup, draft_model, num_draft_tokens, None)
     except _user_errors() as e:

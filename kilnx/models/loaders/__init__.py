@@ -107,7 +107,10 @@ def _looks_gguf(path: str) -> bool:
 
 
 def load_model(spec: str, *, device: str = "cpu", dtype: torch.dtype | None = None, ops=None,
-               random: bool = False, random_format: str = "q4", seed: int = 0) -> LoadedModel:
+               random: bool = False, random_format: str = "q4", seed: int = 0,
+               quantize: str | None = None) -> LoadedModel:
+    """quantize (q4, q8, mxfp4, nvfp4): the checkpoint's dense linears quantized as they load (models/convert.py);
+    weights it holds quantized stay as they are."""
     from kilnx.codegen.launch import warm_up_in_background
     from kilnx.models.llama import LlamaModel
     from kilnx.models.weights import build_weights
@@ -134,6 +137,9 @@ def load_model(spec: str, *, device: str = "cpu", dtype: torch.dtype | None = No
         return LoadedModel(LlamaModel(cfg, weights, ops=ops), tok, cfg, src.path)
     path = resolve_path(spec)
     cfg, src, tok = open_source(path)
+    if quantize:
+        from kilnx.models.convert import QuantizingSource, quant_format
+        src = QuantizingSource(src, quant_format(quantize))
     with torch.no_grad():
         weights = build_weights(cfg, src, device=device, dtype=dtype)
     if tok is not None and not cfg.eos_token_ids and tok.eos_token_ids:

@@ -51,6 +51,10 @@ class SafetensorsSource:
     def has(self, name: str) -> bool:
         return name in self._where
 
+    def names(self) -> list[str]:
+        """Every tensor name of the directory's files, sorted."""
+        return sorted(self._where)
+
     def _module_quant(self, name: str):
         """(bits, group_size, mode) of the module owning tensor `name`, or None when it is dense."""
         if self.quant is None:

@@ -1,0 +1,128 @@
+"""`kilnx convert` and --quantize: a dense checkpoint quantized by kilnx is the one mlx-lm makes of it (every
+tensor bit-exact, mlx-lm loads the directory and computes the same logits), kilnx runs it, and quantizing at load
+gives the same model as loading the converted directory. Bad input gets one clear error and leaves nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+mx = pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+
+from test_mlx_checkpoints import CONFIGS, IDS, _write_mlx_checkpoint  # noqa: E402  (this folder is on sys.path)
+
+from kilnx.models.convert import convert, quant_format  # noqa: E402
+from kilnx.models.errors import ModelError  # noqa: E402
+
+
+def _kilnx_logits(path, **kw):
+    from kilnx.models.loaders import load_model
+    from kilnx.runtime.kv_cache import KVCache
+    lm = load_model(str(path), device="cpu", dtype=torch.float32, **kw)
+    cache = KVCache.for_model(lm.config, 1, 32, device="cpu")
+    with torch.no_grad():
+        return lm, lm.model.forward(torch.tensor([IDS]), torch.arange(len(IDS))[None], cache)[0].numpy()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_converted_checkpoint_is_mlx_lms_own(tmp_path, arch):
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model as mlx_load, quantize_model
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    _write_mlx_checkpoint(dense, dict(CONFIGS[arch]), None)
+    (dense / "tokenizer_config.json").write_text("{}")
+    counts = convert(str(dense), str(tmp_path / "q4"), quant_format("q4"))
+    assert counts["quantized"] >= 7 * 2 and counts["files"] == 1
+    assert (tmp_path / "q4" / "tokenizer_config.json").exists()
+    cfg = json.loads((tmp_path / "q4" / "config.json").read_text())
+    assert cfg["quantization"] == {"group_size": 64, "bits": 4}
+    # mlx-lm's own quantization of the same dense model: the same tensors, bit for bit
+    theirs, _ = mlx_load(dense)
+    theirs, _ = quantize_model(theirs, {}, group_size=64, bits=4)
+    ours, _ = mlx_load(tmp_path / "q4")
+    want = dict(tree_flatten(theirs.parameters()))
+    got = dict(tree_flatten(ours.parameters()))
+    assert set(got) == set(want)
+    for name in want:
+        assert np.array_equal(np.array(got[name].astype(mx.float32) if got[name].dtype == mx.bfloat16 else got[name]),
+                              np.array(want[name].astype(mx.float32) if want[name].dtype == mx.bfloat16
+                                       else want[name])), name
+    mlx_logits = np.array(ours(mx.array([IDS])).astype(mx.float32))[0]
+    lm, converted = _kilnx_logits(tmp_path / "q4")
+    np.testing.assert_allclose(converted, mlx_logits, rtol=2e-4, atol=2e-4)
+    # quantized as it loads: the same weights, so the same logits
+    lm2, at_load = _kilnx_logits(dense, quantize="q4")
+    np.testing.assert_array_equal(at_load, converted)
+
+
+def test_an_mlx_checkpoints_quantized_weights_are_kept_with_their_format(tmp_path):
+    """Converting an already-quantized directory keeps its codes; modules whose format differs (down_proj at 8 bits
+    here) are named in config.json, as mlx-lm's mixed-precision files do."""
+    src = tmp_path / "mixed"
+    src.mkdir()
+    want = _write_mlx_checkpoint(src, dict(CONFIGS["llama"]), "q4")
+    counts = convert(str(src), str(tmp_path / "out"), quant_format("q4"))
+    assert counts["quantized"] == 0 and counts["kept"] >= 14
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())["quantization"]
+    assert cfg["model.layers.0.mlp.down_proj"] == {"group_size": 32, "bits": 8}
+    _, got = _kilnx_logits(tmp_path / "out")
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+
+
+def test_bad_input_gets_one_clear_error_and_leaves_nothing(tmp_path, monkeypatch):
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    _write_mlx_checkpoint(dense, dict(CONFIGS["llama"]), None)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("")
+    with pytest.raises(ModelError, match="already exists"):
+        convert(str(dense), str(tmp_path / "taken"), quant_format("q4"))
+    with pytest.raises(ModelError, match="--quantize 'q5x'"):
+        quant_format("q5x")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(16))
+    with pytest.raises(ModelError, match="reads safetensors directories"):
+        convert(str(gguf), str(tmp_path / "out"), quant_format("q4"))
+    # interrupted midway (here: a failing quantizer): no output, no partial directory
+    import kilnx.models.convert as C
+
+    def boom(*a, **k):
+        raise RuntimeError("interrupted")
+    monkeypatch.setattr(C, "quantize", boom)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        convert(str(dense), str(tmp_path / "out"), quant_format("q4"))
+    assert sorted(os.listdir(tmp_path)) == ["dense", "m.gguf", "taken"]
+
+
+def test_the_cli_converts(tmp_path):
+    from typer.testing import CliRunner
+
+    from kilnx.cli import app
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    _write_mlx_checkpoint(dense, dict(CONFIGS["qwen3"]), None)
+    res = CliRunner().invoke(app, ["convert", str(dense), str(tmp_path / "q8"), "--quantize", "q8"])
+    assert res.exit_code == 0, res.output
+    assert "weights quantized (affine, 8-bit, groups of 64)" in res.output
+    assert json.loads((tmp_path / "q8" / "config.json").read_text())["quantization"] == {"group_size": 64, "bits": 8}
+    res = CliRunner().invoke(app, ["convert", str(dense), str(tmp_path / "q8")])
+    assert res.exit_code == 1 and "already exists" in res.output
+
+
+def test_generate_takes_quantize(tmp_path):
+    """The run commands pass --quantize to the loader: an unknown format is named with the ones there are."""
+    from typer.testing import CliRunner
+
+    from kilnx.cli import app
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    _write_mlx_checkpoint(dense, dict(CONFIGS["llama"]), None)
+    res = CliRunner().invoke(app, ["generate", "--model", str(dense), "--prompt", "hi", "--quantize", "q5x",
+                                   "--device", "cpu"])
+    assert res.exit_code == 1 and "--quantize 'q5x'" in res.output and "q4, q8, mxfp4, nvfp4" in res.output

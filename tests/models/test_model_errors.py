@@ -73,6 +73,22 @@ def test_missing_tensor_names_file_and_tensor(tmp_path):
         load_model(str(tmp_path))
 
 
+@pytest.mark.parametrize("method", ["gptq", "awq", "fp8"])
+def test_other_quantized_formats_are_refused_with_the_way_out(tmp_path, method):
+    """HF's quantized checkpoints (GPTQ, AWQ, FP8 ...) store other tensors under other names: named, not misread."""
+    from safetensors.torch import save_file
+
+    from kilnx.models.loaders import load_model
+    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+           "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 10,
+           "quantization_config": {"quant_method": method, "bits": 4, "group_size": 128}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    save_file({"model.layers.0.self_attn.q_proj.qweight": torch.zeros(8, 64, dtype=torch.int32),
+               "model.layers.0.self_attn.q_proj.scales": torch.zeros(1, 64)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=f"a {method} checkpoint.*--quantize q4"):
+        load_model(str(tmp_path))
+
+
 def test_unknown_model_name():
     from kilnx.models.loaders import load_model
     with pytest.raises(ModelError, match="--random"):

@@ -37,6 +37,11 @@ class SafetensorsSource:
             for k in h.keys():
                 self._where[k] = f
         q = hf_config.get("quantization") or hf_config.get("quantization_config")
+        method = q.get("quant_method") if isinstance(q, dict) else None
+        if method is not None:     # HF's quantized formats name theirs; MLX's (mlx-lm's config) names none
+            raise CheckpointError(f"{path}: a {method} checkpoint; kilnx reads dense, MLX and GGUF weights, not "
+                                  f"{method}'s. Use the dense model (add --quantize q4, or `kilnx convert` it once) "
+                                  "or an MLX / GGUF quantization of it.")
         self.quant = q if (isinstance(q, dict) and "bits" in q) else None
 
     def _get(self, key: str) -> torch.Tensor:

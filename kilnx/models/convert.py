@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import torch
@@ -35,9 +36,10 @@ def quant_format(name: str, bits: int | None = None, group_size: int | None = No
 
 
 def quantizable(name: str, t: torch.Tensor, fmt) -> bool:
-    """Whether mlx-lm's default would quantize tensor `name`: a 2-D float `.weight` whose rows split into groups."""
-    return (name.endswith(".weight") and t.dim() == 2 and t.is_floating_point()
-            and t.shape[-1] % fmt.group_size == 0)
+    """Whether mlx-lm's default would quantize tensor `name`: a float `.weight` of a linear or an embedding (2-D),
+    or an MoE layer's expert stack (3-D), whose rows split into groups."""
+    return (name.endswith(".weight") and (t.dim() == 2 or (t.dim() == 3 and ".switch_mlp." in name))
+            and t.is_floating_point() and t.shape[-1] % fmt.group_size == 0)
 
 
 def quantize(t: torch.Tensor, fmt):
@@ -46,12 +48,61 @@ def quantize(t: torch.Tensor, fmt):
     return QWeight.quantize(w, mode=fmt.mode, bits=fmt.bits, group_size=fmt.group_size)
 
 
+# HF stores an MoE layer's experts one by one; mlx-lm (and kilnx's MoE kernels) take them stacked (E, N, K) under
+# `switch_mlp`: (HF projection name, stacked name) by block
+_EXPERT_NAMES = {"mlp": (("gate_proj", "gate_proj"), ("up_proj", "up_proj"), ("down_proj", "down_proj")),
+                 "block_sparse_moe": (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))}
+_EXPERT = re.compile(r"^(model\.layers\.\d+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+
+
+class StackedExperts:
+    """A WeightSource that shows an HF checkpoint's one-by-one experts as mlx-lm's stacks: for each MoE layer
+    `<block>.switch_mlp.{gate,up,down}_proj.weight` (E, N, K), as mlx-lm's sanitize joins them."""
+
+    def __init__(self, inner):
+        self.inner, self.path = inner, inner.path
+        self._parts: dict[str, list[str]] = {}
+        self._hidden: set[str] = set()
+        for name in inner.names():
+            m = _EXPERT.match(name)
+            if m and m.group(4) in dict(_EXPERT_NAMES[m.group(2)]):
+                stacked = f"{m.group(1)}.{m.group(2)}.switch_mlp.{dict(_EXPERT_NAMES[m.group(2)])[m.group(4)]}.weight"
+                self._parts.setdefault(stacked, []).append(name)
+                self._hidden.add(name)
+        for stacked, parts in self._parts.items():   # in expert order (names sort 10 before 2)
+            parts.sort(key=lambda n: int(_EXPERT.match(n).group(3)))
+
+    def names(self) -> list[str]:
+        return sorted([n for n in self.inner.names() if n not in self._hidden] + list(self._parts))
+
+    def has(self, name: str) -> bool:
+        return name in self._parts or (self.inner.has(name) and name not in self._hidden)
+
+    def dense(self, name: str) -> torch.Tensor:
+        return self.linears([name])[0].float() if name in self._parts else self.inner.dense(name)
+
+    def linears(self, names: list[str]) -> list:
+        return [torch.stack(self.inner.linears(self._parts[n])) if n in self._parts else self.inner.linears([n])[0]
+                for n in names]
+
+    def __getattr__(self, attr):
+        return getattr(self.inner, attr)
+
+
+def module_format(module: str, fmt, hf_config: dict):
+    """The format mlx-lm's own predicate gives a module: qwen3-moe keeps its router (`mlp.gate`) at 8 bits."""
+    from kilnx.quant.qweight import QuantFormat
+    if hf_config.get("model_type") == "qwen3_moe" and module.endswith("mlp.gate") and fmt.mode == "affine":
+        return QuantFormat("affine", 8, 64)
+    return fmt
+
+
 class QuantizingSource:
     """A WeightSource whose dense linears come out quantized in `fmt` (what --quantize loads); everything else,
     and linears the source already holds quantized, as the inner source gives them."""
 
-    def __init__(self, inner, fmt):
-        self.inner, self.fmt = inner, fmt
+    def __init__(self, inner, fmt, hf_config: dict | None = None):
+        self.inner, self.fmt, self.hf_config = inner, fmt, hf_config or {}
         self.path = inner.path
 
     def has(self, name: str) -> bool:
@@ -61,8 +112,11 @@ class QuantizingSource:
         return self.inner.dense(name)
 
     def linears(self, names: list[str]) -> list:
-        return [quantize(w, self.fmt) if isinstance(w, torch.Tensor) and quantizable(n, w, self.fmt) else w
-                for n, w in zip(names, self.inner.linears(names))]
+        out = []
+        for n, w in zip(names, self.inner.linears(names)):
+            fmt = module_format(n.rsplit(".", 1)[0], self.fmt, self.hf_config)
+            out.append(quantize(w, fmt) if isinstance(w, torch.Tensor) and quantizable(n, w, fmt) else w)
+        return out
 
     def __getattr__(self, attr):            # the rest of the source's interface (GGUF metadata, ...)
         return getattr(self.inner, attr)
@@ -97,7 +151,8 @@ def convert(model: str, out_dir: str, fmt, *, progress=None) -> dict:
         raise ModelError(f"{out_dir}: already exists; give a new directory (convert never overwrites)")
     hf = read_hf_config(path)
     cfg, src = load_safetensors_dir(path)       # checks the architecture is one kilnx runs
-    names = src.names()
+    src = StackedExperts(src)
+    names = [n for n in src.names() if not (n == "lm_head.weight" and hf.get("tie_word_embeddings"))]
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(out_dir))}.partial-{os.getpid()}")
@@ -140,8 +195,10 @@ def _write(src, names, tmp, fmt, hf, path, save_file, progress) -> dict:
             if t.format != fmt:
                 overrides[module] = _format_entry(t.format)
             kept += 1
-        elif quantizable(name, t, fmt):
-            tensors = _mlx_tensors(module, quantize(t, fmt))
+        elif quantizable(name, t, own := module_format(module, fmt, hf)):
+            tensors = _mlx_tensors(module, quantize(t, own))
+            if own != fmt:
+                overrides[module] = _format_entry(own)
             quantized += 1
         else:
             tensors = {name: t.contiguous()}

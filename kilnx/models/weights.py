@@ -253,8 +253,8 @@ def _moe_weights(cfg: ModelConfig, src: WeightSource, i: int, lin):
     one_by_one = (_hf(i, f"{block}.experts.0.{p}.weight") for p in ("gate_proj", "w1"))
     if not src.has(stack.format("gate")) and any(src.has(n) for n in one_by_one):
         raise CheckpointError(f"{src.path}: the experts of this {cfg.arch} checkpoint are stored one by one (HF "
-                              f"layout); kilnx runs MoE experts as quantized stacks: convert it with "
-                              f"`mlx_lm.convert --hf-path <model> -q` and load that directory.")
+                              f"layout); kilnx runs MoE experts as quantized stacks: load it with --quantize q4, "
+                              f"or convert it once with `kilnx convert <dir> <out>` and load that directory.")
     gate_up = lin([stack.format("gate"), stack.format("up")])
     down = lin([stack.format("down")])[0]
     QWeight = qweight_class()

@@ -126,3 +126,58 @@ def test_generate_takes_quantize(tmp_path):
     res = CliRunner().invoke(app, ["generate", "--model", str(dense), "--prompt", "hi", "--quantize", "q5x",
                                    "--device", "cpu"])
     assert res.exit_code == 1 and "--quantize 'q5x'" in res.output and "q4, q8, mxfp4, nvfp4" in res.output
+
+
+def _hf_moe_layout(path, arch: str) -> None:
+    """Rewrites a dense MLX checkpoint's expert stacks (switch_mlp) in HF's layout, one tensor an expert."""
+    from safetensors.torch import load_file, save_file
+    names = {"mlp": {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"},
+             "block_sparse_moe": {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}}
+    tensors = load_file(str(path / "model.safetensors"))
+    out = {}
+    for k, t in tensors.items():
+        if ".switch_mlp." in k:
+            prefix, rest = k.split(".switch_mlp.")
+            block = prefix.rsplit(".", 1)[1]
+            proj = names[block][rest.split(".")[0]]
+            for e in range(t.shape[0]):
+                out[f"{prefix}.experts.{e}.{proj}.weight"] = t[e].clone()
+        else:
+            out[k] = t
+    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_an_hf_moe_checkpoint_converts_to_mlx_lms_stacks(tmp_path, arch):
+    """HF's one-by-one experts are stacked as mlx-lm's sanitize stacks them and quantized with mlx-lm's predicate
+    (qwen3-moe's router at 8 bits): every tensor equals mlx-lm's; kilnx runs the result, and runs the HF directory
+    with --quantize q4 to the same logits. Loaded plainly, the HF layout is refused with both ways out."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model as mlx_load, quantize_model
+
+    from kilnx.models.errors import CheckpointError
+    from kilnx.models.loaders import load_model
+    stacked, hf = tmp_path / "stacked", tmp_path / "hf"
+    for d in (stacked, hf):
+        d.mkdir()
+        _write_mlx_checkpoint(d, dict(CONFIGS[arch]), None)
+    _hf_moe_layout(hf, arch)
+    with pytest.raises(CheckpointError, match="--quantize q4.*kilnx convert"):
+        load_model(str(hf), device="cpu", dtype=torch.float32)
+    convert(str(hf), str(tmp_path / "q4"), quant_format("q4"))
+    theirs, _ = mlx_load(stacked)
+    theirs, _ = quantize_model(theirs, {}, group_size=64, bits=4)
+    ours, _ = mlx_load(tmp_path / "q4")
+    want, got = dict(tree_flatten(theirs.parameters())), dict(tree_flatten(ours.parameters()))
+    assert set(got) == set(want)
+    for name in want:
+        a, b = (np.array(v.astype(mx.float32)) if v.dtype == mx.bfloat16 else np.array(v) for v in (got[name], want[name]))
+        assert np.array_equal(a, b), name
+    if arch == "qwen3_moe":
+        cfg = json.loads((tmp_path / "q4" / "config.json").read_text())["quantization"]
+        assert cfg["model.layers.1.mlp.gate"] == {"group_size": 64, "bits": 8}
+    _, converted = _kilnx_logits(tmp_path / "q4")
+    mlx_logits = np.array(ours(mx.array([IDS])).astype(mx.float32))[0]
+    np.testing.assert_allclose(converted, mlx_logits, rtol=2e-4, atol=2e-4)
+    _, at_load = _kilnx_logits(hf, quantize="q4")
+    np.testing.assert_array_equal(at_load, converted)

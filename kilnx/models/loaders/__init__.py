@@ -138,8 +138,13 @@ def load_model(spec: str, *, device: str = "cpu", dtype: torch.dtype | None = No
     path = resolve_path(spec)
     cfg, src, tok = open_source(path)
     if quantize:
-        from kilnx.models.convert import QuantizingSource, quant_format
-        src = QuantizingSource(src, quant_format(quantize))
+        from kilnx.models.convert import QuantizingSource, StackedExperts, quant_format
+        fmt = quant_format(quantize)
+        if hasattr(src, "names"):              # a safetensors directory: HF's one-by-one experts stacked
+            from kilnx.models.loaders.safetensors_loader import read_hf_config
+            src = QuantizingSource(StackedExperts(src), fmt, read_hf_config(path))
+        else:
+            src = QuantizingSource(src, fmt)
     with torch.no_grad():
         weights = build_weights(cfg, src, device=device, dtype=dtype)
     if tok is not None and not cfg.eos_token_ids and tok.eos_token_ids:

@@ -40,7 +40,9 @@ def forget_remembered_configs() -> None:
 class PerObjectMemo:
     """Answers remembered per (objects, key) until tuned configs reload: what a hot path (a decode
     step's hundred qmatmul calls) would otherwise decide again on every call. The objects (weights)
-    are held weakly and checked on a hit, so a freed object's reused id never answers for another."""
+    are held weakly and checked on a hit, so a freed object's reused id never answers for another; an
+    answer goes when one of its objects does (an answer may hold tensors: a served call keeps a view of
+    its weight, or a repacked copy, which would otherwise outlive the model)."""
 
     MISSING = object()
 
@@ -57,7 +59,14 @@ class PerObjectMemo:
     def put(self, objs: tuple, key, value):
         if len(self._store) >= self._limit:
             self._store.clear()
-        self._store[(tuple(map(id, objs)), key, _tuning_generation[0])] = (tuple(map(weakref.ref, objs)), value)
+        entry = (tuple(map(id, objs)), key, _tuning_generation[0])
+        store = self._store
+
+        def forget(ref):
+            hit = store.get(entry)
+            if hit is not None and any(r is ref for r in hit[0]):
+                del store[entry]
+        store[entry] = (tuple(weakref.ref(o, forget) for o in objs), value)
         return value
 
     def clear(self):

@@ -46,3 +46,29 @@ def test_the_switch_keeps_calls_on_the_general_path(monkeypatch):
     first = activations.silu_mul(gate_up)
     assert not _prepared_calls(activations.silu_mul_kernel)
     assert torch.equal(activations.silu_mul(gate_up), first)
+
+
+def test_neither_a_prepared_launch_nor_a_memo_keeps_a_weight_alive(monkeypatch):
+    """A prepared launch holds no tensor of its first call, and a PerObjectMemo answer goes with its object:
+    a dropped model's weights are freed (a served call keeps a view of its weight, or a repacked copy)."""
+    import gc
+    import weakref
+
+    from kilnx.dsl.kernel import PerObjectMemo
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    w, x = randn(40, 130, dtype=torch.bfloat16, seed=1), randn(130, dtype=torch.bfloat16, seed=2)
+    gemv_split_k._calls.clear()
+    gemv_split_k(w, x)
+    gemv_split_k(w, x)
+    memo = PerObjectMemo()
+
+    class Weight:                                   # a QWeight's part: the memo's key is the weight object
+        def __init__(self, t):
+            self.packed = t
+    key = Weight(w)
+    memo.put((key,), "rows", [key.packed[:1]])      # an answer holding a view of its tensor, as a served call does
+    assert memo.get((key,), "rows") is not PerObjectMemo.MISSING
+    alive = weakref.ref(w)
+    del w, key
+    gc.collect()
+    assert alive() is None and memo._store == {}

@@ -181,3 +181,24 @@ def test_an_hf_moe_checkpoint_converts_to_mlx_lms_stacks(tmp_path, arch):
     np.testing.assert_allclose(converted, mlx_logits, rtol=2e-4, atol=2e-4)
     _, at_load = _kilnx_logits(hf, quantize="q4")
     np.testing.assert_array_equal(at_load, converted)
+
+
+def test_a_large_checkpoint_is_written_in_shards_with_an_index(tmp_path, monkeypatch):
+    """Past SHARD_BYTES the tensors go to numbered shards and model.safetensors.index.json maps each name to its
+    file, as mlx-lm and HF write them; both loaders read the result."""
+    from mlx_lm.utils import load_model as mlx_load
+
+    import kilnx.models.convert as C
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    _write_mlx_checkpoint(dense, dict(CONFIGS["llama"]), None)
+    monkeypatch.setattr(C, "SHARD_BYTES", 64 << 10)
+    counts = convert(str(dense), str(tmp_path / "q4"), quant_format("q4"))
+    files = sorted(f for f in os.listdir(tmp_path / "q4") if f.endswith(".safetensors"))
+    assert counts["files"] == len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    index = json.loads((tmp_path / "q4" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index.values()) == set(files) and "model.layers.1.mlp.down_proj.scales" in index
+    ours, _ = mlx_load(tmp_path / "q4")
+    mlx_logits = np.array(ours(mx.array([IDS])).astype(mx.float32))[0]
+    _, got = _kilnx_logits(tmp_path / "q4")
+    np.testing.assert_allclose(got, mlx_logits, rtol=2e-4, atol=2e-4)

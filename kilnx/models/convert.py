@@ -1,5 +1,6 @@
 """Quantizing dense checkpoints: `kilnx convert` (an MLX-format directory written once, as `mlx_lm.convert -q`
-writes it) and `--quantize` (the same quantization at load, nothing written).
+writes it; from a GGUF file too, models/gguf_convert.py) and `--quantize` (the same quantization at load,
+nothing written).
 
 What is quantized is what mlx-lm quantizes by default: every 2-D `.weight` of a linear layer or an embedding
 whose last dimension divides into groups; norms, biases and anything else stay as they are. The codes are
@@ -143,15 +144,20 @@ def convert(model: str, out_dir: str, fmt, *, progress=None) -> dict:
 
     from kilnx.models.loaders import resolve_path
     from kilnx.models.loaders.safetensors_loader import load_safetensors_dir, read_hf_config
+    from kilnx.models.loaders import _looks_gguf
     path = resolve_path(model)
-    if not os.path.isdir(path):
-        raise ModelError(f"{model}: kilnx convert reads safetensors directories (HF or MLX); a GGUF file loads "
-                         "as it is with --model (its codes stay as they are)")
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise ModelError(f"{out_dir}: already exists; give a new directory (convert never overwrites)")
-    hf = read_hf_config(path)
-    cfg, src = load_safetensors_dir(path)       # checks the architecture is one kilnx runs
-    src = StackedExperts(src)
+    if os.path.isdir(path):
+        hf = read_hf_config(path)
+        cfg, src = load_safetensors_dir(path)   # checks the architecture is one kilnx runs
+        src = StackedExperts(src)
+    elif path.endswith(".gguf") or _looks_gguf(path):
+        from kilnx.models.gguf_convert import GGUFAsHF
+        src = GGUFAsHF(path)
+        hf = src.hf_config()
+    else:
+        raise ModelError(f"{model}: kilnx convert reads safetensors directories (HF or MLX) and GGUF files")
     names = [n for n in src.names() if not (n == "lm_head.weight" and hf.get("tie_word_embeddings"))]
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
@@ -225,7 +231,9 @@ def _write(src, names, tmp, fmt, hf, path, save_file, progress) -> dict:
     config["quantization"] = config["quantization_config"] = {**_format_entry(fmt), **overrides}
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    for entry in os.listdir(path):             # tokenizer, chat template, generation config ...
+    if not os.path.isdir(path):               # a GGUF: its vocabulary as tokenizer.json
+        src.write_tokenizer(tmp)
+    for entry in os.listdir(path) if os.path.isdir(path) else ():   # tokenizer, chat template, generation config ...
         full = os.path.join(path, entry)
         if os.path.isfile(full) and not entry.endswith(".safetensors") and entry not in (
                 "config.json", "model.safetensors.index.json"):

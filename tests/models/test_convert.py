@@ -20,6 +20,12 @@ from kilnx.models.convert import convert, quant_format  # noqa: E402
 from kilnx.models.errors import ModelError  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _numba_on_the_cpu(monkeypatch):
+    """The models run on the numba lowering, not Triton's interpreter (as conftest's backend fixture does)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
 def _kilnx_logits(path, **kw):
     from kilnx.models.loaders import load_model
     from kilnx.runtime.kv_cache import KVCache
@@ -87,8 +93,12 @@ def test_bad_input_gets_one_clear_error_and_leaves_nothing(tmp_path, monkeypatch
         quant_format("q5x")
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF" + bytes(16))
-    with pytest.raises(ModelError, match="reads safetensors directories"):
+    with pytest.raises(ModelError, match="m.gguf"):                       # a truncated GGUF: named
         convert(str(gguf), str(tmp_path / "out"), quant_format("q4"))
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ModelError, match="reads safetensors directories .* and GGUF files"):
+        convert(str(tmp_path / "notes.txt"), str(tmp_path / "out"), quant_format("q4"))
+    os.remove(tmp_path / "notes.txt")
     # interrupted midway (here: a failing quantizer): no output, no partial directory
     import kilnx.models.convert as C
 
@@ -202,3 +212,35 @@ def test_a_large_checkpoint_is_written_in_shards_with_an_index(tmp_path, monkeyp
     mlx_logits = np.array(ours(mx.array([IDS])).astype(mx.float32))[0]
     _, got = _kilnx_logits(tmp_path / "q4")
     np.testing.assert_allclose(got, mlx_logits, rtol=2e-4, atol=2e-4)
+
+
+def test_a_gguf_converts_to_the_checkpoint_mlx_lm_runs(tmp_path, smollm2_path):
+    """The bundled SmolLM2-135M (Q4_1 GGUF) as an MLX directory: its codes kept (Q4_1 is MLX affine 4-bit in groups
+    of 32), q / k rows back in HF's order, the vocabulary as tokenizer.json. mlx-lm runs the directory to kilnx's
+    logits on the GGUF itself, and kilnx runs it to the same tokens."""
+    from mlx_lm.utils import load_model as mlx_load
+
+    from kilnx.models.loaders import load_model
+    from kilnx.runtime.kv_cache import KVCache
+    out = tmp_path / "smollm2"
+    counts = convert(smollm2_path, str(out), quant_format("q4"))
+    assert counts["kept"] >= 30 * 7
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and cfg["tie_word_embeddings"] is True
+    assert (out / "tokenizer.json").exists() and "chat_template" in json.loads((out / "tokenizer_config.json").read_text())
+    ids = [1, 504, 3458, 282, 4649, 314, 2]
+
+    def logits(path):
+        lm = load_model(path, device="cpu", dtype=torch.float32)
+        cache = KVCache.for_model(lm.config, 1, 16, device="cpu")
+        with torch.no_grad():
+            return lm, lm.model.forward(torch.tensor([ids]), torch.arange(len(ids))[None], cache)[0].numpy()
+    lm_gguf, want = logits(smollm2_path)
+    lm_dir, got = logits(str(out))
+    model, _ = mlx_load(out)
+    theirs = np.array(model(mx.array([ids])).astype(mx.float32))[0]
+    scale = np.abs(want).max()
+    assert np.abs(theirs - want).max() < 2e-2 * scale and (theirs.argmax(-1) == want.argmax(-1)).all()
+    assert np.abs(got - want).max() < 1e-3 * scale
+    text = "The capital of France is"
+    assert lm_dir.tokenizer.encode(text) == lm_gguf.tokenizer.encode(text)

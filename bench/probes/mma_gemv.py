@@ -86,11 +86,7 @@ def qmv_mma(x, wb, s_g, b_g, *, NW: kd.constexpr = 1, BLOCK_M, GPI, SPLIT_K):
         raw = kd.load(wb, p, (g0 + gi[:, None]) * 2048 + sub * (512 * NW) + kd.arange(0, 512 * NW)[None, :], check=False)
         # (GPI, warp, lane_hi, lane_lo, i, j, o0) -> rows (warp, o0, lane_hi), columns (GPI, i, lane_lo, j)
         byt = kd.reshape(kd.permute(kd.reshape(raw, (GPI, NW, 8, 4, 4, 2, 2)), (1, 6, 2, 0, 4, 3, 5)), (R, GPI * 32))
-        s = kd.load(s_g, p, g0 + gi[None, :], sub * R + rr[:, None], check=False)
-        b = kd.load(b_g, p, g0 + gi[None, :], sub * R + rr[:, None], check=False)
-        s = kd.reshape(kd.broadcast_to(s[:, :, None], (R, GPI, 32)), (R, GPI * 32))
-        b = kd.reshape(kd.broadcast_to(b[:, :, None], (R, GPI, 32)), (R, GPI * 32))
-        a = kd.reshape(kd.nibbles(byt, s, b), (R, GPI * GS))
+        a = W.dequantized_tile(byt, s_g, b_g, p, g0 + gi, sub * R + rr)
         acc += kd.dot(a, kd.trans(kd.load(x, mm[:, None], g0 * GS + kk[None, :], check=(True, False))))
     rows = p * 64 + sub * R + rr
     if SPLIT_K == 1:

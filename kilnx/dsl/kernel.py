@@ -46,20 +46,26 @@ class PerObjectMemo:
 
     MISSING = object()
 
-    def __init__(self, limit: int = 4096):
+    def __init__(self, limit: int | None = 4096, *, generational: bool = True):
+        """limit: entries kept before all are dropped (None: no limit); generational: answers hold only until
+        tuned configs reload (False: for as long as their objects live)."""
         self._store: dict = {}
         self._limit = limit
+        self._generational = generational
+
+    def _entry(self, objs: tuple, key) -> tuple:
+        return tuple(map(id, objs)), key, _tuning_generation[0] if self._generational else None
 
     def get(self, objs: tuple, key):
-        hit = self._store.get((tuple(map(id, objs)), key, _tuning_generation[0]))
+        hit = self._store.get(self._entry(objs, key))
         if hit is not None and all(ref() is o for ref, o in zip(hit[0], objs)):
             return hit[1]
         return self.MISSING
 
     def put(self, objs: tuple, key, value):
-        if len(self._store) >= self._limit:
+        if self._limit is not None and len(self._store) >= self._limit:
             self._store.clear()
-        entry = (tuple(map(id, objs)), key, _tuning_generation[0])
+        entry = self._entry(objs, key)
         store = self._store
 
         def forget(ref):

@@ -33,11 +33,11 @@ KILNX_WG=1 gives every weight the route takes the copy, KILNX_WG=direct none.
 from __future__ import annotations
 
 import logging
-import weakref
 
 import torch
 
 import kilnx.dsl as kd
+from kilnx.dsl.kernel import PerObjectMemo
 from kilnx.kernels.qmatmul import affine_tolerance
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,17 @@ def dequantized(wb, s_g, b_g) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- the kernel (any rows)
+def dequantized_tile(byt, s_g, b_g, block, groups, rows):
+    """The bf16 weight tile (R, 64 G) of code bytes `byt` (R, 32 G) in an operand order: q * s + b with the scales
+    and biases (group_major's (N/64, K/64, 64)) of `groups` (G,) for rows `rows` (R,) of 64-row block `block`."""
+    R, G = rows.shape[0], groups.shape[0]
+    s = kd.load(s_g, block, groups[None, :], rows[:, None], check=False)
+    b = kd.load(b_g, block, groups[None, :], rows[:, None], check=False)
+    s = kd.reshape(kd.broadcast_to(s[:, :, None], (R, G, 32)), (R, G * 32))
+    b = kd.reshape(kd.broadcast_to(b[:, :, None], (R, G, 32)), (R, G * 32))
+    return kd.reshape(kd.nibbles(byt, s, b), (R, G * GS))
+
+
 def _gemm_spec(x, wb, s_g, b_g, **_):
     w = dequantized(wb, s_g, b_g).to(x.dtype).float()          # rounded to bf16 once, as the kernel's operand
     return (x.float() @ w.t()).to(x.dtype)
@@ -151,11 +162,7 @@ def qmm_wg(x, wb, s_g, b_g, *, G_DIV: kd.constexpr, BLOCK_M, GPI, SPLIT_K):
         raw = kd.load(wb, pid, g0 * BLOCK_BYTES + kd.arange(0, BLOCK_BYTES * GPI), check=False)
         # (group, warp, lane_hi, lane_lo, o_hi, o0) -> rows (warp, o0, lane_hi), columns (group, o_hi, lane_lo)
         byt = kd.reshape(kd.permute(kd.reshape(raw, (GPI, 4, 8, 4, 8, 2)), (1, 5, 2, 0, 4, 3)), (ROWS, GPI * 32))
-        s = kd.load(s_g, pid, g0 + gi[None, :], r64[:, None], check=False)             # (64, GPI)
-        b = kd.load(b_g, pid, g0 + gi[None, :], r64[:, None], check=False)
-        s = kd.reshape(kd.broadcast_to(s[:, :, None], (ROWS, GPI, 32)), (ROWS, GPI * 32))
-        b = kd.reshape(kd.broadcast_to(b[:, :, None], (ROWS, GPI, 32)), (ROWS, GPI * 32))
-        a = kd.reshape(kd.nibbles(byt, s, b), (ROWS, GPI * GS))
+        a = dequantized_tile(byt, s_g, b_g, pid, g0 + gi, r64)
         acc += kd.dot(a, kd.trans(kd.load(x, mm[:, None], g0 * GS + kk[None, :], check=(True, False))))
     if SPLIT_K == 1:
         out = kd.output((M, P * ROWS), x.dtype)
@@ -202,18 +209,8 @@ REPACK_MIN_BYTES = 16 << 20
 # first batched call packs, so a copy may only take what nothing else was given
 RESERVE_FRACTION, RESERVE_MIN_BYTES = 0.05, 1 << 30
 
-_OPERANDS: dict = {}
-"""id(packed words) -> (weakref to them, operand): each weight's repacked copy, made once, dropped with it."""
-
-
-def serves(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, biases) -> bool:
-    """Whether qmm_wg takes x (M, K) @ W.T for MLX 4-bit group-64 words wq (N, K/8): N and K multiples of 64,
-    bf16 activations, scales and biases (the same weights as qmm_wg_direct, whose K must also be a multiple of
-    128)."""
-    k = x.shape[1]
-    return (wq.dim() == 2 and wq.element_size() == 4 and wq.shape[1] * 8 == k and wq.shape[0] % ROWS == 0
-            and scales.dim() == 2 and scales.shape[1] * GS == k and x.dtype == torch.bfloat16
-            and scales.dtype == torch.bfloat16 and biases is not None and biases.dtype == torch.bfloat16)
+_OPERANDS = PerObjectMemo(None, generational=False)
+"""packed words -> operand: each weight's repacked copy, made once, dropped with it."""
 
 
 def repack_pays(wq: torch.Tensor) -> bool:
@@ -237,22 +234,15 @@ def operand_for(wq: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor):
     """(bytes, scales, biases) of the weight in the operand layout, made at its first call and kept while wq
     lives; None inside a CUDA graph capture before that (packing there would be replayed with every step) or
     where memory_allows says no (the caller serves from MLX's layout instead)."""
-    hit = _OPERANDS.get(id(wq))
-    if hit is not None and hit[0]() is wq:
-        return hit[1]
+    hit = _OPERANDS.get((wq,), "operand")
+    if hit is not PerObjectMemo.MISSING:
+        return hit
     if wq.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
     if not memory_allows(wq, scales, biases):
         log.info("qmm_wg: no room for a repacked copy of a %s weight; qmm_wg_direct serves it", tuple(wq.shape))
         return None
-    op = (flat(pack_operand(wq)), group_major(scales), group_major(biases))
-    key = id(wq)
-
-    def forget(ref, key=key):
-        if _OPERANDS.get(key, (None,))[0] is ref:
-            del _OPERANDS[key]
-    _OPERANDS[key] = (weakref.ref(wq, forget), op)
-    return op
+    return _OPERANDS.put((wq,), "operand", (flat(pack_operand(wq)), group_major(scales), group_major(biases)))
 
 
 def server_of(op, backend: str | None = None):

@@ -166,9 +166,9 @@ class QmatmulRowsRoute:
         f = qm._format_of(x, wq, scales, biases)
         bits, group = f["BITS"], f["GROUP"]
         if self._wg_serves(x, wq, scales, biases, chosen):
-            if self._repacked(chosen) and self._wgr.serves(x, wq, scales, biases):
-                if (op := self._wgr.operand_for(wq, scales, biases)) is not None:
-                    return self._wgr.server_of(op, backend)
+            # the weights qmm_wg_direct takes (`_wg_serves`) are qmm_wg's too
+            if self._repacked(chosen) and (op := self._wgr.operand_for(wq, scales, biases)) is not None:
+                return self._wgr.server_of(op, backend)
             return self._wg.server_of(x, wq, backend)
         if x.shape[0] >= chosen.get("TC_MIN_ROWS", TC_NEVER) and self._tc.serves(x, wq, scales, biases):
             return lambda x, wq, scales, biases: self._tc.run_qmv_tc(x, wq, scales, biases, backend=backend)

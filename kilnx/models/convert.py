@@ -79,9 +79,6 @@ class StackedExperts:
     def has(self, name: str) -> bool:
         return name in self._parts or (self.inner.has(name) and name not in self._hidden)
 
-    def dense(self, name: str) -> torch.Tensor:
-        return self.linears([name])[0].float() if name in self._parts else self.inner.dense(name)
-
     def linears(self, names: list[str]) -> list:
         return [torch.stack(self.inner.linears(self._parts[n])) if n in self._parts else self.inner.linears([n])[0]
                 for n in names]
@@ -90,10 +87,10 @@ class StackedExperts:
         return getattr(self.inner, attr)
 
 
-def module_format(module: str, fmt, hf_config: dict):
+def module_format(module: str, fmt, arch: str):
     """The format mlx-lm's own predicate gives a module: qwen3-moe keeps its router (`mlp.gate`) at 8 bits."""
     from kilnx.quant.qweight import QuantFormat
-    if hf_config.get("model_type") == "qwen3_moe" and module.endswith("mlp.gate") and fmt.mode == "affine":
+    if arch == "qwen3_moe" and module.endswith("mlp.gate") and fmt.mode == "affine":
         return QuantFormat("affine", 8, 64)
     return fmt
 
@@ -102,24 +99,18 @@ class QuantizingSource:
     """A WeightSource whose dense linears come out quantized in `fmt` (what --quantize loads); everything else,
     and linears the source already holds quantized, as the inner source gives them."""
 
-    def __init__(self, inner, fmt, hf_config: dict | None = None):
-        self.inner, self.fmt, self.hf_config = inner, fmt, hf_config or {}
+    def __init__(self, inner, fmt, arch: str = ""):
+        self.inner, self.fmt, self.arch = inner, fmt, arch
         self.path = inner.path
-
-    def has(self, name: str) -> bool:
-        return self.inner.has(name)
-
-    def dense(self, name: str) -> torch.Tensor:
-        return self.inner.dense(name)
 
     def linears(self, names: list[str]) -> list:
         out = []
         for n, w in zip(names, self.inner.linears(names)):
-            fmt = module_format(n.rsplit(".", 1)[0], self.fmt, self.hf_config)
+            fmt = module_format(n.rsplit(".", 1)[0], self.fmt, self.arch)
             out.append(quantize(w, fmt) if isinstance(w, torch.Tensor) and quantizable(n, w, fmt) else w)
         return out
 
-    def __getattr__(self, attr):            # the rest of the source's interface (GGUF metadata, ...)
+    def __getattr__(self, attr):            # the rest of the source's interface: has, dense, GGUF metadata ...
         return getattr(self.inner, attr)
 
 
@@ -137,14 +128,12 @@ def _format_entry(fmt) -> dict:
 
 
 def convert(model: str, out_dir: str, fmt, *, progress=None) -> dict:
-    """Write `model` (a safetensors directory, HF or MLX) quantized in `fmt` to out_dir as an MLX-format directory.
+    """Write `model` (a safetensors directory, HF or MLX, or a GGUF file) quantized in `fmt` to out_dir as an MLX-format
+    directory.
     out_dir must not exist (or be empty); it is written under a temporary name and renamed when complete, so an
     interrupted conversion leaves nothing behind. Returns {"quantized", "kept", "files"} counts."""
-    from safetensors.torch import save_file
-
-    from kilnx.models.loaders import resolve_path
+    from kilnx.models.loaders import _looks_gguf, resolve_path
     from kilnx.models.loaders.safetensors_loader import load_safetensors_dir, read_hf_config
-    from kilnx.models.loaders import _looks_gguf
     path = resolve_path(model)
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise ModelError(f"{out_dir}: already exists; give a new directory (convert never overwrites)")
@@ -155,7 +144,7 @@ def convert(model: str, out_dir: str, fmt, *, progress=None) -> dict:
     elif path.endswith(".gguf") or _looks_gguf(path):
         from kilnx.models.gguf_convert import GGUFAsHF
         src = GGUFAsHF(path)
-        hf = src.hf_config()
+        hf, cfg = src.hf_config(), src.config
     else:
         raise ModelError(f"{model}: kilnx convert reads safetensors directories (HF or MLX) and GGUF files")
     names = [n for n in src.names() if not (n == "lm_head.weight" and hf.get("tie_word_embeddings"))]
@@ -165,7 +154,7 @@ def convert(model: str, out_dir: str, fmt, *, progress=None) -> dict:
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        counts = _write(src, names, tmp, fmt, hf, path, save_file, progress)
+        counts = _write(src, names, tmp, fmt, hf, cfg.arch, path, progress)
         if os.path.isdir(out_dir):
             os.rmdir(out_dir)                  # empty (checked above)
         os.replace(tmp, out_dir)
@@ -175,7 +164,9 @@ def convert(model: str, out_dir: str, fmt, *, progress=None) -> dict:
     return counts
 
 
-def _write(src, names, tmp, fmt, hf, path, save_file, progress) -> dict:
+def _write(src, names, tmp, fmt, hf, arch, path, progress) -> dict:
+    from safetensors.torch import save_file
+
     shard, shard_bytes, shards, weight_map = {}, 0, [], {}
     overrides, quantized, kept = {}, 0, 0
 
@@ -201,7 +192,7 @@ def _write(src, names, tmp, fmt, hf, path, save_file, progress) -> dict:
             if t.format != fmt:
                 overrides[module] = _format_entry(t.format)
             kept += 1
-        elif quantizable(name, t, own := module_format(module, fmt, hf)):
+        elif quantizable(name, t, own := module_format(module, fmt, arch)):
             tensors = _mlx_tensors(module, quantize(t, own))
             if own != fmt:
                 overrides[module] = _format_entry(own)

@@ -85,11 +85,8 @@ class GGUFAsHF:
             if self.config.rope_interleaved and n.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
                 heads = self.config.num_heads if ".q_proj." in n else self.config.num_kv_heads
                 w = _rows(w, hf_row_order(heads, self.config.head_dim))
-            out.append(w if not isinstance(w, torch.Tensor) or w.dim() > 1 else w.contiguous())
+            out.append(w)
         return out
-
-    def dense(self, name: str) -> torch.Tensor:
-        return self.src.dense(name)
 
     def hf_config(self) -> dict:
         c = self.config

@@ -189,9 +189,9 @@ def test_the_route_serves_its_wgmma_rows_from_a_repacked_copy_where_chosen(monke
     monkeypatch.setattr(W, "memory_allows", lambda *a: False)
     assert _close(qmatmul_rows.serve(other[3], *other[:3], chosen, backend="triton"), other[4])
     assert direct == [4, 4, 4] and W.operand_for(*other[:3]) is None            # no room: MLX's layout serves
-    n = len(W._OPERANDS)
+    n = len(W._OPERANDS._store)
     del words, op
-    assert len(W._OPERANDS) == n - 1                                             # the copy goes with its weight
+    assert len(W._OPERANDS._store) == n - 1                                             # the copy goes with its weight
 
 
 def test_the_default_gives_large_weights_the_copy():

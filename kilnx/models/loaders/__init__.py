@@ -141,10 +141,8 @@ def load_model(spec: str, *, device: str = "cpu", dtype: torch.dtype | None = No
         from kilnx.models.convert import QuantizingSource, StackedExperts, quant_format
         fmt = quant_format(quantize)
         if hasattr(src, "names"):              # a safetensors directory: HF's one-by-one experts stacked
-            from kilnx.models.loaders.safetensors_loader import read_hf_config
-            src = QuantizingSource(StackedExperts(src), fmt, read_hf_config(path))
-        else:
-            src = QuantizingSource(src, fmt)
+            src = StackedExperts(src)
+        src = QuantizingSource(src, fmt, cfg.arch)
     with torch.no_grad():
         weights = build_weights(cfg, src, device=device, dtype=dtype)
     if tok is not None and not cfg.eos_token_ids and tok.eos_token_ids:

@@ -214,6 +214,8 @@ def from_gguf_metadata(meta: dict, source: str = "model.gguf", *, vocab_size: in
     if arch is None:
         raise UnsupportedArchitectureError(
             f"{source}: GGUF architecture {ga!r} is not in the zoo; supported: {', '.join(sorted(_GGUF_ARCHS))}.")
+    if arch == "llama" and int(meta.get("llama.expert_count", 0) or 0):
+        arch = "mixtral"    # llama.cpp writes mixtral as llama with experts
 
     def k(key, default=None):
         return meta.get(f"{ga}.{key}", default)
@@ -239,12 +241,15 @@ def from_gguf_metadata(meta: dict, source: str = "model.gguf", *, vocab_size: in
         arch=arch, name=str(meta.get("general.name", "")), vocab_size=vocab, hidden_size=hidden,
         intermediate_size=ffn, num_layers=int(k("block_count")), num_heads=heads, num_kv_heads=kv,
         head_dim=head_dim, rope_theta=float(k("rope.freq_base", 10000.0)), rope_scaling=scaling,
-        rope_interleaved=(arch == "llama"), rms_norm_eps=float(k("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_interleaved=(ga == "llama"), rms_norm_eps=float(k("attention.layer_norm_rms_epsilon", 1e-5)),
         qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3"), attention_bias=(arch == "qwen2"),
         max_position_embeddings=int(k("context_length", 4096)),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=tuple(eos_ids),
         num_experts=int(k("expert_count", 0) or 0), num_experts_per_tok=int(k("expert_used_count", 0) or 0),
-        moe_intermediate_size=int(k("expert_feed_forward_length", 0) or 0),
+        moe_intermediate_size=int(k("expert_feed_forward_length", 0) or (ffn if arch == "mixtral" else 0)),
+        # llama.cpp renormalizes the top-k weights of both (qwen3-moe's released configs: norm_topk_prob true;
+        # mixtral's softmax over the chosen experts is the same thing)
+        norm_topk_prob=arch in MOE_ARCHS,
     )
     if arch == "gemma3":
         window = k("attention.sliding_window")

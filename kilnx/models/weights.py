@@ -186,7 +186,9 @@ def build_weights(cfg: ModelConfig, src: WeightSource, *, device="cpu", dtype=to
     """
     def need(name: str) -> str:
         if not src.has(name):
-            raise CheckpointError(f"{src.path}: missing tensor {name!r} required by a {cfg.arch} model with "
+            stored = getattr(src, "gguf_name", lambda n: n)(name)     # the file's own name for it
+            shown = repr(name) if stored == name else f"{stored!r} ({name})"
+            raise CheckpointError(f"{src.path}: missing tensor {shown} required by a {cfg.arch} model with "
                                   f"{cfg.num_layers} layers; the file is incomplete or not this architecture.")
         return name
 

@@ -50,17 +50,6 @@ def test_unknown_architecture_dir(tmp_path):
         load_model(str(tmp_path))
 
 
-def test_moe_gguf_is_refused_with_the_way_out(tmp_path):
-    """qwen3-moe runs from MLX directories; its GGUF experts are not converted yet."""
-    from kilnx.models.loaders import load_model
-    path = write_gguf(tmp_path / "moe.gguf", "qwen3moe", {
-        "block_count": 1, "embedding_length": 8, "feed_forward_length": 16, "attention.head_count": 2,
-        "attention.head_count_kv": 1, "expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 8},
-        vocab=10)
-    with pytest.raises(UnsupportedArchitectureError, match="GGUF MoE checkpoints .*mlx_lm.convert"):
-        load_model(path)
-
-
 def test_missing_tensor_names_file_and_tensor(tmp_path):
     from safetensors.torch import save_file
 

@@ -7,6 +7,8 @@ available they are dequantized with gguf's numpy reference. Two llama.cpp conven
   instead of HF's halves (i, i + D/2). Rather than un-permuting quantized rows, we rotate in the
   interleaved layout (config.rope_interleaved): q·k is unchanged because q and k are permuted alike.
 * gemma norms are stored as 1 + w, so the GGUF config uses norm_weight_offset = 0.
+* MoE experts are stored stacked (E, rows, cols) already (`ffn_{gate,up,down}_exps`), the router as
+  `ffn_gate_inp`; mixtral is written as arch llama with an expert count.
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ _LAYER_NAMES = {
     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
     "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
+# MoE layers: the router and the expert stacks, which GGUF already keeps stacked (E, rows, cols)
+for _block in ("mlp", "block_sparse_moe"):
+    _LAYER_NAMES.update({f"{_block}.gate.weight": "ffn_gate_inp.weight",
+                         f"{_block}.switch_mlp.gate_proj.weight": "ffn_gate_exps.weight",
+                         f"{_block}.switch_mlp.up_proj.weight": "ffn_up_exps.weight",
+                         f"{_block}.switch_mlp.down_proj.weight": "ffn_down_exps.weight"})
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -60,6 +68,8 @@ class GGUFSource:
         self.config = config or from_gguf_metadata(self.meta, path)
         if "output.weight" not in self.tensors:
             self.config = self.config.with_(tie_embeddings=True)
+        if not self.config.vocab_size and "token_embd.weight" in self.tensors:   # no vocabulary in the metadata
+            self.config = self.config.with_(vocab_size=self.tensors["token_embd.weight"].torch_shape[0])
         self._dense_cache: dict[str, torch.Tensor] = {}
 
     def gguf_name(self, hf_name: str) -> str:
@@ -93,12 +103,13 @@ class GGUFSource:
 
     def linears(self, names: list[str]) -> list:
         ts = [self._tensor(n) for n in names]
-        if len(ts) > 1 and len({int(t.tensor_type) for t in ts}) == 1:
-            # Same ggml type: rows are independent blocks, so concatenating raw rows fuses exactly.
-            raw = np.concatenate([np.asarray(t.data) for t in ts], axis=0)
-            k = int(ts[0].shape[0])
-            n = sum(int(t.shape[1]) if len(t.shape) > 1 else 1 for t in ts)
-            return [_convert(raw, ts[0].tensor_type, (n, k))]
+        if len(ts) > 1 and len({int(t.tensor_type) for t in ts}) == 1 and all(len(t.shape) >= 2 for t in ts):
+            # Same ggml type: rows are independent blocks, so concatenating raw rows fuses exactly (per expert
+            # for (E, rows, cols) stacks: the rows axis is the second last either way).
+            raw = np.concatenate([np.asarray(t.data) for t in ts], axis=-2)
+            shape = ts[0].torch_shape
+            n = sum(t.torch_shape[-2] for t in ts)
+            return [_convert(raw, ts[0].tensor_type, (*shape[:-2], n, shape[-1]))]
         if len(ts) == 1 and names[0] in self._dense_cache and not _is_quantized(ts[0]):
             return [self._dense_cache[names[0]]]
         return [_convert(np.asarray(t.data), t.tensor_type, t.torch_shape) for t in ts]
@@ -136,9 +147,4 @@ def load_gguf(path: str):
     """(ModelConfig, GGUFSource) for a GGUF file."""
     src = GGUFSource(path)
     src.config.check_supported(path)
-    if src.config.is_moe:
-        from kilnx.models.errors import UnsupportedArchitectureError
-        raise UnsupportedArchitectureError(
-            f"{path}: GGUF MoE checkpoints are not loaded yet (their expert tensors need converting to stacks); "
-            f"use an MLX-format directory of the model (mlx_lm.convert -q).")
     return src.config, src

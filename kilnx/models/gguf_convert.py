@@ -6,7 +6,8 @@ are quantized in the format asked.
 llama.cpp stores a llama-arch model's q / k rows permuted for its interleaved rotation; they are put back in HF's
 order here (rows are independent, so a quantized weight's rows move with their scales and biases). Files whose
 conventions are not mapped back are refused with the way out: gemma (norms stored as 1 + w, sliding layers),
-llama 3's rope scaling stored as per-frequency factors, MoE files.
+llama 3's rope scaling stored as per-frequency factors. MoE files (qwen3moe, mixtral as llama with experts) keep
+their stacked experts as mlx-lm's `switch_mlp` stacks.
 """
 
 from __future__ import annotations
@@ -19,15 +20,19 @@ import torch
 
 from kilnx.models.errors import ModelError
 
-_HF_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_HF_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
 _LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 
 
 def _reverse_names(src) -> dict[str, str]:
-    """HF name -> GGUF name of every tensor in the file."""
+    """HF name -> GGUF name of every tensor in the file (an MoE layer's under its arch's block, as mlx-lm's stacks)."""
     from kilnx.models.loaders.gguf_loader import _GLOBAL_NAMES, _LAYER_NAMES
     globals_back = {g: hf for hf, g in _GLOBAL_NAMES.items()}
-    layer_back = {g: hf for hf, g in _LAYER_NAMES.items()}
+    block = src.config.moe_block
+    layer_back = {g: hf for hf, g in _LAYER_NAMES.items() if not hf.startswith(("mlp.gate.", "mlp.switch_mlp.",
+                                                                                "block_sparse_moe."))}
+    layer_back.update({g: hf for hf, g in _LAYER_NAMES.items() if hf.startswith(block + ".")
+                       and hf.split(".")[1] in ("gate", "switch_mlp")})
     layer_back["ffn_norm.weight"] = "post_attention_layernorm.weight"     # llama's pre-MLP norm
     out = {}
     for g in src.tensors:
@@ -63,9 +68,9 @@ class GGUFAsHF:
         cfg = src.config
         cfg.check_supported(path)
         way_out = "convert the model's HF checkpoint instead, or run the GGUF as it is with --model"
-        if cfg.arch not in _HF_TYPES or cfg.is_moe:
-            raise ModelError(f"{path}: kilnx convert maps llama / qwen2 / qwen3 GGUF files back to HF's layout, not "
-                             f"{cfg.arch}{' MoE' if cfg.is_moe else ''}; {way_out}")
+        if cfg.arch not in _HF_TYPES:
+            raise ModelError(f"{path}: kilnx convert maps llama / qwen2 / qwen3 (and their MoE) GGUF files back to HF's "
+                             f"layout, not {cfg.arch}; {way_out}")
         if "rope_freqs.weight" in src.tensors:
             raise ModelError(f"{path}: its rope scaling is stored as per-frequency factors (llama 3), which config.json "
                              f"cannot state; {way_out}")
@@ -97,6 +102,12 @@ class GGUFAsHF:
                "rope_theta": c.rope_theta, "max_position_embeddings": c.max_position_embeddings,
                "tie_word_embeddings": not self.has("lm_head.weight"), "hidden_act": c.hidden_act,
                "attention_bias": self.has("model.layers.0.self_attn.q_proj.bias")}
+        if c.arch == "qwen3_moe":
+            cfg.update(num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok, decoder_sparse_step=1,
+                       moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=c.norm_topk_prob,
+                       mlp_only_layers=[])
+        elif c.arch == "mixtral":
+            cfg.update(num_local_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok)
         if c.rope_scaling:
             cfg["rope_scaling"] = dict(c.rope_scaling)
         if c.bos_token_id is not None:

@@ -244,3 +244,32 @@ def test_a_gguf_converts_to_the_checkpoint_mlx_lm_runs(tmp_path, smollm2_path):
     assert np.abs(got - want).max() < 1e-4 * scale
     text = "The capital of France is"
     assert lm_dir.tokenizer.encode(text) == lm_gguf.tokenizer.encode(text)
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "llama"])
+def test_an_moe_gguf_converts_to_mlx_lms_stacks(tmp_path, arch):
+    """llama.cpp's qwen3moe and mixtral (arch llama with experts) files as MLX directories: the experts' codes kept
+    as `switch_mlp` stacks, the F32 router quantized as mlx-lm would; mlx-lm runs the directory to kilnx's logits."""
+    from mlx_lm.utils import load_model as mlx_load
+    from test_moe_gguf import IDS as MOE_IDS, write_moe_gguf
+
+    write_moe_gguf(tmp_path / "m.gguf", arch)
+    out = tmp_path / "mlx"
+    counts = convert(str(tmp_path / "m.gguf"), str(out), quant_format("q4"))
+    cfg = json.loads((out / "config.json").read_text())
+    block = "mlp" if arch == "qwen3moe" else "block_sparse_moe"
+    assert cfg["model_type"] == ("qwen3_moe" if arch == "qwen3moe" else "mixtral")
+    assert counts["kept"] >= 2 * (4 + 3) and counts["quantized"] >= 2            # attention + experts kept; routers
+    from safetensors.numpy import load_file
+    tensors = load_file(str(out / "model.safetensors"))
+    assert tensors[f"model.layers.0.{block}.switch_mlp.gate_proj.weight"].shape == (8, 96, 64 // 8)   # Q4_0 codes
+    assert tensors[f"model.layers.0.{block}.switch_mlp.down_proj.weight"].shape == (8, 64, 96 // 4)   # Q8_0 codes
+    model, _ = mlx_load(out)
+    theirs = np.array(model(mx.array([MOE_IDS])).astype(mx.float32))[0]
+    from kilnx.models.loaders import load_model
+    from kilnx.runtime.kv_cache import KVCache
+    lm = load_model(str(out), device="cpu", dtype=torch.float32)
+    cache = KVCache.for_model(lm.config, 1, 16, device="cpu")
+    with torch.no_grad():
+        got = lm.model.forward(torch.tensor([MOE_IDS]), torch.arange(len(MOE_IDS))[None], cache)[0].numpy()
+    np.testing.assert_allclose(got, theirs, rtol=2e-4, atol=2e-4 * np.abs(theirs).max())

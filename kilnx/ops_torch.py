@@ -95,8 +95,8 @@ def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: t
 def rope_and_cache_(q, k, v, positions, rows, inv_freq, k_cache, v_cache, *, interleaved: bool = False) -> None:
     """rope_ on q and k, then k and v written into the (B, Hk, S, D) caches at [rows[t], :, positions[t], :]."""
     rope_(q, k, positions, inv_freq, interleaved=interleaved)
-    k_cache.transpose(1, 2)[rows, positions] = k
-    v_cache.transpose(1, 2)[rows, positions] = v
+    k_cache.transpose(1, 2)[rows, positions] = k.to(k_cache.dtype)
+    v_cache.transpose(1, 2)[rows, positions] = v.to(v_cache.dtype)
 
 
 # QWeight -> its dequantized dense matrix, per compute dtype. QWeight.dequantize evaluates the format

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 
-TL_PTR = {"f32": "fp32", "bf16": "bf16", "f16": "fp16", "i32": "i32", "u32": "i32", "i8": "i8",
+TL_PTR = {"f8e4": "fp8e4nv", "f32": "fp32", "bf16": "bf16", "f16": "fp16", "i32": "i32", "u32": "i32", "i8": "i8",
           "u8": "u8", "i64": "i64", "i16": "i16"}
 
 

@@ -316,7 +316,7 @@ def _scratch_device():
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
     """A private numpy copy in the interpreter's register types (16-bit floats held as fp32)."""
     a = t.detach().cpu()
-    if a.dtype in (torch.float16, torch.bfloat16):
+    if a.dtype in (torch.float16, torch.bfloat16, torch.float8_e4m3fn):
         return a.float().numpy().copy()
     if a.dtype == torch.uint32:
         return a.view(torch.int32).numpy().view(np.uint32).copy()

@@ -22,13 +22,13 @@ import re
 from pathlib import Path
 
 from kilnx.dsl import opdefs
-from kilnx.dsl.ir import NUMPY_OF, KernelIR, Node, TensorParam
+from kilnx.dsl.ir import NUMPY_OF, SMALL_FLOATS, KernelIR, Node, TensorParam
 from kilnx.codegen.numba_bounds import always_true, in_bounds, interval
 from kilnx.codegen.numba_plan import ALIAS, BUFFER, INLINED, STATEMENT, Plan
 from kilnx.codegen.source import Namer, const_literal, param_names, py_literal
 
 NP = {d: f"np.{t.__name__}" for d, t in NUMPY_OF.items()}
-STORE_NP = {**NP, "f16": "np.uint16", "bf16": "np.uint16", "bool": "np.uint8"}
+STORE_NP = {**NP, "f8e4": "np.uint8", "f16": "np.uint16", "bf16": "np.uint16", "bool": "np.uint8"}
 # fp contraction (a*b+c as one fma) only: no reassociation, so sums keep the reference's order, and
 # no finite-math assumptions, since kernels mask with inf and propagate NaN like numpy.
 F32_CLOSED = {"add", "sub", "mul", "truediv", "neg", "abs", "maximum", "minimum"}
@@ -41,17 +41,17 @@ def generate(ir: KernelIR, *, fn_name: str | None = None, header: str = "") -> s
 
 
 def wrap(expr: str, dtype: str) -> str:
-    """An expression of the register type of `dtype` (numba widens small ints; 16-bit floats round)."""
+    """An expression of the register type of `dtype` (numba widens small ints; 8/16-bit floats round)."""
     if dtype == "bool":
         return expr
-    if dtype in ("f16", "bf16"):
+    if dtype in SMALL_FLOATS:
         return f"_rt.round_{dtype}(np.float32({expr}))"
     return f"{NP[dtype]}({expr})"
 
 
 def convert(expr: str, src: str, dst: str) -> str:
     """A value cast between register types, with the reference's semantics."""
-    if src == dst or (src in ("f16", "bf16") and dst == "f32"):
+    if src == dst or (src in SMALL_FLOATS and dst == "f32"):
         return expr
     if dst == "bool":
         return f"({expr} != 0)"
@@ -485,7 +485,7 @@ class _Gen:
         v = _from_storage(f"{tname}_mem[{off}]", p.dtype)
         if mask == "True":
             return v
-        o = self.constant(py_literal(other), "f32" if n.dtype in ("f16", "bf16") else n.dtype)
+        o = self.constant(py_literal(other), "f32" if n.dtype in SMALL_FLOATS else n.dtype)
         return f"({v} if {mask} else {o})"
 
 
@@ -496,12 +496,12 @@ _RT_HASH = hashlib.sha256(Path(__file__).with_name("numba_rt.py").read_bytes()).
 
 
 def _buffer_dtype(dtype: str) -> str:
-    """Tile buffers hold register values: 16-bit floats as fp32, bools as bytes."""
-    return "f32" if dtype in ("f16", "bf16") else dtype
+    """Tile buffers hold register values: 8/16-bit floats as fp32, bools as bytes."""
+    return "f32" if dtype in SMALL_FLOATS else dtype
 
 
 def _from_storage(expr: str, dtype: str) -> str:
-    if dtype in ("f16", "bf16"):
+    if dtype in SMALL_FLOATS:
         return f"_rt.{dtype}_bits_to_f32({expr})"
     if dtype == "bool":
         return f"({expr} != 0)"
@@ -509,7 +509,7 @@ def _from_storage(expr: str, dtype: str) -> str:
 
 
 def _to_storage(expr: str, dtype: str) -> str:
-    if dtype in ("f16", "bf16"):
+    if dtype in SMALL_FLOATS:
         return f"_rt.f32_to_{dtype}_bits({expr})"
     return f"{STORE_NP[dtype]}({expr})"
 

@@ -131,7 +131,7 @@ class _NumbaLaunch:
 # the caches evict the host code between kernels, np.empty + from_numpy cost half of torch.empty
 _NUMPY_STORAGE = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64,
                   torch.int32: np.int32, torch.int64: np.int64, torch.int16: np.int16, torch.int8: np.int8,
-                  torch.uint8: np.uint8, torch.bool: np.bool_, torch.bfloat16: np.uint16,
+                  torch.uint8: np.uint8, torch.bool: np.bool_, torch.bfloat16: np.uint16, torch.float8_e4m3fn: np.uint8,
                   torch.uint32: np.uint32}
 
 
@@ -142,7 +142,7 @@ class _PreparedCall:
         self.launch, self.lay = numba_launch, lay
         self.template = list(lay.args)
         self.ptrs = [(slot, arg_index[name]) for slot, name in lay.inputs]
-        self.outs = [(slot, name, tuple(shape), _NUMPY_STORAGE[dtype], dtype if dtype == torch.bfloat16 else None,
+        self.outs = [(slot, name, tuple(shape), _NUMPY_STORAGE[dtype], dtype if dtype in (torch.bfloat16, torch.float8_e4m3fn) else None,
                       alloc is torch.zeros) for slot, name, shape, dtype, alloc in lay.outs]
         self.returns = returns
 

@@ -33,7 +33,7 @@ ptr_f16 = ptr_bf16 = ptr_u16 = _pointer_from_address(types.uint16)
 ptr_f32 = _pointer_from_address(types.float32)
 ptr_f64 = _pointer_from_address(types.float64)
 ptr_i8 = _pointer_from_address(types.int8)
-ptr_u8 = ptr_bool = _pointer_from_address(types.uint8)
+ptr_u8 = ptr_bool = ptr_f8e4 = _pointer_from_address(types.uint8)
 ptr_i16 = _pointer_from_address(types.int16)
 ptr_i32 = _pointer_from_address(types.int32)
 ptr_u32 = _pointer_from_address(types.uint32)
@@ -144,6 +144,41 @@ def round_bf16(x):
     if f != f:
         return f
     return bf16_bits_to_f32(f32_to_bf16_bits(f))
+
+
+from kilnx.quant.float_codecs import E4M3_VALUES as _E4M3_VALUES   # noqa: E402  (code -> value, NaN at 0x7F)
+
+
+@njit(**_NJ)
+def f8e4_bits_to_f32(u):
+    return _E4M3_VALUES[np.uint8(u)]
+
+
+@njit(**_NJ)
+def f32_to_f8e4_bits(x):
+    """fp32 -> e4m3fn bits: round to nearest even, saturating at +-448, NaN kept (reference.round_to's rule)."""
+    b = as_u32(np.float32(x))
+    sign = np.uint32((b >> np.uint32(24)) & np.uint32(0x80))
+    mag = np.uint32(b & np.uint32(0x7FFFFFFF))
+    if mag > np.uint32(0x7F800000):
+        return np.uint8(sign | np.uint32(0x7F))
+    if mag >= np.uint32(543 << 21):                  # 464 (halfway past 448) and beyond, infinity included
+        return np.uint8(sign | np.uint32(0x7E))
+    if mag < np.uint32(121 << 23):                   # below 2^-6: subnormal codes, the fp32 add rounds to 2^-9
+        magic = np.float32(16384.0)
+        low = np.uint32(as_u32(np.float32(as_f32(mag) + magic)) - as_u32(magic))
+        return np.uint8(sign | low)
+    odd = np.uint32((mag >> np.uint32(20)) & np.uint32(1))
+    high = np.uint32((mag - np.uint32(120 << 23) + np.uint32(0x7FFFF) + odd) >> np.uint32(20))
+    return np.uint8(sign | (high & np.uint32(0xFF)))
+
+
+@njit(**_NJ)
+def round_f8e4(x):
+    f = np.float32(x)
+    if f != f:
+        return f
+    return f8e4_bits_to_f32(f32_to_f8e4_bits(f))
 
 
 @njit(**_NJ)

@@ -12,11 +12,16 @@ import itertools
 import numpy as np
 
 from kilnx.dsl import opdefs
-from kilnx.dsl.ir import NUMPY_OF, DSLError, KernelIR, Node, with_source
+from kilnx.dsl.ir import NUMPY_OF, SMALL_FLOATS, DSLError, KernelIR, Node, with_source
 
 
 def round_to(x, dtype: str):
-    """Round fp32 values to a 16-bit float's precision (kept in fp32), as a store or cast would."""
+    """Round fp32 values to a narrow float's precision (kept in fp32), as a store or cast would. fp8 e4m3:
+    to nearest even, saturating at +-448 (e4m3fn has no infinity), NaN kept (torch's and sm_90's conversion)."""
+    if dtype == "f8e4":
+        from kilnx.quant.float_codecs import e4m3_decode, e4m3_encode
+        a = np.asarray(x, np.float32)
+        return np.where(np.isnan(a), a, e4m3_decode(e4m3_encode(a))).astype(np.float32)
     if dtype == "f16":
         return np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
     if dtype == "bf16":
@@ -30,7 +35,7 @@ def round_to(x, dtype: str):
 
 
 def cast(x, dtype: str):
-    if dtype in ("f16", "bf16"):
+    if dtype in SMALL_FLOATS:
         return round_to(np.asarray(x, np.float32), dtype)
     return np.asarray(x).astype(NUMPY_OF[dtype])
 
@@ -77,7 +82,7 @@ class Interpreter:
         op = n.op
         if op in opdefs.OPS:
             out = opdefs.OPS[op].reference(*v)
-            if n.dtype in ("f16", "bf16"):
+            if n.dtype in SMALL_FLOATS:
                 out = round_to(out, n.dtype)
             return np.asarray(out).astype(NUMPY_OF[n.dtype])
         if op == "const":
@@ -174,6 +179,6 @@ class Interpreter:
             return None
         old = self._read(n, arr, idx, mask, 0)
         np.add.at(arr, sel, value[mask])
-        if n.dtype in ("f16", "bf16"):
+        if n.dtype in SMALL_FLOATS:
             arr[sel] = round_to(arr[sel], n.dtype)
         return old

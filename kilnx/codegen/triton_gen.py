@@ -13,7 +13,7 @@ from kilnx.dsl.ir import KernelIR, Node
 from kilnx.codegen.source import (Namer, StatementEmitter, const_literal, live_nodes, param_names,
                                   py_literal)
 
-TL = {"f16": "tl.float16", "bf16": "tl.bfloat16", "f32": "tl.float32", "f64": "tl.float64",
+TL = {"f8e4": "tl.float8e4nv", "f16": "tl.float16", "bf16": "tl.bfloat16", "f32": "tl.float32", "f64": "tl.float64",
       "i8": "tl.int8", "u8": "tl.uint8", "i16": "tl.int16", "i32": "tl.int32", "u32": "tl.uint32",
       "i64": "tl.int64", "bool": "tl.int1"}
 HINTS = {"stream": "evict_first", "keep": "evict_last"}
@@ -83,7 +83,7 @@ class _Gen(StatementEmitter):
             if src.op in ("dim", "param"):
                 # Triton specializes int arguments equal to 1 into constexprs, which have no .to()
                 return f"{name} = tl.cast({r[0]}, {TL[n.dtype]})"
-            return f"{name} = {r[0]}.to({TL[n.dtype]})"
+            return f"{name} = {self.converted(r[0], src.dtype, n.dtype)}"
         if op == "bitcast":
             return f"{name} = {r[0]}.to({TL[n.dtype]}, bitcast=True)"
         if op == "var":
@@ -130,6 +130,8 @@ class _Gen(StatementEmitter):
             tname, _, _, other, hint, _ = n.arg
             args = [ptr]
             if mask:
+                if n.dtype == "f8e4":   # an integer `other` has no cast to fp8 (the interpreter refuses one)
+                    other = float(other)
                 args += [f"mask={mask}", f"other={py_literal(other)}"]
             if hint in HINTS:
                 args.append(f"eviction_policy='{HINTS[hint]}'")
@@ -142,7 +144,7 @@ class _Gen(StatementEmitter):
             return f"_rt.prefetch_l2({self.address(n, r, 0)[0]})"
         if op in ("store", "atomic_add"):
             ptr, mask = self.address(n, r, 1)
-            val = f"{r[0]}.to({TL[n.dtype]})" if n.srcs[0].dtype != n.dtype else r[0]
+            val = self.converted(r[0], n.srcs[0].dtype, n.dtype) if n.srcs[0].dtype != n.dtype else r[0]
             if n.srcs[0].op == "const":
                 val = r[0]
             m = f", mask={mask}" if mask else ""
@@ -150,6 +152,16 @@ class _Gen(StatementEmitter):
                 return f"{name} = tl.atomic_add({ptr}, {val}{m}, sem='{n.arg[3]}', scope='gpu')"
             return f"tl.store({ptr}, {val}{m})"
         raise NotImplementedError(f"no Triton lowering for op {op!r}")
+
+    def converted(self, expr: str, src: str, dst: str) -> str:
+        """`expr` of dtype src as dst; fp8 through exact helpers under the interpreter (triton_rt.to_f8e4)."""
+        if self.interpret and dst == "f8e4":
+            return f"_rt.to_f8e4({expr})"
+        if self.interpret and src == "f8e4":
+            return f"_rt.f8e4_to_f32({expr}).to({TL[dst]})"
+        if dst == "f8e4" and src != "f32":   # through fp32 (exact from 16 bits): not every Triton casts bf16 -> fp8
+            return f"{expr}.to(tl.float32).to({TL[dst]})"
+        return f"{expr}.to({TL[dst]})"
 
     @staticmethod
     def descriptor_name(n: Node) -> str:

@@ -201,3 +201,34 @@ def nibbles_dequant(x, s, b):
         lo, hi = tl.inline_asm_elementwise(NIBBLE_DEQUANT_ASM, "=r,=r,=r,=r,r,r,r,r,r", [x, s, b],
                                            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     return tl.join(lo, hi)
+
+
+# fp8 e4m3fn conversions as the interpreter runs them (triton_gen emits these only under TRITON_INTERPRET=1; compiled
+# kernels convert with the hardware's cvt): its own fp32 -> fp8 cast loses the carry of a mantissa that rounds up
+# into the next binade (31.4 -> 16) and flushes subnormals, so the bits are built here as reference.round_to does.
+@triton.jit
+def to_f8e4(x):
+    """fp32 -> e4m3fn: to nearest even, saturating at +-448, NaN kept."""
+    b = x.to(tl.float32).to(tl.uint32, bitcast=True)
+    sign = (b >> 24) & 0x80
+    mag = b & 0x7FFFFFFF
+    # below 2^-6 (subnormal codes): adding 2^14 makes the fp32 ulp the fp8 quantum 2^-9, so the add rounds
+    low = (mag.to(tl.float32, bitcast=True) + 16384.0).to(tl.uint32, bitcast=True) - 0x46800000
+    odd = (mag >> 20) & 1
+    high = ((mag - (120 << 23) + 0x7FFFF + odd) >> 20) & 0xFF
+    code = tl.where(mag < (121 << 23), low, high)
+    code = tl.where(mag >= (543 << 21), 0x7E, code)          # from 464, halfway past 448, up
+    code = tl.where(mag > 0x7F800000, 0x7F, code)
+    return (code | sign).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def f8e4_to_f32(x):
+    """e4m3fn -> fp32, exactly (subnormals m * 2^-9; 0x7F is NaN)."""
+    b = x.to(tl.uint8, bitcast=True).to(tl.uint32)
+    e = (b >> 3) & 0xF
+    m = b & 0x7
+    sub = (m.to(tl.float32) * 0.001953125).to(tl.uint32, bitcast=True)
+    val = tl.where(e == 0, sub, ((e + 120) << 23) | (m << 20))
+    val = tl.where((b & 0x7F) == 0x7F, 0x7FC00000, val)
+    return (val | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)

@@ -6,7 +6,7 @@
 from kilnx.dsl.ir import DSLError
 from kilnx.dsl.lang import (abs, arange, argmax, assign, atomic_add, bf16, bitcast, broadcast_to, cdiv,
                             constexpr,
-                            dot, erf, exp, f16, f32, f64, full, gelu_tanh, grid, i8, i16, i32, i64, join, load,
+                            dot, erf, exp, f8e4, f16, f32, f64, full, gelu_tanh, grid, i8, i16, i32, i64, join, load,
                             log, max, maximum, mean, min, minimum, output, permute, program_id, range, reshape,
                             rsqrt, sigmoid, silu, softplus, sqrt, static_range, store, sum, tanh, trans,
                             u8, u32, var, where, zeros)

@@ -18,21 +18,23 @@ from typing import Any
 import numpy as np
 
 # ---- dtypes ------------------------------------------------------------------------------------
-FLOATS = ("f16", "bf16", "f32", "f64")
+FLOATS = ("f8e4", "f16", "bf16", "f32", "f64")
+SMALL_FLOATS = ("f8e4", "f16", "bf16")   # held in fp32 registers on the CPU backends, rounded to their precision
 INTS = ("i8", "u8", "i16", "i32", "u32", "i64")
 DTYPES = FLOATS + INTS + ("bool",)
-ITEMSIZE = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8, "i8": 1, "u8": 1, "i16": 2, "i32": 4, "u32": 4, "i64": 8,
+ITEMSIZE = {"f8e4": 1, "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "i8": 1, "u8": 1, "i16": 2, "i32": 4, "u32": 4, "i64": 8,
             "bool": 1}
 
 _TORCH_NAMES = {
-    "float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64", "int8": "i8",
+    "float8_e4m3fn": "f8e4", "float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64", "int8": "i8",
     "uint8": "u8", "int16": "i16", "int32": "i32", "uint32": "u32", "int64": "i64", "bool": "bool",
 }
-NUMPY_OF = {"f16": np.float32, "bf16": np.float32, "f32": np.float32, "f64": np.float64,
+NUMPY_OF = {"f8e4": np.float32, "f16": np.float32, "bf16": np.float32, "f32": np.float32, "f64": np.float64,
             "i8": np.int8, "u8": np.uint8, "i16": np.int16, "i32": np.int32, "u32": np.uint32,
             "i64": np.int64, "bool": np.bool_}
 """Register (in-kernel) numpy type per dtype for the CPU backends: 16-bit floats are held in fp32
-after rounding to their precision, since numpy/numba have no bf16 arithmetic."""
+after rounding to their precision, since numpy/numba have no bf16 arithmetic (fp8 e4m3 likewise: storage
+for KV caches, loaded and converted, never computed in)."""
 
 
 def dtype_of(d) -> str:
@@ -49,7 +51,7 @@ def dtype_of(d) -> str:
 
 def torch_dtype(d: str):
     import torch
-    return {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32, "f64": torch.float64,
+    return {"f8e4": torch.float8_e4m3fn, "f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32, "f64": torch.float64,
             "i8": torch.int8, "u8": torch.uint8, "i16": torch.int16, "i32": torch.int32,
             "u32": torch.uint32, "i64": torch.int64, "bool": torch.bool}[d]
 

@@ -17,7 +17,7 @@ from .ir import (Block, DSLError, KernelIR, Node, ScalarParam, TensorParam, broa
 
 _state = threading.local()
 
-f16, bf16, f32, f64 = "f16", "bf16", "f32", "f64"
+f8e4, f16, bf16, f32, f64 = "f8e4", "f16", "bf16", "f32", "f64"
 i8, u8, i16, i32, u32, i64 = "i8", "u8", "i16", "i32", "u32", "i64"
 
 

@@ -112,7 +112,8 @@ def attend(q_tile, pos, k_cache, v_cache, b, kv_head, d, key_start, key_stop, ke
     acc = kd.zeros((BLOCK_M, d.shape[0]), kd.f32)
     for n0 in kd.range(key_start, key_stop, BLOCK_N):
         key = n0 + kd.arange(0, BLOCK_N)
-        k_tile_t = kd.load(k_cache, b, kv_head, key[None, :], d[:, None])   # (BLOCK_D, BLOCK_N) = K^T
+        # (BLOCK_D, BLOCK_N) = K^T, widened to the queries' dtype where the cache is narrower (fp8)
+        k_tile_t = kd.load(k_cache, b, kv_head, key[None, :], d[:, None]).to(q_tile.dtype)
         scores = kd.dot(q_tile, k_tile_t) * scale
         if SOFTCAP:
             scores = cap * kd.tanh(scores / cap)
@@ -123,9 +124,9 @@ def attend(q_tile, pos, k_cache, v_cache, b, kv_head, d, key_start, key_stop, ke
         rescale = kd.exp(row_max - new_max)
         p = kd.exp(scores - new_max[:, None])
         row_sum.set(row_sum * rescale + kd.sum(p, axis=1))
-        v_tile = kd.load(v_cache, b, kv_head, key[:, None], d[None, :])
-        # p in the cache dtype so the second product runs on tensor cores like the first
-        acc.set(acc * rescale[:, None] + kd.dot(p.to(v_cache.dtype), v_tile))
+        v_tile = kd.load(v_cache, b, kv_head, key[:, None], d[None, :]).to(q_tile.dtype)
+        # p in the queries' dtype so the second product runs on tensor cores like the first
+        acc.set(acc * rescale[:, None] + kd.dot(p.to(q_tile.dtype), v_tile))
         row_max.set(new_max)
     return acc, row_max, row_sum
 

@@ -187,9 +187,10 @@ def _rope_cache_default(q, k, v, positions, rows, inv_freq, k_cache, v_cache, **
 def _rope_cache_spec(q, k, v, positions, rows, inv_freq, k_cache, v_cache, *, INTERLEAVED=False, **_):
     """q rotated; the caches with rotated k and v written at [rows[t], :, positions[t], :]."""
     kc, vc = k_cache.clone(), v_cache.clone()
-    kr = rotated(k, positions, inv_freq, INTERLEAVED)
-    kc.transpose(1, 2)[rows.long(), positions.long()] = kr
-    vc.transpose(1, 2)[rows.long(), positions.long()] = v
+    # into a narrower cache (fp8) from fp32, as the kernel rounds once from its fp32 rotation
+    kr = rotated(k if kc.dtype == k.dtype else k.float(), positions, inv_freq, INTERLEAVED)
+    kc.transpose(1, 2)[rows.long(), positions.long()] = kr.to(kc.dtype)
+    vc.transpose(1, 2)[rows.long(), positions.long()] = v.to(vc.dtype)
     return rotated(q, positions, inv_freq, INTERLEAVED), kc, vc
 
 

@@ -71,7 +71,8 @@ def weights_label(lm, random: bool, random_format: str) -> str:
 
 
 def run_bench(lm, *, prompt_lens: list[int], gen: int, model_name: str, weights: str, ops_name: str,
-              bandwidth_gbps: float | None = None, seed: int = 0, repeats: int = 1, batch: int = 1) -> list[BenchRow]:
+              bandwidth_gbps: float | None = None, seed: int = 0, repeats: int = 1, batch: int = 1,
+              kv_cache_dtype: str = "auto") -> list[BenchRow]:
     """kilnx's rows: one per prompt length, timed by `timed_rows`; with `batch` B > 1, B sequences of that
     length decode together (`batched_greedy`)."""
     cfg = lm.config
@@ -86,7 +87,8 @@ def run_bench(lm, *, prompt_lens: list[int], gen: int, model_name: str, weights:
     def engine_for(n: int) -> Engine:
         L = min((p for p in prompt_lens if p >= n), default=max(prompt_lens))
         if L not in engines:
-            engines[L] = Engine(lm.model, max_seq=min(L + gen + 1, cfg.max_position_embeddings), max_batch=batch)
+            engines[L] = Engine(lm.model, max_seq=min(L + gen + 1, cfg.max_position_embeddings), max_batch=batch,
+                                kv_cache_dtype=kv_cache_dtype)
         return engines[L]
 
     def greedy(ids: list[int], tokens: int) -> tuple[float, float]:

@@ -93,6 +93,8 @@ def chat(
     ops: Annotated[Optional[str], typer.Option(help="Op implementations: kilnx, torch or auto.")] = None,
     quantize: Annotated[Optional[str], typer.Option(
         help="Quantize a dense checkpoint's linears as it loads: q4, q8, mxfp4, nvfp4 (kilnx convert writes them once).")] = None,
+    kv_cache_dtype: Annotated[str, typer.Option(
+        help="KV cache dtype: auto (the activations') or fp8 (e4m3, half the memory of bf16).")] = "auto",
     stats: Annotated[bool, typer.Option(help="After each reply, print its tokens and the prompt tokens reused.")] = True,
     prompt_lookup: Annotated[bool, typer.Option(
         help="Speculative decoding, guessing from earlier in the conversation (vLLM's ngram method).")] = False,
@@ -102,12 +104,13 @@ def chat(
 ) -> None:
     """Chat with a model in the terminal: type a message, Enter to send; /reset starts over, /exit (or EOF) ends."""
     from kilnx.models.loaders import load_model
-    from kilnx.runtime.cli import _fail, _proposer, _user_errors
+    from kilnx.runtime.cli import _check_kv_cache_dtype, _fail, _proposer, _user_errors
     from kilnx.runtime.device import detect
     from kilnx.runtime.engine import Engine
     from kilnx.runtime.generate import default_stop_ids
     if max_seq is not None and max_seq < 16:
         _fail("--max-seq must be at least 16.")
+    _check_kv_cache_dtype(kv_cache_dtype)
     try:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                                 max_tokens=max_tokens)
@@ -118,7 +121,8 @@ def chat(
         ops = ops or os.environ.get("KILNX_OPS", "auto")
         lm = load_model(model, device=info.torch_device, ops=ops, quantize=quantize)
         proposer = _proposer(lm, info, ops, prompt_lookup, draft_model, num_draft_tokens, params)
-        engine = Engine(lm.model, max_seq=max_seq or min(lm.config.max_position_embeddings, 4096))
+        engine = Engine(lm.model, max_seq=max_seq or min(lm.config.max_position_embeddings, 4096),
+                        kv_cache_dtype=kv_cache_dtype)
         scheduler = Scheduler(engine, lm.tokenizer, stop_token_ids=default_stop_ids(lm), proposer=proposer)
     except _user_errors() as e:
         _fail(str(e))

@@ -15,12 +15,20 @@ from typing_extensions import Annotated
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Run models with kilnx kernels.")
 
+_KV_HELP = ("KV cache dtype: auto (the activations') or fp8 (e4m3: half the memory of bf16, rounded to nearest, "
+            "as vLLM's fp8).")
 _OPS_HELP = "Op implementations: kilnx (DSL kernels), torch (eager peer), auto (kilnx, torch where a kernel is missing)."
 
 
 def _fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     raise typer.Exit(1)
+
+
+def _check_kv_cache_dtype(name: str) -> None:
+    from kilnx.runtime.kv_cache import KV_CACHE_DTYPES
+    if name not in KV_CACHE_DTYPES:
+        _fail(f"--kv-cache-dtype {name!r}: use one of {', '.join(KV_CACHE_DTYPES)}.")
 
 
 def _user_errors():
@@ -57,6 +65,7 @@ def generate(
     ops: Annotated[Optional[str], typer.Option(help=_OPS_HELP)] = None,
     quantize: Annotated[Optional[str], typer.Option(
         help="Quantize a dense checkpoint's linears as it loads: q4, q8, mxfp4, nvfp4 (kilnx convert writes them once).")] = None,
+    kv_cache_dtype: Annotated[str, typer.Option(help=_KV_HELP)] = "auto",
     stats: Annotated[bool, typer.Option(help="Print timing after the text.")] = True,
     repetition_penalty: Annotated[float, typer.Option(
         help="Divide a prompt or output token's logit by this where positive, multiply where negative (1 = off).")] = 1.0,
@@ -84,6 +93,7 @@ def generate(
                                 frequency_penalty=frequency_penalty, grammar=_grammar(json_schema, regex))
     except ValueError as e:
         _fail(str(e))
+    _check_kv_cache_dtype(kv_cache_dtype)
     try:
         info = detect(device)
         ops = ops or os.environ.get("KILNX_OPS", "auto")
@@ -92,9 +102,9 @@ def generate(
         ids = prompt_ids(lm, sys.stdin.read() if prompt == "-" else prompt, chat=chat or system_prompt is not None,
                          system=system_prompt)
         if params.grammar is not None:
-            return _generate_constrained(lm, ids, params, stats)
+            return _generate_constrained(lm, ids, params, stats, kv_cache_dtype)
         result = None
-        for item in stream(lm, ids, params, proposer=proposer):
+        for item in stream(lm, ids, params, proposer=proposer, kv_cache_dtype=kv_cache_dtype):
             if isinstance(item, GenerationStats):
                 result = item
             else:
@@ -154,14 +164,15 @@ def _grammar(json_schema: str | None, regex: str | None) -> str | None:
     return S.json_object_grammar() if schema == {} else S.json_schema_grammar(schema)
 
 
-def _generate_constrained(lm, ids: list[int], params, stats: bool) -> None:
+def _generate_constrained(lm, ids: list[int], params, stats: bool, kv_cache_dtype: str) -> None:
     """A grammar's tokens advance its matcher on the host: generated on a one-row scheduler (runtime/structured.py)."""
     import time
     from kilnx.runtime.chat import print_stream
     from kilnx.runtime.engine import Engine
     from kilnx.runtime.generate import default_stop_ids
     from kilnx.runtime.scheduler import Scheduler
-    engine = Engine(lm.model, max_seq=min(lm.config.max_position_embeddings, len(ids) + params.max_tokens + 1))
+    engine = Engine(lm.model, max_seq=min(lm.config.max_position_embeddings, len(ids) + params.max_tokens + 1),
+                    kv_cache_dtype=kv_cache_dtype)
     t0 = time.perf_counter()
     with Scheduler(engine, lm.tokenizer, stop_token_ids=default_stop_ids(lm)) as sched:
         print_stream(sched.stream(ids, params), (lambda f: f"[{f.prompt_tokens} prompt tokens, {f.completion_tokens} "
@@ -180,6 +191,7 @@ def bench(
     ops: Annotated[Optional[str], typer.Option(help=_OPS_HELP)] = None,
     quantize: Annotated[Optional[str], typer.Option(
         help="Quantize a dense checkpoint's linears as it loads: q4, q8, mxfp4, nvfp4 (kilnx convert writes them once).")] = None,
+    kv_cache_dtype: Annotated[str, typer.Option(help=_KV_HELP)] = "auto",
     peer: Annotated[Optional[str], typer.Option(
         help="Also time a peer in the same run: hf (HF transformers on the same checkpoint, CPU) or mlx "
              "(mlx-lm on the same preset, random 4-bit gs64 weights; with --random).")] = None,
@@ -208,6 +220,7 @@ def bench(
         _fail(f"--peer {peer!r}: the peers are hf and mlx.")
     if batch < 1:
         _fail("--batch must be at least 1.")
+    _check_kv_cache_dtype(kv_cache_dtype)
     if batch > 1 and peer:
         _fail("--peer times one sequence: use it without --batch.")
     if peer == "mlx" and (not random or weights != "q4"):
@@ -223,7 +236,8 @@ def bench(
                         random=random, random_format=weights, quantize=quantize)
         rows = run_bench(lm, prompt_lens=lens, gen=gen, model_name=model,
                          weights=weights_label(lm, random, weights), ops_name=ops_name(lm.model.ops),
-                         bandwidth_gbps=info.copy_bandwidth_gbps, repeats=repeats, batch=batch)
+                         bandwidth_gbps=info.copy_bandwidth_gbps, repeats=repeats, batch=batch,
+                         kv_cache_dtype=kv_cache_dtype)
         if peer == "hf":
             if random:
                 _fail("--peer hf needs a real checkpoint (not --random).")
@@ -264,6 +278,7 @@ def serve(
     ops: Annotated[Optional[str], typer.Option(help=_OPS_HELP)] = None,
     quantize: Annotated[Optional[str], typer.Option(
         help="Quantize a dense checkpoint's linears as it loads: q4, q8, mxfp4, nvfp4 (kilnx convert writes them once).")] = None,
+    kv_cache_dtype: Annotated[str, typer.Option(help=_KV_HELP)] = "auto",
     random: Annotated[bool, typer.Option(help="Random weights at the preset's real size (any preset).")] = False,
     weights: Annotated[str, typer.Option(help="Random weight format: q4 (MLX 4-bit, groups of 64) or bf16.")] = "q4",
     api_key: Annotated[Optional[str], typer.Option(
@@ -306,12 +321,14 @@ def serve(
         _fail(f"--port {port}: give a port number from 0 to 65535.")
     if weights not in ("q4", "bf16"):
         _fail(f"--weights {weights!r}: use q4 or bf16.")
+    _check_kv_cache_dtype(kv_cache_dtype)
     try:
         info = detect(device)
         ops = ops or os.environ.get("KILNX_OPS", "auto")
         lm = load_model(model, device=info.torch_device, ops=ops, random=random, random_format=weights,
                         quantize=quantize)
-        engine = Engine(lm.model, max_seq=max_seq or min(lm.config.max_position_embeddings, 4096), max_batch=max_batch)
+        engine = Engine(lm.model, max_seq=max_seq or min(lm.config.max_position_embeddings, 4096), max_batch=max_batch,
+                        kv_cache_dtype=kv_cache_dtype)
         proposer = _proposer(lm, info, ops, prompt_lookup, draft_model, num_draft_tokens, None)
     except _user_errors() as e:
         _fail(str(e))

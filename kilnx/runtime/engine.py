@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from kilnx.models.errors import ContextLengthError
-from kilnx.runtime.kv_cache import KVCache
+from kilnx.runtime.kv_cache import KVCache, cache_dtype
 
 
 @dataclass
@@ -61,7 +61,7 @@ def _buckets(max_batch: int) -> list[int]:
 
 class Engine:
     def __init__(self, model, *, max_seq: int | None = None, max_batch: int = 1, prefill_chunk: int | None = None,
-                 cuda_graphs: bool | None = None, cpu_replay: bool | None = None):
+                 cuda_graphs: bool | None = None, cpu_replay: bool | None = None, kv_cache_dtype: str = "auto"):
         cfg = model.config
         self.model = model
         self.config = cfg
@@ -73,7 +73,8 @@ class Engine:
         # bench/profile_prefill.py): the host, not the GPU, set the pace. Larger chunks give each launch
         # four times the work.
         self.prefill_chunk = prefill_chunk or (2048 if self.device.type == "cuda" else 512)
-        self.cache = KVCache.for_model(cfg, max_batch, self.max_seq, dtype=model.dtype, device=self.device)
+        self.cache = KVCache.for_model(cfg, max_batch, self.max_seq, dtype=cache_dtype(kv_cache_dtype, model.dtype),
+                                       device=self.device)
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda" and os.environ.get("KILNX_CUDA_GRAPHS", "1") != "0"
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"

@@ -205,7 +205,7 @@ def default_stop_ids(lm) -> tuple[int, ...]:
 
 
 def stream(lm, prompt: str | list[int], params: SamplingParams | None = None, *, chat: bool = False,
-           engine: Engine | None = None, proposer=None) -> Iterator[str | GenerationStats]:
+           engine: Engine | None = None, proposer=None, kv_cache_dtype: str = "auto") -> Iterator[str | GenerationStats]:
     """Text pieces of the continuation of `prompt` (model from kilnx.models.loaders.load_model), then stats;
     speculative with a `proposer` (runtime/speculative.py)."""
     params = params or SamplingParams()
@@ -213,7 +213,7 @@ def stream(lm, prompt: str | list[int], params: SamplingParams | None = None, *,
         params = SamplingParams(**{**asdict(params), "stop_token_ids": default_stop_ids(lm)})
     ids = prompt_ids(lm, prompt, chat=chat)
     engine = engine or Engine(lm.model, max_seq=min(lm.config.max_position_embeddings,
-                                                    len(ids) + params.max_tokens + 1))
+                                                    len(ids) + params.max_tokens + 1), kv_cache_dtype=kv_cache_dtype)
     decoder = lm.tokenizer.stream_decoder() if lm.tokenizer is not None else None
     for item in generate_ids(engine, ids, params, proposer=proposer):
         if isinstance(item, GenerationStats):

@@ -3,6 +3,11 @@
 Static because a CUDA graph replays fixed addresses: the decode step writes into the same buffers
 every time, at positions given by a tensor. A key for position p lives at index p, so attention's
 causal mask (keys j <= position) is also what hides the unwritten tail.
+
+`--kv-cache-dtype fp8` stores K and V as fp8 e4m3 (torch.float8_e4m3fn), half the bytes of bf16: twice the
+sequences x context in the same memory, and half the bytes a long-context decode step's attention reads. Values are
+rounded to nearest and saturate at +-448 with a scale of 1 (as vLLM's `fp8` without calibrated scales): llama-family
+keys and values sit well inside that range; the attention kernels widen them to the queries' dtype as they load.
 """
 
 from __future__ import annotations
@@ -10,6 +15,16 @@ from __future__ import annotations
 import torch
 
 from kilnx.models.config import ModelConfig
+
+
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's dtype for `--kv-cache-dtype name`: auto = the model's activation dtype."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    return KV_CACHE_DTYPES[name] or model_dtype
 
 
 class KVCache:

@@ -406,6 +406,36 @@ def test_cast_to_f16_rounds_to_nearest_even(backend):
     assert_close(to_f16(x, backend=backend, config={}), x.to(torch.float16), ulps=0, atol=0, what=backend)
 
 
+@kd.kernel(tune={"BLOCK": kd.choice(128)})
+def through_f8e4(x, *, BLOCK):
+    """x stored into an fp8 e4m3 tensor (a KV cache's dtype), then loaded back and widened."""
+    n = x.shape[0]
+    pid = kd.grid(kd.cdiv(n, BLOCK))
+    r = pid * BLOCK + kd.arange(0, BLOCK)
+    codes = kd.output((n,), kd.f8e4, name="codes")
+    back = kd.output((n,), kd.f32, name="back")
+    kd.store(codes, r, kd.load(x, r, mask=r < n), mask=r < n)
+    kd.store(back, r, kd.load(codes, r, mask=r < n).to(kd.f32) * 2.0, mask=r < n)
+    return codes, back
+
+
+F8_EDGES = torch.tensor([0.0, -0.0, 448.0, -448.0, 463.9, 464.0, 1e6, -1e6, 2.0 ** -9, 2.0 ** -10, 3 * 2.0 ** -11,
+                         2.0 ** -6, 1.0 + 2 ** -4, 1.0 + 3 * 2 ** -4, 0.0137])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**16), scale=st.sampled_from([1e-3, 1.0, 60.0, 600.0]))
+def test_f8e4_stores_round_as_torch_converts(backend, seed, scale):
+    """fp8 e4m3fn: to nearest even, saturating at +-448 (torch's conversion, and sm_90's cvt.rn.satfinite)."""
+    x = torch.cat([randn(200, seed=seed, scale=scale), F8_EDGES])
+    codes, back = through_f8e4(x, backend=backend, config={})
+    want = x.to(torch.float8_e4m3fn)
+    assert codes.dtype == torch.float8_e4m3fn, backend
+    assert torch.equal(codes.view(torch.uint8), want.view(torch.uint8)), backend
+    assert torch.equal(back, want.float() * 2.0), backend
+
+
 # ---- kd.bitcast: codes become floats by bit operations alone (the magic-number dequantization) ----
 @kd.kernel(tune={"BLOCK": kd.choice(64)})
 def magic_codes(q, *, BLOCK):

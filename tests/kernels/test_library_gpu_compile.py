@@ -106,3 +106,51 @@ def test_quantized_gemm_variants_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", CASES], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-4000:]
+
+
+FP8_CACHE_CASES = """
+import torch
+from kilnx.codegen.aot import compile_for_target
+from kilnx.kernels import attention as A, attention_decode as AD, attention_split as AS, qk_norm_rope as QN
+from kilnx.kernels import qkv_rope as QR, rope
+F8 = torch.float8_e4m3fn
+WIDEN = ("cvt.rn.f16x2.e4m3x2", "cvt.rn.bf16x2.e4m3x2", "cvt.f32.e4m3")
+def reads(ptx):
+    assert any(w in ptx for w in WIDEN), "no e4m3 -> wider conversion"
+def writes(ptx):
+    assert "cvt.rn.satfinite.e4m3x2" in ptx, "the cache write does not round to e4m3 in hardware"
+q, kc = torch.randn(1, 1, 32, 128).bfloat16(), torch.zeros(1, 8, 1024, 128, dtype=F8)
+pos = torch.tensor([[700]])
+kw = A._kernel_kwargs(q, kc, 128 ** -0.5, None, None)
+reads(compile_for_target(AS.attention_split_kernel, (q, kc, kc, pos), {"BLOCK_M": 16, "BLOCK_N": 64,
+                                                                       "KEYS_PER_SPLIT": 128}, kw=kw).asm["ptx"])
+q17 = torch.randn(1, 17, 32, 128).bfloat16()
+reads(compile_for_target(A.attention_kernel, (q17, kc, kc, torch.arange(17)[None]), {"BLOCK_M": 64, "BLOCK_N": 64},
+                         kw=kw).asm["ptx"])
+kn = torch.randn(1, 8, 128).bfloat16()
+new_kv = (q, kn, kn, pos, torch.zeros(1, dtype=torch.long), torch.ones(64), kc, kc)
+for kernel, cfg in ((AD.attention_split_new_kv_kernel, {"BLOCK_M": 16, "BLOCK_N": 64, "KEYS_PER_SPLIT": 128}),
+                    (AD.attention_new_kv_kernel, {"BLOCK_M": 16, "BLOCK_N": 128})):
+    ptx = compile_for_target(kernel, new_kv, cfg, kw=kw).asm["ptx"]
+    reads(ptx)
+    writes(ptx)
+qa = list(QR._problem_args({"M": 1, "Hq": 32, "Hk": 8, "D": 128, "K": 256, "S": 64}, "cpu"))
+qa[-2:] = [t.to(F8) for t in qa[-2:]]
+writes(compile_for_target(QR.qkv_rope_cache_h2, tuple(qa), {}).asm["ptx"])
+t, k, v = torch.randn(3, 8, 128).bfloat16(), torch.randn(3, 2, 128).bfloat16(), torch.randn(3, 2, 128).bfloat16()
+p, rows, inv = torch.arange(3), torch.zeros(3, dtype=torch.long), torch.ones(64)
+c8 = torch.zeros(1, 2, 16, 128, dtype=F8)
+writes(compile_for_target(rope.rope_cache_kernel.kernel, (t, k, v, p, rows, inv, c8, c8.clone()), {}).asm["ptx"])
+norm = torch.ones(128).bfloat16()
+writes(compile_for_target(QN.qk_norm_rope_cache_kernel.kernel, (t, k, v, norm, norm, p, rows, inv, c8, c8.clone()),
+                          {}).asm["ptx"])
+print("ok")
+"""
+
+
+def test_the_fp8_kv_cache_kernels_compile_for_sm90():
+    """Attention reading an fp8 cache widens it with the e4m3 conversions; every cache writer rounds into it with
+    sm_90's saturating cvt (what reference.round_to specifies)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", FP8_CACHE_CASES], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-4000:]

@@ -67,6 +67,18 @@ def test_graph_decode_follows_the_torch_peer(arch):
     follow_the_peer(engines_for(arch, 64), random_prompt(20, 3), 8)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("max_seq", [64, 512])
+def test_graph_decode_on_an_fp8_cache_follows_the_torch_peer_on_one(arch, max_seq):
+    """--kv-cache-dtype fp8: kilnx's graph steps (its cache writers rounding with sm_90's cvt, its attention
+    widening K / V as it loads them; with 512 slots the split over key ranges) keep the logits of the torch peer
+    running on an fp8 cache of its own."""
+    engines = {ops: Engine(model(arch, ops), max_seq=max_seq, cuda_graphs=(ops == "kilnx"), kv_cache_dtype="fp8")
+               for ops in ("torch", "kilnx")}
+    assert all(e.cache.k[0].dtype == torch.float8_e4m3fn for e in engines.values())
+    follow_the_peer(engines, random_prompt(20, 3), 8)
+
+
 @pytest.mark.parametrize("arch", ["llama"])
 @pytest.mark.parametrize("max_seq,kernel", [(512, "attention_split_new_kv_kernel"), (64, "attention_new_kv_kernel")])
 def test_decode_with_the_fused_rope_and_cache_write_follows_the_torch_peer(arch, max_seq, kernel, monkeypatch):

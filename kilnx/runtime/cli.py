@@ -344,7 +344,8 @@ def serve(
     except torch.OutOfMemoryError:
         _fail(f"no memory for {slots} kept prefixes of {engine.max_seq} tokens; lower --prefix-slots or --max-seq.")
     print(f"kilnx: serving {name} on {info.name} at http://{host}:{port}/v1 "
-          f"({max_batch} rows of {engine.max_seq} tokens, {slots} kept prefixes"
+          f"({max_batch} rows of {engine.max_seq} tokens in a {engine.cache.nbytes / 2**30:.2f} GiB "
+          f"{str(engine.cache.k[0].dtype).replace('torch.', '')} KV cache, {slots} kept prefixes"
           + (f", speculative rounds of {num_draft_tokens} guesses while at most {speculative_max_rows} request(s) "
              "decode" if proposer else "")
           + ")", file=sys.stderr)

@@ -178,8 +178,10 @@ def _hf(i: int, part: str) -> str:
     return f"model.layers.{i}.{part}"
 
 
-def build_weights(cfg: ModelConfig, src: WeightSource, *, device="cpu", dtype=torch.float32) -> ModelWeights:
-    """Ask `src` for every tensor `cfg`'s architecture needs and place them on `device`.
+def build_weights(cfg: ModelConfig, src: WeightSource, *, device="cpu", dtype=torch.float32,
+                  progress=None) -> ModelWeights:
+    """Ask `src` for every tensor `cfg`'s architecture needs and place them on `device`; `progress(done, total)`
+    after each layer (a GGUF MoE file's expert stacks take seconds a layer to convert).
 
     Norms, biases and the embedding table become dense `dtype`; linears stay in whatever storage
     the source gives (QWeight or dense) and are moved to `device`.
@@ -225,6 +227,8 @@ def build_weights(cfg: ModelConfig, src: WeightSource, *, device="cpu", dtype=to
             layer.post_attn_norm = dense(a("post_attention_layernorm.weight"))
             layer.post_mlp_norm = dense(a("post_feedforward_layernorm.weight"))
         layers.append(layer)
+        if progress is not None:
+            progress(i + 1, cfg.num_layers)
 
     tied = cfg.tie_embeddings or not src.has("lm_head.weight")
     lm_head = lin(["model.embed_tokens.weight" if tied else "lm_head.weight"])

@@ -119,7 +119,7 @@ def chat(
     try:
         info = detect(device)
         ops = ops or os.environ.get("KILNX_OPS", "auto")
-        lm = load_model(model, device=info.torch_device, ops=ops, quantize=quantize)
+        lm = load_model(model, device=info.torch_device, ops=ops, quantize=quantize, progress=True)
         proposer = _proposer(lm, info, ops, prompt_lookup, draft_model, num_draft_tokens, params)
         engine = Engine(lm.model, max_seq=max_seq or min(lm.config.max_position_embeddings, 4096),
                         kv_cache_dtype=kv_cache_dtype)

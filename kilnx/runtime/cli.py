@@ -97,7 +97,7 @@ def generate(
     try:
         info = detect(device)
         ops = ops or os.environ.get("KILNX_OPS", "auto")
-        lm = load_model(model, device=info.torch_device, ops=ops, quantize=quantize)
+        lm = load_model(model, device=info.torch_device, ops=ops, quantize=quantize, progress=True)
         proposer = _proposer(lm, info, ops, prompt_lookup, draft_model, num_draft_tokens, params)
         ids = prompt_ids(lm, sys.stdin.read() if prompt == "-" else prompt, chat=chat or system_prompt is not None,
                          system=system_prompt)
@@ -232,7 +232,7 @@ def bench(
         _set_threads(threads)
     try:
         info = detect(device)
-        lm = load_model(model, device=info.torch_device, ops=ops or os.environ.get("KILNX_OPS", "auto"),
+        lm = load_model(model, device=info.torch_device, ops=ops or os.environ.get("KILNX_OPS", "auto"), progress=True,
                         random=random, random_format=weights, quantize=quantize)
         rows = run_bench(lm, prompt_lens=lens, gen=gen, model_name=model,
                          weights=weights_label(lm, random, weights), ops_name=ops_name(lm.model.ops),
@@ -325,7 +325,7 @@ def serve(
     try:
         info = detect(device)
         ops = ops or os.environ.get("KILNX_OPS", "auto")
-        lm = load_model(model, device=info.torch_device, ops=ops, random=random, random_format=weights,
+        lm = load_model(model, device=info.torch_device, ops=ops, random=random, random_format=weights, progress=True,
                         quantize=quantize)
         engine = Engine(lm.model, max_seq=max_seq or min(lm.config.max_position_embeddings, 4096), max_batch=max_batch,
                         kv_cache_dtype=kv_cache_dtype)

@@ -106,11 +106,24 @@ def _looks_gguf(path: str) -> bool:
         return False
 
 
+def _build_with_progress(cfg, src, device, dtype, progress: bool):
+    from kilnx.models.weights import build_weights
+    if not progress:
+        return build_weights(cfg, src, device=device, dtype=dtype)
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    with Progress(TextColumn("loading {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} layers"),
+                  TimeElapsedColumn(), transient=True, console=Console(stderr=True)) as bar:
+        task = bar.add_task(os.path.basename(str(src.path)), total=cfg.num_layers)
+        return build_weights(cfg, src, device=device, dtype=dtype,
+                             progress=lambda done, total: bar.update(task, completed=done))
+
+
 def load_model(spec: str, *, device: str = "cpu", dtype: torch.dtype | None = None, ops=None,
                random: bool = False, random_format: str = "q4", seed: int = 0,
-               quantize: str | None = None) -> LoadedModel:
+               quantize: str | None = None, progress: bool = False) -> LoadedModel:
     """quantize (q4, q8, mxfp4, nvfp4): the checkpoint's dense linears quantized as they load (models/convert.py);
-    weights it holds quantized stay as they are."""
+    weights it holds quantized stay as they are. progress: a bar of the layers loaded on stderr (the CLI's)."""
     from kilnx.codegen.launch import warm_up_in_background
     from kilnx.models.llama import LlamaModel
     from kilnx.models.weights import build_weights
@@ -133,7 +146,7 @@ def load_model(spec: str, *, device: str = "cpu", dtype: torch.dtype | None = No
             except ModelError:
                 tok = None
         with torch.no_grad():
-            weights = build_weights(cfg, src, device=device, dtype=dtype)
+            weights = _build_with_progress(cfg, src, device, dtype, progress)
         return LoadedModel(LlamaModel(cfg, weights, ops=ops), tok, cfg, src.path)
     path = resolve_path(spec)
     cfg, src, tok = open_source(path)
@@ -144,7 +157,7 @@ def load_model(spec: str, *, device: str = "cpu", dtype: torch.dtype | None = No
             src = StackedExperts(src)
         src = QuantizingSource(src, fmt, cfg.arch)
     with torch.no_grad():
-        weights = build_weights(cfg, src, device=device, dtype=dtype)
+        weights = _build_with_progress(cfg, src, device, dtype, progress)
     if tok is not None and not cfg.eos_token_ids and tok.eos_token_ids:
         cfg = cfg.with_(eos_token_ids=tok.eos_token_ids)
     return LoadedModel(LlamaModel(cfg, weights, ops=ops), tok, cfg, path)

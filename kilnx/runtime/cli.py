@@ -252,7 +252,8 @@ def bench(
     except _user_errors() as e:
         _fail(str(e))
     table = Table(title=f"{model} on {info.name} ({rows[0].ops} ops, {rows[0].weights}, "
-                        f"{rows[0].weight_bytes / 1e6:.0f} MB weights, copy {rows[0].copy_bandwidth_gbps:.0f} GB/s)")
+                        f"{rows[0].weight_bytes / 1e6:.0f} MB weights, copy {rows[0].copy_bandwidth_gbps:.0f} GB/s"
+                        + (f", {kv_cache_dtype} KV cache" if kv_cache_dtype != "auto" else "") + ")")
     for col in ("ops", "batch", "prompt", "gen", "TTFT ms", "prefill tok/s", "decode tok/s", "roofline %"):
         table.add_column(col, justify="right")
     for r in rows:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU-machine driver: bash bench/device_run.sh STEP...   (needs .whl carried; everything lands in $OUT)
-# Steps: gputests gpuquick (TESTS=files GPUQUICK_SECS) e2eab (AB_MODELS="8b 1b moe" AB_VAR=KILNX_PDL|KILNX_PREPARED_LAUNCH|KILNX_WG|KILNX_GEMV_PREFETCH|KILNX_FUSED_QKV_ROPE|KILNX_FUSED_ROPE|KILNX_DECODE_LOOKAHEAD|KILNX_MOE_PREPARED AB_VALUES="1 0" AB_PROMPTS=128,2048) quant qmv tc qmm ncu fusions moe e2e1b e2e8b (E2E_CSV=name) tune (TUNE_MODEL) tune8b tunewg cold8b moeprobe (MOEPROBE_ROUNDS) tcgemv tcqmm attnprobe batchdecode (BATCH_MODEL BATCH_SIZES BATCH_STEPS) batchbench (BATCH_SIZES="1 4 8 16" BATCH_MODEL) serveload (SERVE_MODEL SERVE_BATCHES SERVE_REQUESTS) serveconv (SERVE_CONVERSATIONS) speculative (SPEC_MODEL SPEC_ARGS) kvab (KV_MODEL KV_PROMPTS) attnkv ncuwg mmagemv (MMA_ROUNDS) qmmrows mmprefill (MMP_ROUNDS) splitk (SPLITK_SHAPES SPLITK_TILES SPLITK_SPLITS SPLITK_STAGES)   -- each has its own time limit and log.
+# Steps: gputests gpuquick (TESTS=files GPUQUICK_SECS) e2eab (AB_MODELS="8b 1b moe" AB_VAR=KILNX_PDL|KILNX_PREPARED_LAUNCH|KILNX_WG|KILNX_GEMV_PREFETCH|KILNX_FUSED_QKV_ROPE|KILNX_FUSED_ROPE|KILNX_DECODE_LOOKAHEAD|KILNX_MOE_PREPARED AB_VALUES="1 0" AB_PROMPTS=128,2048) quant qmv tc qmm ncu fusions moe e2e1b e2e8b (E2E_CSV=name) tune (TUNE_MODEL) tune8b tunewg cold8b moeprobe (MOEPROBE_ROUNDS) tcgemv tcqmm attnprobe batchdecode (BATCH_MODEL BATCH_SIZES BATCH_STEPS) batchbench (BATCH_SIZES="1 4 8 16" BATCH_MODEL) serveload (SERVE_MODEL SERVE_BATCHES SERVE_REQUESTS) serveconv (SERVE_CONVERSATIONS) speculative (SPEC_MODEL SPEC_ARGS) kvab (KV_MODEL KV_PROMPTS) attnkv mixed (MIXED_MODEL) ncuwg mmagemv (MMA_ROUNDS) qmmrows mmprefill (MMP_ROUNDS) splitk (SPLITK_SHAPES SPLITK_TILES SPLITK_SPLITS SPLITK_STAGES)   -- each has its own time limit and log.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -32,6 +32,7 @@ for s in "$@"; do case $s in
   mmprefill) step mmprefill ${MMP_SECS:-300} python3 bench/probes/mm_prefill.py $OUT/mm_prefill.csv ${MMP_ROUNDS:-3} ;;
   mmagemv) step mmagemv ${MMA_SECS:-330} python3 bench/probes/mma_gemv.py $OUT/mma_gemv.csv ${MMA_ROUNDS:-1} ;;
   qmmrows) step qmmrows ${QMMROWS_SECS:-400} python3 bench/probes/qmm_rows.py $OUT/qmm_rows.csv ${QMMROWS_ROUNDS:-2} ;;
+  mixed) step mixed ${MIXED_SECS:-300} python3 bench/probes/mixed_step.py $OUT/mixed_step.csv ${MIXED_MODEL:-llama-3.1-8b} --random ;;
   attnkv) step attnkv ${ATTN_SECS:-200} python3 bench/probes/attention_decode.py $OUT/attention_kv.csv kv ;;
   attnprobe) step attnprobe ${ATTN_SECS:-300} python3 bench/probes/attention_decode.py $OUT/attention_decode.csv ;;
   profdecode) step profdecode 120 python3 bench/profile_decode.py ${PROFILE_MODEL:-llama-3.1-8b} ${PROFILE_ARGS:-} ;;

@@ -47,12 +47,42 @@ class LlamaModel:
         """Logits (B, T, V), or (B, 1, V) of token `last` alone: an index (-1, the last token) or a (1,) device
         tensor, read when a captured graph replays (a prompt padded to a prefill graph's length, runtime/
         engine.py)."""
-        cfg, ops, w = self.config, self.ops, self.weights
         B, T = input_ids.shape
+        rows_flat = self._rows_of(B, T, positions.device)      # cache row of each token
+        x = self._layers(input_ids, lambda i, layer, x: self._attention(i, layer, x, positions, rows_flat, kv_cache,
+                                                                        B, T))
+        x = x.view(B, T, -1)
+        if isinstance(last, torch.Tensor):
+            x = x.index_select(1, last)
+        elif last is not None:
+            x = x.narrow(1, last % T, 1).contiguous()
+        return self._logits(x)
+
+    __call__ = forward
+
+    def forward_mixed(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, kv_cache,
+                      segments: list[tuple[int, int, int, int]], picks: torch.Tensor) -> torch.Tensor:
+        """Tokens of several kinds in one forward: ids, positions, rows (N,) flat, `segments` (start, row0, B, T)
+        cutting them into the (B, T) blocks attention runs over (cache rows row0..row0+B-1), e.g. a prompt's
+        chunk (one row, T tokens) and a decode step (rows 0..B-1, one token each). The linear layers read each
+        weight once for all N tokens; attention runs per segment. Logits (len(picks), V) of the tokens `picks`."""
+        x = self._layers(ids[None], lambda i, layer, x: self._attention_segments(i, layer, x, positions, rows,
+                                                                                 kv_cache, segments))
+        return self._logits(x.index_select(0, picks))
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        logits = _linear(self.ops, x, self.weights.lm_head)
+        if self.config.final_logit_softcap:
+            logits = self.ops.softcap(logits, self.config.final_logit_softcap)
+        return logits
+
+    def _layers(self, input_ids: torch.Tensor, attend) -> torch.Tensor:
+        """The decoder stack over input_ids' tokens, `attend(i, layer, x)` giving layer i's attention output:
+        the final-normed hidden states (tokens, H)."""
+        cfg, ops, w = self.config, self.ops, self.weights
         eps, off = cfg.rms_norm_eps, self._norm_offset
         emb = getattr(ops, "embedding", None)
         h = emb(w.embed, input_ids) if emb is not None else w.embed[input_ids.reshape(-1)]   # (B*T, H) gather
-        rows_flat = self._rows_of(B, T, positions.device)      # cache row of each token
         residual = None
         for i, layer in enumerate(w.layers):
             if residual is None:
@@ -60,7 +90,7 @@ class LlamaModel:
                 x = ops.rms_norm(h, layer.attn_norm, eps, weight_offset=off)
             else:
                 residual, x = self._add_norm(h, residual, layer.attn_norm, layer.qkv)
-            a = self._attention(i, layer, x, positions, rows_flat, kv_cache, B, T)
+            a = attend(i, layer, x)
             if self._gemma:
                 a = ops.rms_norm(a, layer.post_attn_norm, eps, weight_offset=off)
             mlp_in = layer.gate_up if layer.router is None else [layer.router, layer.experts_gate_up]
@@ -68,18 +98,7 @@ class LlamaModel:
             h = self._mlp(layer, x)
             if self._gemma:
                 h = ops.rms_norm(h, layer.post_mlp_norm, eps, weight_offset=off)
-        _, x = ops.add_rms_norm(h, residual, w.final_norm, eps, weight_offset=off)
-        x = x.view(B, T, -1)
-        if isinstance(last, torch.Tensor):
-            x = x.index_select(1, last)
-        elif last is not None:
-            x = x.narrow(1, last % T, 1).contiguous()
-        logits = _linear(ops, x, w.lm_head)
-        if cfg.final_logit_softcap:
-            logits = ops.softcap(logits, cfg.final_logit_softcap)
-        return logits
-
-    __call__ = forward
+        return ops.add_rms_norm(h, residual, w.final_norm, eps, weight_offset=off)[1]
 
     def _rows_of(self, B: int, T: int, device) -> torch.Tensor:
         """The cache row of each token, made once per (B, T): a step then runs no torch op that writes
@@ -151,6 +170,31 @@ class LlamaModel:
                                          softcap=cfg.attn_logit_softcap, window=window,
                                          interleaved=cfg.rope_interleaved, prepared=fmt)
         return _linear(ops, o if fmt is not None else o.reshape(B * T, Hq * D), [layer.o])
+
+    def _attention_segments(self, i: int, layer: LayerWeights, x, positions, rows, cache, segments):
+        """_attention for forward_mixed: every token's rotation and cache write in one launch (per-token rows
+        and positions), then attention per segment over its rows of the cache."""
+        cfg, ops = self.config, self.ops
+        Hq, Hk, D, qs, ks = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.q_size, cfg.kv_size
+        sliding = cfg.layer_is_sliding(i)
+        inv = self._inv_freq_local if sliding else self._inv_freq
+        k_cache, v_cache = cache.k[i], cache.v[i]
+        qkv = _linear(ops, x, layer.qkv)
+        if layer.qkv_bias is not None:
+            qkv = qkv + layer.qkv_bias
+        n = qkv.shape[0]
+        q, k, v = qkv[:, :qs].view(n, Hq, D), qkv[:, qs:qs + ks].view(n, Hk, D), qkv[:, qs + ks:].view(n, Hk, D)
+        if layer.q_norm is not None:
+            q = ops.rms_norm(q, layer.q_norm, cfg.rms_norm_eps, weight_offset=self._norm_offset)
+            k = ops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps, weight_offset=self._norm_offset)
+        ops.rope_and_cache_(q, k, v, positions, rows, inv, k_cache, v_cache, interleaved=cfg.rope_interleaved)
+        outs = []
+        for start, row0, B, T in segments:
+            outs.append(ops.attention(q[start:start + B * T].view(B, T, Hq, D), k_cache[row0:row0 + B],
+                                      v_cache[row0:row0 + B], positions[start:start + B * T].view(B, T),
+                                      cfg.attn_scale, softcap=cfg.attn_logit_softcap,
+                                      window=cfg.sliding_window if sliding else None).reshape(B * T, Hq * D))
+        return _linear(ops, torch.cat(outs) if len(outs) > 1 else outs[0], [layer.o])
 
     def _mlp(self, layer: LayerWeights, x):
         ops = self.ops

@@ -223,6 +223,24 @@ class Engine:
                                     cache, last=-1)
         return logits[:, 0]
 
+    @torch.no_grad()
+    def mixed(self, tokens: torch.Tensor, positions: torch.Tensor, chunk: list[int], row: int, start: int):
+        """A decode step for rows 0..B-1 (tokens, positions (B,), as decode takes them) and a prompt's chunk
+        into row `row` at positions start.. in one forward: each weight read once for both. (decode logits
+        (B, V), the chunk's last token's logits (V,)). Eager: no graph or replay (the chunk's length varies).
+        Row `row`, parked in the step, writes its junk at the cache's last position, past the chunk."""
+        B, C = tokens.shape[0], len(chunk)
+        self.check_fits(start + C)
+        ids = torch.as_tensor(chunk, dtype=torch.long)
+        self.check_ids(ids)
+        dev = self.device
+        ids = torch.cat([ids.to(dev), tokens.to(dev, torch.long)])
+        pos = torch.cat([torch.arange(start, start + C, device=dev), positions.to(dev, torch.long)])
+        rows = torch.cat([torch.full((C,), row, device=dev), torch.arange(B, device=dev)])
+        picks = torch.cat([torch.arange(C, C + B, device=dev), torch.tensor([C - 1], device=dev)])
+        logits = self.model.forward_mixed(ids, pos, rows, self.cache, [(0, row, 1, C), (C, 0, B, 1)], picks)
+        return logits[:B], logits[B]
+
     def decode_rows(self, B: int) -> int:
         """The rows a decode of B rows runs: on a GPU the captured graph's bucket (rows past B recompute with
         whatever inputs they were last given), else B."""

@@ -320,3 +320,26 @@ def test_generate_counts_penalties_as_the_server_does(lookahead, monkeypatch):
     plain = [t for t in generate_ids(Engine(model, max_seq=32), ids, SamplingParams(max_tokens=10, ignore_eos=True))
              if isinstance(t, int)]
     assert got == want and got != plain
+
+
+def test_a_mixed_forward_is_a_prefill_chunk_and_a_decode_step(monkeypatch):
+    """Engine.mixed: a prompt's chunk into one row and a decode step of rows 0..B-1 in one forward (each weight
+    read once) give the chunk's last logits and the step's logits of the two calls it replaces."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for arch in ARCHS:        # the MoE one too (its experts over the chunk's and the step's tokens together)
+        m = tiny_model(arch, ops="kilnx")
+        prompts = [[5, 9, 2, 7], [3, 3, 8], [11, 4, 6, 1, 2]]
+        chunk = [7, 1, 9, 4, 4, 2, 8, 3, 5]
+        got = {}
+        for mixed in (False, True):
+            e = Engine(m, max_seq=32, max_batch=4, cpu_replay=False)
+            firsts = [int(e.prefill(p, row=r).argmax()) for r, p in enumerate(prompts)]
+            toks = torch.tensor(firsts + [0])
+            pos = torch.tensor([len(p) for p in prompts] + [31])             # row 3 prefills: parked at the end
+            e.prefill(chunk[:4], row=3)
+            if mixed:
+                got[mixed] = e.mixed(toks, pos, chunk[4:], 3, 4)
+            else:
+                got[mixed] = (e.decode(toks, pos).clone(), e.prefill(chunk[4:], row=3, start=4))
+        torch.testing.assert_close(got[True][0][:3], got[False][0][:3], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[True][1], got[False][1], rtol=1e-4, atol=1e-4)

@@ -66,16 +66,7 @@ def main(path: str):
                 continue
             rows.append([ctx, S, path_name, cfg, f"{us:.2f}", ""])
             print(ctx, S, path_name, cfg, f"{us:.2f} us", flush=True)
-    import datetime
-    import os
-
-    import triton
-    stamp = [torch.cuda.get_device_name(), torch.__version__, triton.__version__,
-             os.environ.get("KILNX_COMMIT", "unknown"), datetime.date.today().isoformat()]
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["ctx", "cache", "path", "config", "us", "error", "device", "torch", "triton", "commit", "date"])
-        w.writerows(r + stamp for r in rows)
+    write_csv(path, ["ctx", "cache", "path", "config", "us", "error"], rows)
     for ctx, S in CASES:
         for p in ("one_program", "split"):
             ok = [r for r in rows if r[0] == ctx and r[2] == p and r[4]]
@@ -84,15 +75,23 @@ def main(path: str):
                 print(f"best {p} ctx {ctx} cache {S}: {best[4]} us {best[3]}")
 
 
-def kv_dtypes(path: str):
-    """ops.attention (split or not, as the decode step chooses, with the o projection's prepared input) on each
-    cache dtype: what --kv-cache-dtype fp8 changes in the kernels alone, the bytes they stream halved."""
+def write_csv(path: str, header: list[str], rows: list[list]) -> None:
+    """rows under header, each stamped with the device, versions, commit and date."""
     import datetime
     import os
 
     import triton
-    kw = A._kernel_kwargs(q=torch.empty(1, 1, 32, 128), k_cache=torch.empty(1, 8, 1, 128), scale=128 ** -0.5,
-                          softcap=None, window=None)
+    stamp = [torch.cuda.get_device_name(), torch.__version__, triton.__version__,
+             os.environ.get("KILNX_COMMIT", "unknown"), datetime.date.today().isoformat()]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header + ["device", "torch", "triton", "commit", "date"])
+        w.writerows(r + stamp for r in rows)
+
+
+def kv_dtypes(path: str):
+    """ops.attention (split or not, as the decode step chooses, with the o projection's prepared input) on each
+    cache dtype: what --kv-cache-dtype fp8 changes in the kernels alone, the bytes they stream halved."""
     rows = []
     for ctx, S in ((130, 256), (2050, 2113), (8193, 8256)):
         q, k, v, pos = inputs(ctx, S)
@@ -104,12 +103,7 @@ def kv_dtypes(path: str):
             gbps = 2 * 8 * ctx * 128 * kc.element_size() / us / 1e3
             rows.append([ctx, S, kv, "split" if AS.use_split(q, kc) else "one_program", f"{us:.2f}", f"{gbps:.0f}"])
             print(*rows[-1], flush=True)
-    stamp = [torch.cuda.get_device_name(), torch.__version__, triton.__version__,
-             os.environ.get("KILNX_COMMIT", "unknown"), datetime.date.today().isoformat()]
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["ctx", "cache", "kv", "path", "us", "kv_GBps", "device", "torch", "triton", "commit", "date"])
-        w.writerows(r + stamp for r in rows)
+    write_csv(path, ["ctx", "cache", "kv", "path", "us", "kv_GBps"], rows)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,9 @@ both) rather than run one after the other (the scheduler's turn today: Engine.pr
 graph-replayed Engine.decode of the rows decoding). Times both, in one process, over chunk lengths and rows.
 
   python bench/probes/mixed_step.py OUT_CSV [MODEL] [--random]
-On the CPU (SmolLM2-135M, 2 cores) a 124-token chunk with 4 rows took 647-675 ms mixed against 647-664 ms apart:
-the CPU's GEMMs are compute-bound there, so the weight read saved is not what a turn waits for. Whether the GPU's
-turn (a chunk of 512 tokens, a graph-replayed step) gains is what this measures.
+On the CPU (SmolLM2-135M, 2 cores; bench/results/2026-12-05_cpu_mixed_step_s27.csv) mixed ran 0.75-1.04x the two
+calls: the CPU's GEMMs are compute-bound, so the weight read saved is not what a turn waits for. Whether the
+GPU's turn (a chunk of 512 tokens, a graph-replayed step) gains is what this measures there.
 """
 from __future__ import annotations
 

@@ -128,14 +128,29 @@ class LlamaModel:
                                              weight_offset=self._norm_offset)
         return ops.add_rms_norm(x, residual, norm, cfg.rms_norm_eps, weight_offset=self._norm_offset)
 
+    def _rotary(self, i: int):
+        """(inverse frequencies, attention window) of layer i: gemma's sliding layers have their own rope base."""
+        if self.config.layer_is_sliding(i):
+            return self._inv_freq_local, self.config.sliding_window
+        return self._inv_freq, None
+
+    def _qkv(self, layer: LayerWeights, x):
+        """x projected: qkv (n, q + 2kv), qwen2's bias added, and its q (n, Hq, D), k, v (n, Hk, D) views."""
+        cfg = self.config
+        qkv = _linear(self.ops, x, layer.qkv)
+        if layer.qkv_bias is not None:
+            # qwen2's bias add: the ops contract has no bias epilogue, and this is one tiny elementwise op.
+            qkv = qkv + layer.qkv_bias
+        n, qs, ks = qkv.shape[0], cfg.q_size, cfg.kv_size
+        return (qkv, qkv[:, :qs].view(n, cfg.num_heads, cfg.head_dim),
+                qkv[:, qs:qs + ks].view(n, cfg.num_kv_heads, cfg.head_dim),
+                qkv[:, qs + ks:].view(n, cfg.num_kv_heads, cfg.head_dim))
+
     def _attention(self, i: int, layer: LayerWeights, x, positions, rows_flat, cache, B: int, T: int):
         cfg, ops = self.config, self.ops
-        Hq, Hk, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qs, ks = cfg.q_size, cfg.kv_size
-        sliding = cfg.layer_is_sliding(i)
-        inv = self._inv_freq_local if sliding else self._inv_freq
+        Hq, D, qs = cfg.num_heads, cfg.head_dim, cfg.q_size
+        inv, window = self._rotary(i)
         k_cache, v_cache = cache.k[i], cache.v[i]
-        window = cfg.sliding_window if sliding else None
         fuses = getattr(ops, "fuses_qkv_rope", None)
         if (fuses is not None and layer.qkv_bias is None and layer.q_norm is None and len(layer.qkv) == 1
                 and fuses(x, layer.qkv[0], inv, k_cache, Hq)):
@@ -146,13 +161,7 @@ class LlamaModel:
             o = ops.attention(q.view(B, T, Hq, D), k_cache, v_cache, positions, cfg.attn_scale,
                               softcap=cfg.attn_logit_softcap, window=window, prepared=fmt)
         else:
-            qkv = _linear(ops, x, layer.qkv)                       # (B*T, q + 2kv)
-            if layer.qkv_bias is not None:
-                # qwen2's bias add: the ops contract has no bias epilogue, and this is one tiny elementwise op.
-                qkv = qkv + layer.qkv_bias
-            q = qkv[:, :qs].view(B * T, Hq, D)
-            k = qkv[:, qs:qs + ks].view(B * T, Hk, D)
-            v = qkv[:, qs + ks:].view(B * T, Hk, D)
+            qkv, q, k, v = self._qkv(layer, x)
             fmt = self._prepared_format([layer.o], qkv[:, :qs])     # (B*T, Hq*D), as o's input
             qk_fused = getattr(ops, "qk_norm_rope_cache_", None)
             if layer.q_norm is not None and qk_fused is not None and 2 * inv.shape[0] == D:
@@ -175,15 +184,10 @@ class LlamaModel:
         """_attention for forward_mixed: every token's rotation and cache write in one launch (per-token rows
         and positions), then attention per segment over its rows of the cache."""
         cfg, ops = self.config, self.ops
-        Hq, Hk, D, qs, ks = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.q_size, cfg.kv_size
-        sliding = cfg.layer_is_sliding(i)
-        inv = self._inv_freq_local if sliding else self._inv_freq
+        Hq, D = cfg.num_heads, cfg.head_dim
+        inv, window = self._rotary(i)
         k_cache, v_cache = cache.k[i], cache.v[i]
-        qkv = _linear(ops, x, layer.qkv)
-        if layer.qkv_bias is not None:
-            qkv = qkv + layer.qkv_bias
-        n = qkv.shape[0]
-        q, k, v = qkv[:, :qs].view(n, Hq, D), qkv[:, qs:qs + ks].view(n, Hk, D), qkv[:, qs + ks:].view(n, Hk, D)
+        _, q, k, v = self._qkv(layer, x)
         if layer.q_norm is not None:
             q = ops.rms_norm(q, layer.q_norm, cfg.rms_norm_eps, weight_offset=self._norm_offset)
             k = ops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps, weight_offset=self._norm_offset)
@@ -192,8 +196,7 @@ class LlamaModel:
         for start, row0, B, T in segments:
             outs.append(ops.attention(q[start:start + B * T].view(B, T, Hq, D), k_cache[row0:row0 + B],
                                       v_cache[row0:row0 + B], positions[start:start + B * T].view(B, T),
-                                      cfg.attn_scale, softcap=cfg.attn_logit_softcap,
-                                      window=cfg.sliding_window if sliding else None).reshape(B * T, Hq * D))
+                                      cfg.attn_scale, softcap=cfg.attn_logit_softcap, window=window).reshape(B * T, Hq * D))
         return _linear(ops, torch.cat(outs) if len(outs) > 1 else outs[0], [layer.o])
 
     def _mlp(self, layer: LayerWeights, x):

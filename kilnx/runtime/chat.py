@@ -16,6 +16,7 @@ from typing import Iterator, Optional
 import typer
 from typing_extensions import Annotated
 
+from kilnx.runtime.cli import _KV_HELP
 from kilnx.runtime.request import Finished
 from kilnx.runtime.sampling import SamplingParams
 from kilnx.runtime.scheduler import Scheduler
@@ -93,8 +94,7 @@ def chat(
     ops: Annotated[Optional[str], typer.Option(help="Op implementations: kilnx, torch or auto.")] = None,
     quantize: Annotated[Optional[str], typer.Option(
         help="Quantize a dense checkpoint's linears as it loads: q4, q8, mxfp4, nvfp4 (kilnx convert writes them once).")] = None,
-    kv_cache_dtype: Annotated[str, typer.Option(
-        help="KV cache dtype: auto (the activations') or fp8 (e4m3, half the memory of bf16).")] = "auto",
+    kv_cache_dtype: Annotated[str, typer.Option(help=_KV_HELP)] = "auto",
     stats: Annotated[bool, typer.Option(help="After each reply, print its tokens and the prompt tokens reused.")] = True,
     prompt_lookup: Annotated[bool, typer.Option(
         help="Speculative decoding, guessing from earlier in the conversation (vLLM's ngram method).")] = False,

@@ -111,9 +111,11 @@ class Engine:
     def check_ids(self, ids: torch.Tensor) -> None:
         """A prompt's ids inside the vocabulary: the embedding lookup kernels do not bounds-check a token id (on the
         CPU one past the table faulted the process)."""
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
-            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
-            raise TokenIdError(f"token id {bad} lies outside the model's vocabulary [0, {self.config.vocab_size}); "
+        if not ids.numel():
+            return
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            raise TokenIdError(f"token id {lo if lo < 0 else hi} lies outside the model's vocabulary [0, {self.config.vocab_size}); "
                                "the ids were made by another tokenizer or model.")
 
     # ------------------------------------------------------------------ steps

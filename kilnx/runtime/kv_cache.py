@@ -6,8 +6,9 @@ causal mask (keys j <= position) is also what hides the unwritten tail.
 
 `--kv-cache-dtype fp8` stores K and V as fp8 e4m3 (torch.float8_e4m3fn), half the bytes of bf16: twice the
 sequences x context in the same memory, and half the bytes a long-context decode step's attention reads. Values are
-rounded to nearest and saturate at +-448 with a scale of 1 (as vLLM's `fp8` without calibrated scales): llama-family
-keys and values sit well inside that range; the attention kernels widen them to the queries' dtype as they load.
+rounded to nearest and saturate at +-448 with a scale of 1 (as vLLM's `fp8` without calibrated scales; SmolLM2-135M's
+keys stay below 448, tests/runtime/test_kv_cache_dtype.py); the attention kernels widen them to the queries' dtype
+as they load.
 """
 
 from __future__ import annotations

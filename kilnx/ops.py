@@ -48,6 +48,35 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return activations.gelu_tanh_mul(gate_up)
 
 
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """max(x, 0)², in x.dtype (nemotron-h's MLP)."""
+    from kilnx.kernels import activations
+    return activations.relu2(x)
+
+
+def conv1d_silu_(x: torch.Tensor, weight: torch.Tensor, bias, state: torch.Tensor, positions: torch.Tensor, *,
+                 limit: int) -> torch.Tensor:
+    """A Mamba-2 mixer's causal depthwise convolution then SiLU: x (n, C) of state.shape[0] sequences, weight (C, K),
+    bias (C,) or None, state (nseq, K-1, C) the inputs before each sequence, updated in place; a sequence starting
+    at position 0 starts from zeros, one ending at `limit` (a parked row) leaves its state as it was (kernels/ssm.py)."""
+    from kilnx.kernels import ssm
+    return ssm.conv1d_silu_(x, weight, bias, state, positions, limit=limit)
+
+
+def ssm_scan_(x, dt, B, C, A_log, dt_bias, D, state, positions, *, limit: int, dt_min: float = 0.0,
+              dt_max: float = float("inf")) -> torch.Tensor:
+    """Mamba-2's selective scan: x (n, H, P), dt (n, H), B / C (n, G, N), A_log / dt_bias / D (H,), state
+    (nseq, H, P, N) fp32 updated in place (the position rules of conv1d_silu_) -> y (n, H, P) in x.dtype."""
+    from kilnx.kernels import ssm
+    return ssm.ssm_scan_(x, dt, B, C, A_log, dt_bias, D, state, positions, limit=limit, dt_min=dt_min, dt_max=dt_max)
+
+
+def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, w: torch.Tensor, group: int, eps: float) -> torch.Tensor:
+    """rms_norm of y * silu(z) over each group of `group` channels, times w: (n, I) in y.dtype."""
+    from kilnx.kernels import ssm
+    return ssm.gated_rms_norm(y, z, w, group, eps)
+
+
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     """cap * tanh(x / cap)."""
     from kilnx.kernels import activations

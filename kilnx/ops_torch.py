@@ -60,6 +60,34 @@ def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     return (cap * torch.tanh(x.float() / cap)).to(x.dtype)
 
 
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """max(x, 0)², in x.dtype (nemotron-h's MLP)."""
+    return F.relu(x.float()).square().to(x.dtype)
+
+
+def conv1d_silu_(x, weight, bias, state, positions, *, limit: int) -> torch.Tensor:
+    """kilnx.ops.conv1d_silu_ in float64 torch (kernels/ssm.py's formula), the state updated in place."""
+    from kilnx.kernels.ssm import conv1d_silu_formula
+    out, new = conv1d_silu_formula(x, weight, bias, state, positions, limit=limit)
+    state.copy_(new)
+    return out
+
+
+def ssm_scan_(x, dt, B, C, A_log, dt_bias, D, state, positions, *, limit: int, dt_min: float = 0.0,
+              dt_max: float = float("inf")) -> torch.Tensor:
+    """kilnx.ops.ssm_scan_ token by token in float64 torch (kernels/ssm.py's formula), the state updated in place."""
+    from kilnx.kernels.ssm import ssm_scan_formula
+    y, new = ssm_scan_formula(x, dt, B, C, A_log, dt_bias, D, state, positions, limit=limit, dt_min=dt_min,
+                              dt_max=dt_max)
+    state.copy_(new)
+    return y
+
+
+def gated_rms_norm(y, z, w, group: int, eps: float) -> torch.Tensor:
+    from kilnx.kernels.ssm import gated_rms_norm_formula
+    return gated_rms_norm_formula(y, z, w, group, eps)
+
+
 def scaled_add(x: torch.Tensor, residual: torch.Tensor, scale: float) -> torch.Tensor:
     """residual + scale * x (per-layer residual scaling)."""
     return (residual.float() + scale * x.float()).to(x.dtype)

@@ -1,5 +1,5 @@
-"""Activation fusions: SwiGLU and GeGLU over a fused [gate | up] row, logit softcap, scaled residual
-add, and argmax over the vocabulary."""
+"""Activation fusions: SwiGLU and GeGLU over a fused [gate | up] row, squared ReLU (nemotron-h's ungated MLP),
+logit softcap, scaled residual add, and argmax over the vocabulary."""
 
 from __future__ import annotations
 
@@ -17,6 +17,12 @@ def silu_mul_kernel(gate_up):
 def gelu_tanh_mul_kernel(gate_up):
     gate, up = kd.split(gate_up, 2)
     return (kd.gelu_tanh(gate.f32()) * up.f32()).astype(gate_up.dtype)
+
+
+@kd.fusion
+def relu2_kernel(x):
+    h = kd.maximum(x.f32(), 0.0)
+    return (h * h).astype(x.dtype)
 
 
 @kd.fusion
@@ -40,6 +46,10 @@ def silu_mul(gate_up):
 
 def gelu_tanh_mul(gate_up):
     return gelu_tanh_mul_kernel(gate_up)
+
+
+def relu2(x):
+    return relu2_kernel(x)
 
 
 def softcap(x, cap):

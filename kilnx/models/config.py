@@ -1,7 +1,8 @@
 """ModelConfig: the architecture numbers a model is built from, read from HF config.json or GGUF metadata.
 
 One flat dataclass covers the llama family (llama 3.x, SmolLM2, mistral, qwen2, qwen3 with q/k norms),
-gemma3, and the MoE members qwen3-moe and mixtral (routed expert MLPs; which layers, how many experts).
+gemma3, the MoE members qwen3-moe and mixtral (routed expert MLPs; which layers, how many experts), and the
+hybrid nemotron-h (Mamba-2, attention and MLP layers in the order `layer_kinds` gives; models/hybrid.py).
 """
 
 from __future__ import annotations
@@ -17,9 +18,14 @@ from kilnx.models.errors import UnsupportedArchitectureError
 # general.architecture spellings map onto these.
 DENSE_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 MOE_ARCHS = ("qwen3_moe", "mixtral")
-RUNNABLE_ARCHS = DENSE_ARCHS + MOE_ARCHS
+HYBRID_ARCHS = ("nemotron_h",)
+RUNNABLE_ARCHS = DENSE_ARCHS + MOE_ARCHS + HYBRID_ARCHS
 _HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                   "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
+                   "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral",
+                   "nemotron_h": "nemotron_h"}
+# nemotron-h's layer letters (hybrid_override_pattern) and the spellings of its layer-type lists
+_NEMOTRON_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe", "mamba": "mamba", "linear_attention": "mamba",
+                   "attention": "attention", "full_attention": "attention", "mlp": "mlp", "moe": "moe"}
 _GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
                "qwen3moe": "qwen3_moe"}
 
@@ -63,6 +69,15 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1          # every n-th layer is an MoE layer ...
     mlp_only_layers: tuple[int, ...] = () # ... except these, which keep a dense MLP
+    # hybrid (nemotron_h): per layer "mamba" | "attention" | "mlp", and the Mamba-2 mixers' sizes
+    layer_kinds: tuple[str, ...] = ()
+    mamba_heads: int = 0                  # H: heads of P channels, each with a P x N state
+    mamba_head_dim: int = 0               # P
+    ssm_state_size: int = 0               # N
+    ssm_groups: int = 0                   # G: B and C are shared by the H / G heads of a group
+    conv_kernel: int = 4
+    conv_bias: bool = True
+    dt_limit: tuple[float, float] = (0.0, float("inf"))
     name: str = ""
 
     # ---- derived ----
@@ -89,6 +104,23 @@ class ModelConfig:
 
     def layer_is_moe(self, i: int) -> bool:
         return self.is_moe and i not in self.mlp_only_layers and (i + 1) % max(self.decoder_sparse_step, 1) == 0
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.layer_kinds)
+
+    @property
+    def mamba_inner(self) -> int:
+        """I = H * P: the mixer's channels (its gate z and its scanned x)."""
+        return self.mamba_heads * self.mamba_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """The convolved channels: x, then B and C (G * N each)."""
+        return self.mamba_inner + 2 * self.ssm_groups * self.ssm_state_size
+
+    def layer_kind(self, i: int) -> str:
+        return self.layer_kinds[i] if self.layer_kinds else "attention"
 
     def layer_is_sliding(self, i: int) -> bool:
         return bool(self.layer_types) and self.layer_types[i] == "sliding" and self.sliding_window is not None
@@ -163,7 +195,8 @@ def from_hf(cfg: dict, source: str = "config.json") -> ModelConfig:
     c = ModelConfig(
         arch=arch, name=cfg.get("_name_or_path", ""),
         vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg.get("intermediate_size", 0), num_layers=cfg["num_hidden_layers"],
+        intermediate_size=cfg.get("intermediate_size", 0), num_layers=cfg.get("num_hidden_layers") or len(
+            cfg.get("hybrid_override_pattern") or cfg.get("layers_block_type") or ()),
         num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=head_dim,
         rope_theta=float(theta), rope_scaling=dict(scaling) if scaling else None,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
@@ -182,7 +215,39 @@ def from_hf(cfg: dict, source: str = "config.json") -> ModelConfig:
     )
     if arch == "gemma3":
         c = _gemma3_from_hf(c, cfg)
+    if arch == "nemotron_h":
+        c = _nemotron_h_from_hf(c, cfg, source)
     return c
+
+
+def _nemotron_h_from_hf(c: ModelConfig, cfg: dict, source: str) -> ModelConfig:
+    pattern = cfg.get("hybrid_override_pattern") or cfg.get("layers_block_type") or cfg.get("layer_types")
+    if not pattern:
+        raise UnsupportedArchitectureError(f"{source}: a nemotron_h config without hybrid_override_pattern or "
+                                           "layers_block_type; the layer stack cannot be known.")
+    unknown = sorted({str(p) for p in pattern} - _NEMOTRON_KINDS.keys())
+    if unknown:
+        raise UnsupportedArchitectureError(f"{source}: nemotron_h layer types {unknown} are not known; expected "
+                                           "M, *, - (mamba, attention, mlp).")
+    kinds = tuple(_NEMOTRON_KINDS[p] for p in pattern)
+    if "moe" in kinds:
+        raise UnsupportedArchitectureError(f"{source}: this nemotron_h stack has MoE layers (E); kilnx runs its "
+                                           "Mamba-2, attention and MLP layers, not its sigmoid-routed experts yet.")
+    biased = [k for k in ("attention_bias", "mlp_bias", "mamba_proj_bias", "use_bias") if cfg.get(k)]
+    if biased:
+        raise UnsupportedArchitectureError(f"{source}: nemotron_h with {', '.join(biased)} set; kilnx runs the "
+                                           "released configs, whose linear layers have no biases.")
+    heads = c.num_heads
+    head_dim = cfg.get("head_dim") or cfg.get("attention_head_dim") or c.hidden_size // heads
+    limit = cfg.get("time_step_limit") or (0.0, float("inf"))
+    return c.with_(layer_kinds=kinds, num_layers=len(kinds), head_dim=int(head_dim), hidden_act="relu2",
+                   rms_norm_eps=float(cfg.get("layer_norm_epsilon", cfg.get("rms_norm_eps", 1e-5))),
+                   tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), qk_norm=False, attention_bias=False,
+                   mamba_heads=int(cfg["mamba_num_heads"]), mamba_head_dim=int(cfg["mamba_head_dim"]),
+                   ssm_state_size=int(cfg["ssm_state_size"]), ssm_groups=int(cfg.get("n_groups", 1)),
+                   conv_kernel=int(cfg.get("conv_kernel", 4)), conv_bias=bool(cfg.get("use_conv_bias", True)),
+                   dt_limit=(float(limit[0]), float(limit[1])), num_experts=0, num_experts_per_tok=0,
+                   moe_intermediate_size=0)
 
 
 def _gemma3_from_hf(c: ModelConfig, cfg: dict) -> ModelConfig:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from kilnx.models.config import ModelConfig
+from kilnx.models.config import ModelConfig, from_hf
 
 _LLAMA3_EOS = (128001, 128008, 128009)
 
@@ -61,6 +61,12 @@ PRESETS: dict[str, ModelConfig] = {
         norm_weight_offset=1.0, embed_scale=math.sqrt(640), query_pre_attn_scalar=256.0,
         sliding_window=512, layer_types=tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(18)),
         rope_local_theta=10000.0),
+    # nvidia/Nemotron-H-8B-Base-8K: 24 Mamba-2, 4 attention and 24 MLP layers
+    "nemotron-h-8b": from_hf(dict(
+        model_type="nemotron_h", _name_or_path="nvidia/Nemotron-H-8B-Base-8K", vocab_size=131072, hidden_size=4096,
+        intermediate_size=21504, num_attention_heads=32, num_key_value_heads=8, head_dim=128, mamba_num_heads=128,
+        mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4, use_conv_bias=True, layer_norm_epsilon=1e-5,
+        max_position_embeddings=8192, hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-")),
 }
 
 
@@ -78,6 +84,8 @@ def problems(cfg: ModelConfig) -> list[dict]:
     Each entry: {"name", "N", "K", "count"} where count is how many times per token the GEMM runs
     (layers, or layers x active experts for MoE). The tuner sweeps M (tokens) itself.
     """
+    if cfg.is_hybrid:
+        return _hybrid_problems(cfg)
     L = cfg.num_layers
     out = [
         {"name": "qkv", "N": cfg.q_size + 2 * cfg.kv_size, "K": cfg.hidden_size, "count": L},
@@ -99,3 +107,16 @@ def problems(cfg: ModelConfig) -> list[dict]:
         ]
     out.append({"name": "lm_head", "N": cfg.vocab_size, "K": cfg.hidden_size, "count": 1})
     return out
+
+
+def _hybrid_problems(cfg: ModelConfig) -> list[dict]:
+    count = {k: cfg.layer_kinds.count(k) for k in ("mamba", "attention", "mlp")}
+    H, I, F = cfg.hidden_size, cfg.mamba_inner, cfg.intermediate_size
+    out = [{"name": "in_proj", "N": I + cfg.conv_dim + cfg.mamba_heads, "K": H, "count": count["mamba"]},
+           {"name": "out_proj", "N": H, "K": I, "count": count["mamba"]},
+           {"name": "qkv", "N": cfg.q_size + 2 * cfg.kv_size, "K": H, "count": count["attention"]},
+           {"name": "o", "N": H, "K": cfg.q_size, "count": count["attention"]},
+           {"name": "up", "N": F, "K": H, "count": count["mlp"]},
+           {"name": "down", "N": H, "K": F, "count": count["mlp"]},
+           {"name": "lm_head", "N": cfg.vocab_size, "K": H, "count": 1}]
+    return [p for p in out if p["count"]]

@@ -97,7 +97,7 @@ class ModelWeights:
             seen.add(id(w))
             total += linear_nbytes(w)
         for layer in self.layers:
-            for w in (layer.experts_gate_up, layer.experts_down):
+            for w in (getattr(layer, "experts_gate_up", None), getattr(layer, "experts_down", None)):
                 if w is not None:
                     total += int(linear_nbytes(w) * expert_fraction)
         for t in _all_norms(self):
@@ -122,6 +122,9 @@ def linear_nbytes(w) -> int:
 def _all_linears(w: ModelWeights):
     """Every 2-D linear (the expert stacks are counted apart, see nbytes)."""
     for layer in w.layers:
+        if hasattr(layer, "linears"):          # a hybrid model's layer (models/hybrid.py) lists its own
+            yield from layer.linears()
+            continue
         yield from layer.qkv
         yield layer.o
         yield from layer.gate_up
@@ -131,6 +134,9 @@ def _all_linears(w: ModelWeights):
 
 def _all_norms(w: ModelWeights):
     for layer in w.layers:
+        if hasattr(layer, "small_tensors"):
+            yield from layer.small_tensors()
+            continue
         for t in (layer.attn_norm, layer.mlp_norm, layer.qkv_bias, layer.q_norm, layer.k_norm,
                   layer.post_attn_norm, layer.post_mlp_norm):
             if t is not None:
@@ -202,6 +208,9 @@ def build_weights(cfg: ModelConfig, src: WeightSource, *, device="cpu", dtype=to
             need(n)
         return [gemv_width(_place(w, device, dtype)) for w in concat_linears(src.linears(names))]
 
+    if cfg.is_hybrid:
+        from kilnx.models.hybrid import build_hybrid_weights
+        return build_hybrid_weights(cfg, src, device=device, dtype=dtype, progress=progress)
     gemma = cfg.arch == "gemma3"
     layers = []
     for i in range(cfg.num_layers):
@@ -230,25 +239,32 @@ def build_weights(cfg: ModelConfig, src: WeightSource, *, device="cpu", dtype=to
         if progress is not None:
             progress(i + 1, cfg.num_layers)
 
+    lm_head, embed = embedding_and_head(cfg, src, "model.embed_tokens.weight", lin, need, device, dtype)
+    freq = src.dense("rope_freqs") if src.has("rope_freqs") else None
+    return ModelWeights(embed=embed, layers=layers,
+                        final_norm=dense("model.norm.weight"), lm_head=lm_head, rope_freq_factors=freq)
+
+
+def embedding_and_head(cfg: ModelConfig, src: WeightSource, embed_name: str, lin, need, device, dtype):
+    """(lm_head, embedding table) of any decoder: the table kept quantized where it may (tied: the lm_head's own
+    weight), else dense and pre-scaled by config.embed_scale."""
     tied = cfg.tie_embeddings or not src.has("lm_head.weight")
-    lm_head = lin(["model.embed_tokens.weight" if tied else "lm_head.weight"])
+    lm_head = lin([embed_name if tied else "lm_head.weight"])
     # the embedding as the checkpoint stores it, where it may stay quantized: tied, the lm_head's own weight
     codes = None
     if tied:
         codes = lm_head[0] if len(lm_head) == 1 else None
     elif quant_embedding_on():
-        codes = lin(["model.embed_tokens.weight"])[0]
+        codes = lin([embed_name])[0]
     embed = quant_embedding(codes, cfg.embed_scale, dtype)
     if embed is None:   # an unquantized checkpoint's table is the linear itself (the tied lm_head's too)
-        embed = codes if isinstance(codes, torch.Tensor) else src.dense(need("model.embed_tokens.weight"))
+        embed = codes if isinstance(codes, torch.Tensor) else src.dense(need(embed_name))
         if cfg.embed_scale != 1.0:
             # gemma scales embeddings by sqrt(hidden) in the model dtype; baking it into the lookup table
             # costs nothing per token and leaves the tied lm_head unscaled.
             embed = embed.to(dtype) * torch.tensor(cfg.embed_scale, dtype=dtype)
         embed = embed.to(device=device, dtype=dtype)
-    freq = src.dense("rope_freqs") if src.has("rope_freqs") else None
-    return ModelWeights(embed=embed, layers=layers,
-                        final_norm=dense("model.norm.weight"), lm_head=lm_head, rope_freq_factors=freq)
+    return lm_head, embed
 
 
 def _moe_weights(cfg: ModelConfig, src: WeightSource, i: int, lin):

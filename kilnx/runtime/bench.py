@@ -103,6 +103,8 @@ def run_bench(lm, *, prompt_lens: list[int], gen: int, model_name: str, weights:
                       repeats=repeats, model=model_name, device=str(engine.device), ops=ops_name, weights=weights,
                       weight_bytes=lm.model.weights.nbytes(_experts_read_per_token(cfg)),
                       kv_bytes_per_token=engine.cache.bytes_per_token(),
+                      # a hybrid model's step reads and writes each row's recurrent state, whatever the context
+                      state_bytes_per_token=2 * getattr(engine.cache, "state_nbytes_per_row", 0),
                       bandwidth_gbps=bandwidth_gbps or copy_bandwidth_gbps(engine.device), batch=batch)
 
 
@@ -138,7 +140,7 @@ def _experts_read_per_token(cfg) -> float:
 
 def timed_rows(greedy, *, vocab_size: int, prompt_lens: list[int], gen: int, seed: int, repeats: int,
                model: str, device: str, ops: str, weights: str, weight_bytes: int, kv_bytes_per_token: int,
-               bandwidth_gbps: float, batch: int = 1) -> list[BenchRow]:
+               bandwidth_gbps: float, batch: int = 1, state_bytes_per_token: int = 0) -> list[BenchRow]:
     """The protocol kilnx and every peer are timed by, so their rows compare: `greedy(ids, n)` generates
     n tokens after prompt ids and returns (TTFT seconds, decode tok/s over the tokens after the first).
     Prompts come from one seeded generator in one order (a warm-up prompt, then one per length); each
@@ -155,7 +157,7 @@ def timed_rows(greedy, *, vocab_size: int, prompt_lens: list[int], gen: int, see
         ttft, decode = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
         # Average context over the decode steps: each step reads all keys and values written so far; a step
         # of B rows reads the weights once for B tokens
-        per_token = weight_bytes // batch + int(kv_bytes_per_token * (L + gen / 2))
+        per_token = weight_bytes // batch + int(kv_bytes_per_token * (L + gen / 2)) + state_bytes_per_token
         rows.append(BenchRow(
             model=model, device=device, ops=ops, weights=weights, prompt_len=L, gen=gen, ttft_ms=ttft * 1e3,
             prefill_tok_s=batch * L / ttft, decode_tok_s=decode, weight_bytes=weight_bytes,

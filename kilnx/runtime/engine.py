@@ -73,14 +73,20 @@ class Engine:
         # bench/profile_prefill.py): the host, not the GPU, set the pace. Larger chunks give each launch
         # four times the work.
         self.prefill_chunk = prefill_chunk or (2048 if self.device.type == "cuda" else 512)
-        self.cache = KVCache.for_model(cfg, max_batch, self.max_seq, dtype=cache_dtype(kv_cache_dtype, model.dtype),
-                                       device=self.device)
+        kv_dtype = cache_dtype(kv_cache_dtype, model.dtype)
+        new_cache = getattr(model, "new_cache", None)     # a hybrid model's cache holds its recurrent state too
+        self.cache = (new_cache(max_batch, self.max_seq, dtype=kv_dtype, device=self.device) if new_cache is not None
+                      else KVCache.for_model(cfg, max_batch, self.max_seq, dtype=kv_dtype, device=self.device))
+        # rows carrying recurrent state (models/hybrid.py) take only their next tokens: no prompt padded to a
+        # prefill graph's length, no speculative tokens to take back, no prefixes copied between rows
+        self.recurrent = bool(getattr(model, "recurrent", False))
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda" and os.environ.get("KILNX_CUDA_GRAPHS", "1") != "0"
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self._graphs: dict[int, _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
-        self.prefill_graph_max = int(os.environ.get("KILNX_PREFILL_GRAPH_MAX", "512")) if self.cuda_graphs else 0
+        self.prefill_graph_max = (int(os.environ.get("KILNX_PREFILL_GRAPH_MAX", "512"))
+                                  if self.cuda_graphs and not self.recurrent else 0)
         self._prefill_graphs: dict[tuple[int, int], _Graph] = {}   # (row, padded length) -> graph
         self.prefill_graph_refused: dict[tuple[int, int], str] = {}  # (row, padded length) -> why it stays eager
         self._aranged = torch.arange(0, device=self.device)           # 0, 1, ...: a prefill graph's positions
@@ -159,6 +165,7 @@ class Engine:
         decode step: from its second use at a (row, n) it replays, as a CUDA graph or the CPU's recorded
         launches; the first runs eagerly (compiling, filling memos) and is then captured. The logits are the
         replay's buffer: read them before the next call."""
+        self._check_rewindable()
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1).to(self.device)
         n = ids.numel()
         self.check_fits(start + n)
@@ -169,11 +176,17 @@ class Engine:
         """Rows 0..B-1, n tokens each: tokens and positions (B, n) -> every token's logits (B, n, V) — speculative
         rounds of several rows in one forward (a row with nothing to check rides along parked, as in decode).
         Replayed like verify from the second use at a (B, n)."""
+        self._check_rewindable()
         B, n = tokens.shape
         if int(positions.max()) >= self.max_seq:
             raise ContextLengthError(f"generation reached the context length ({self.max_seq} tokens).")
         cache = self.cache.rows(0, B) if B != self.max_batch else self.cache
         return self._check_forward(("rows", B, n), tokens, positions, cache)
+
+    def _check_rewindable(self) -> None:
+        if self.recurrent:
+            raise NotImplementedError(f"speculative decoding needs rows that can take back rejected tokens; "
+                                      f"{self.config.arch}'s recurrent state cannot. Run it without a draft model.")
 
     def _check_forward(self, key: tuple, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
         """Every token's logits of a short forward (ids, positions: (b, n)), eager at its first use at `key`, then
@@ -321,7 +334,10 @@ class Engine:
         ids = tokens.view(B, 1).to(self.device).clone()
         pos = positions.view(B, 1).to(self.device).clone()
         cache = self.cache.rows(0, B) if B != self.max_batch else self.cache
+        saved = cache.save_state() if self.recurrent else None
         eager = self.model.forward(ids, pos, cache, last=-1)
+        if saved is not None:       # the recording runs the step again: from the same state, not one step on
+            cache.restore_state(saved)
         rec, out = self._capture_forward(lambda: self.model.forward(ids, pos, cache, last=-1))
         self._replays[B] = _Graph(rec, ids, pos, out) if rec is not None else None
         self.replay_refused = [] if rec is not None else [out]

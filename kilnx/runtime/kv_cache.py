@@ -76,3 +76,73 @@ class KVCache:
         """Positions [0, n) of `other`'s sequence src into this cache's sequence dst (same layers and heads)."""
         for mine, theirs in zip(self.k + self.v, other.k + other.v):
             mine[dst, :, :n].copy_(theirs[src, :, :n])
+
+
+class HybridCache(KVCache):
+    """A hybrid model's cache (models/hybrid.py): K and V for its attention layers, and for each Mamba-2 layer the
+    recurrent state of every row, conv (B, K-1, C) in the activation dtype and ssm (B, H, P, N) fp32. Lists are
+    indexed by layer, None where a layer has no such part.
+
+    A row's state sums its whole history, so it cannot be cut back to a prefix: no prefix copies between rows (a
+    prompt restarts from position 0, where the kernels begin from a zero state), and nothing may run a token into a
+    row that is not its next one (runtime/engine.py: no padded prefill graphs, no speculative rounds)."""
+
+    def __init__(self, k: list, v: list, conv: list, ssm: list, max_seq: int):
+        super().__init__(k, v)
+        self.conv, self.ssm, self._max_seq = conv, ssm, max_seq
+
+    @classmethod
+    def for_hybrid(cls, cfg: ModelConfig, batch: int, max_seq: int, *, dtype=torch.float32, state_dtype=None,
+                   device="cpu") -> "HybridCache":
+        kinds = [cfg.layer_kind(i) for i in range(cfg.num_layers)]
+        kv = (batch, cfg.num_kv_heads, max_seq, cfg.head_dim)
+        k = [torch.zeros(kv, dtype=dtype, device=device) if t == "attention" else None for t in kinds]
+        v = [torch.zeros(kv, dtype=dtype, device=device) if t == "attention" else None for t in kinds]
+        conv_shape = (batch, cfg.conv_kernel - 1, cfg.conv_dim)
+        ssm_shape = (batch, cfg.mamba_heads, cfg.mamba_head_dim, cfg.ssm_state_size)
+        conv = [torch.zeros(conv_shape, dtype=state_dtype or dtype, device=device) if t == "mamba" else None
+                for t in kinds]
+        ssm = [torch.zeros(ssm_shape, dtype=torch.float32, device=device) if t == "mamba" else None for t in kinds]
+        return cls(k, v, conv, ssm, max_seq)
+
+    def _present(self, tensors: list) -> list:
+        return [t for t in tensors if t is not None]
+
+    @property
+    def batch(self) -> int:
+        return (self._present(self.k) or self._present(self.ssm))[0].shape[0]
+
+    @property
+    def max_seq(self) -> int:
+        return self._max_seq
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._present(self.k + self.v + self.conv + self.ssm))
+
+    @property
+    def state_nbytes_per_row(self) -> int:
+        """The recurrent state's bytes for one sequence, whatever its length."""
+        return sum(t[0].numel() * t.element_size() for t in self._present(self.conv + self.ssm))
+
+    def bytes_per_token(self) -> int:
+        ks = self._present(self.k)
+        return 2 * len(ks) * ks[0].shape[1] * ks[0].shape[3] * ks[0].element_size() if ks else 0
+
+    def rows(self, start: int, stop: int) -> "HybridCache":
+        def cut(ts):
+            return [t[start:stop] if t is not None else None for t in ts]
+        return HybridCache(cut(self.k), cut(self.v), cut(self.conv), cut(self.ssm), self._max_seq)
+
+    def save_state(self) -> list:
+        """A copy of every row's recurrent state, for restore_state: a step that must run twice from the same
+        state (the CPU engine's recording of its first step)."""
+        return [t.clone() for t in self._present(self.conv + self.ssm)]
+
+    def restore_state(self, saved: list) -> None:
+        for t, s in zip(self._present(self.conv + self.ssm), saved):
+            t.copy_(s)
+
+    def copy_prefix_from(self, other, src: int, dst: int, n: int) -> None:
+        raise NotImplementedError("a hybrid model's rows hold recurrent state, which cannot be cut back to a prefix: "
+                                  "prefix reuse between rows is off for it.")

@@ -93,7 +93,11 @@ class Scheduler:
         self._per_request = proposer is not None and proposer.fork() is not None
         self._proposing_for: Request | None = None   # the request whose sequence the shared proposer began
         self.drafted = self.accepted = 0             # speculative telemetry: guesses made, guesses kept
-        self.store = PrefixStore(engine.cache, prefix_slots, min_tokens=COPY_MIN) if prefix_slots else None
+        if engine.recurrent and proposer is not None:
+            engine._check_rewindable()
+        # a recurrent model's rows reuse nothing (runtime/kv_cache.py's HybridCache): no prefixes kept or stored
+        self.store = (PrefixStore(engine.cache, prefix_slots, min_tokens=COPY_MIN)
+                      if prefix_slots and not engine.recurrent else None)
         # a GPU step is enqueued before the host reads the previous step's tokens (their detokenizing, stop
         # checks and events run while it computes); on the CPU kernels run as launched, so nothing overlaps
         if lookahead is None:
@@ -239,7 +243,7 @@ class Scheduler:
         prefix copied in now; else a free row keeping nothing, or the one freed longest ago. Kept tokens the
         request would overwrite go to the store first. At least the prompt's last token is prefilled again (its logits
         give the first token); echo wants every prompt token's logits, so it reuses nothing."""
-        ids, limit = req.ids, 0 if req.echo else len(req.ids) - 1
+        ids, limit = req.ids, 0 if req.echo or self.engine.recurrent else len(req.ids) - 1
         free = [i for i, r in enumerate(self.rows) if r is None]
         spare = min(free, key=lambda i: (bool(self.kept[i]), self._released[i]))
         row, have = spare, 0

@@ -24,6 +24,7 @@ import torch
 from kilnx.kernels import activations as A
 from kilnx.kernels import norms as N
 from kilnx.kernels import qmatmul as Q
+from kilnx.kernels import ssm as S
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("KILNX_UPDATE_GOLDEN") == "1"
@@ -55,7 +56,20 @@ CASES = {
         lambda: (torch.zeros(256, 128, dtype=torch.bfloat16), torch.zeros(512, 128, dtype=torch.bfloat16)),
         {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "TMA": True,
          "PERSISTENT": True}, {}),
+    # Mamba-2's scan: a program's (BLOCK_P, N) state carried through a runtime loop over its sequence's tokens,
+    # then stored unless the sequence is parked
+    "ssm_scan": (
+        S.ssm_scan_kernel,
+        lambda: (torch.zeros(8, 4, 16, dtype=torch.bfloat16), torch.zeros(8, 4, dtype=torch.bfloat16),
+                 torch.zeros(8, 2, 32, dtype=torch.bfloat16), torch.zeros(8, 2, 32, dtype=torch.bfloat16),
+                 torch.zeros(4), torch.zeros(4), torch.zeros(4), torch.zeros(2, 4, 16, 32),
+                 torch.zeros(8, dtype=torch.long)),
+        {"BLOCK_P": 16, "num_warps": 4}, dict(T=4, limit=99, dt_min=0.0, dt_max=1e30, BLOCK_N=32)),
 }
+# pointers of another dtype than bf16 in a case's inputs (the compile check's signature)
+POINTER_DTYPES = {"ssm_scan": {"A_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "D_ptr": "*fp32", "state_ptr": "*fp32",
+                               "positions_ptr": "*i64"}}
+FLOAT_SCALARS = ("eps", "offset", "dt_min", "dt_max")
 
 
 def source(name: str) -> str:
@@ -158,8 +172,8 @@ def _compile_for_gpu(name: str):
     sig, constexprs = {}, {}
     for i, n in enumerate(names):
         if n.endswith("_ptr"):
-            sig[n] = "*bf16"
-        elif n in ("eps", "offset"):
+            sig[n] = POINTER_DTYPES.get(name, {}).get(n, "*bf16")
+        elif n in FLOAT_SCALARS:
             sig[n] = "fp32"
         elif n in box_strides:
             sig[n] = "i32"

@@ -119,14 +119,21 @@ def _build_with_progress(cfg, src, device, dtype, progress: bool):
                              progress=lambda done, total: bar.update(task, completed=done))
 
 
+def model_class(cfg):
+    """The forward of cfg's architecture: the llama family's, or the hybrid stack's (models/hybrid.py)."""
+    if cfg.is_hybrid:
+        from kilnx.models.hybrid import HybridModel
+        return HybridModel
+    from kilnx.models.llama import LlamaModel
+    return LlamaModel
+
+
 def load_model(spec: str, *, device: str = "cpu", dtype: torch.dtype | None = None, ops=None,
                random: bool = False, random_format: str = "q4", seed: int = 0,
                quantize: str | None = None, progress: bool = False) -> LoadedModel:
     """quantize (q4, q8, mxfp4, nvfp4): the checkpoint's dense linears quantized as they load (models/convert.py);
     weights it holds quantized stay as they are. progress: a bar of the layers loaded on stderr (the CLI's)."""
     from kilnx.codegen.launch import warm_up_in_background
-    from kilnx.models.llama import LlamaModel
-    from kilnx.models.weights import build_weights
     dtype = dtype or default_dtype(device)
     warm_up_in_background(device)     # overlaps the weights' loading (GPU only)
     if random:
@@ -147,7 +154,7 @@ def load_model(spec: str, *, device: str = "cpu", dtype: torch.dtype | None = No
                 tok = None
         with torch.no_grad():
             weights = _build_with_progress(cfg, src, device, dtype, progress)
-        return LoadedModel(LlamaModel(cfg, weights, ops=ops), tok, cfg, src.path)
+        return LoadedModel(model_class(cfg)(cfg, weights, ops=ops), tok, cfg, src.path)
     path = resolve_path(spec)
     cfg, src, tok = open_source(path)
     if quantize:
@@ -160,4 +167,4 @@ def load_model(spec: str, *, device: str = "cpu", dtype: torch.dtype | None = No
         weights = _build_with_progress(cfg, src, device, dtype, progress)
     if tok is not None and not cfg.eos_token_ids and tok.eos_token_ids:
         cfg = cfg.with_(eos_token_ids=tok.eos_token_ids)
-    return LoadedModel(LlamaModel(cfg, weights, ops=ops), tok, cfg, path)
+    return LoadedModel(model_class(cfg)(cfg, weights, ops=ops), tok, cfg, path)

@@ -28,6 +28,9 @@ class RandomSource:
 
     def _shape(self, name: str) -> tuple[int, ...]:
         c = self.cfg
+        if c.is_hybrid:
+            got = self._hybrid(name)
+            return got if isinstance(got, tuple) else tuple(got.shape)
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             return (c.vocab_size, c.hidden_size)
         if name == "model.norm.weight":
@@ -61,7 +64,13 @@ class RandomSource:
     def _randn(self, shape, std: float, dtype=torch.float32) -> torch.Tensor:
         return torch.randn(shape, generator=self.gen, device=self.device, dtype=dtype).mul_(std)
 
+    def _hybrid(self, name: str):
+        from kilnx.models.hybrid import random_hybrid_tensor
+        return random_hybrid_tensor(self.cfg, name, lambda shape, std: self._randn(shape, std))
+
     def dense(self, name: str) -> torch.Tensor:
+        if self.cfg.is_hybrid and not isinstance(got := self._hybrid(name), tuple):
+            return got.to(self.device)
         shape = self._shape(name)
         if len(shape) == 2:                      # the embedding table
             return self._randn(shape, 1.0, self.dtype)

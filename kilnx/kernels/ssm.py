@@ -1,0 +1,201 @@
+"""Mamba-2 mixer kernels: the causal depthwise convolution and the selective state-space scan, each carrying its
+per-sequence state in place, and the gated group RMSNorm that follows them.
+
+State lives in the cache rows a forward runs over (runtime/kv_cache.py's HybridCache): conv (rows, K-1, C), the
+last K-1 inputs of each channel, and ssm (rows, H, P, N) fp32. Both kernels take the tokens' positions for two
+rules the engine relies on:
+- a sequence whose first token is at position 0 starts from a zero state (a new prompt in a reused row needs no
+  separate reset launch);
+- a sequence whose last token is at `limit` (the cache's last position, where the scheduler parks rows that are
+  free or still prefilling inside a batched decode step) leaves its state unwritten: the parked row's junk token
+  must not advance the state of a prompt half prefilled. A real token there is the context's last; the state after
+  it is never read.
+
+Tokens come as `nseq` sequences of T each, flattened (n = nseq * T): a prefill chunk (one sequence) or a decode
+step (nseq rows, one token each). Sequence b's state is row b of the state tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import kilnx.dsl as kd
+from kilnx.kernels.sizes import pow2_at_least
+
+
+# ------------------------------------------------------------------ causal conv1d (+ SiLU)
+def _conv_default(x, weight, bias, state, positions, **_):
+    return {"BLOCK_C": 128 if x.shape[1] >= 128 else pow2_at_least(x.shape[1]), "BLOCK_T": 16}
+
+
+@kd.kernel(tune={"BLOCK_C": kd.pow2(16, 512, default=128), "BLOCK_T": kd.pow2(1, 64, default=16),
+                 "num_warps": kd.choice(1, 2, 4, 8, default=4)},
+           key=lambda x, weight, *a, **k: {"n": x.shape[0], "C": x.shape[1]}, default=_conv_default)
+def conv1d_silu_kernel(x, weight, bias, state, positions, *, T: int, limit: int, K: kd.constexpr = 4,
+                       HAS_BIAS: kd.constexpr = True, BLOCK_C, BLOCK_T):
+    """out[i, c] = silu(bias[c] + sum_k weight[c, k] * in[i - (K-1) + k, c]) over each sequence's inputs preceded
+    by its state (the K-1 inputs before the sequence); the state then holds the sequence's last K-1 inputs."""
+    n, C = x.shape
+    b, cb = kd.grid(n // T, kd.cdiv(C, BLOCK_C))
+    c = cb * BLOCK_C + kd.arange(0, BLOCK_C)
+    first = b * T
+    fresh = kd.load(positions, first) == 0                              # a sequence at position 0 starts afresh
+    out = kd.output((n, C), x.dtype)
+    for t0 in kd.range(0, T, BLOCK_T):
+        t = t0 + kd.arange(0, BLOCK_T)
+        acc = kd.zeros((BLOCK_T, BLOCK_C), kd.f32)
+        if HAS_BIAS:
+            acc = acc + kd.load(bias, c).f32()[None, :]
+        for k in kd.static_range(K):
+            src = t - (K - 1) + k                                        # the tap's input, sequence-relative
+            from_x = kd.load(x, (first + src)[:, None], c[None, :], mask=((src >= 0) & (t < T))[:, None]).f32()
+            from_state = kd.where(fresh, 0.0, kd.load(state, b, (src + (K - 1))[:, None], c[None, :],
+                                                      mask=((src < 0) & (t < T))[:, None]).f32())
+            acc = acc + kd.load(weight, c, k).f32()[None, :] * (from_x + from_state)
+        kd.store(out, (first + t)[:, None], c[None, :], kd.silu(acc).astype(x.dtype), mask=(t < T)[:, None])
+    # the new window: input T-(K-1)+j, from x, or (a sequence shorter than the window) from the old state
+    j = kd.arange(0, pow2_at_least(K - 1))
+    src = T - (K - 1) + j
+    live = j < K - 1
+    window = (kd.load(x, (first + src)[:, None], c[None, :], mask=((src >= 0) & live)[:, None]).f32()
+              + kd.where(fresh, 0.0, kd.load(state, b, (src + (K - 1))[:, None], c[None, :],
+                                             mask=((src < 0) & live)[:, None]).f32()))
+    kd.barrier()                                                         # every old-state read before the write
+    keep_state = kd.load(positions, first + T - 1) < limit
+    kd.store(state, b, j[:, None], c[None, :], window.astype(state.dtype), mask=(live[:, None] & keep_state))
+    return out
+
+
+def conv1d_silu_(x: torch.Tensor, weight: torch.Tensor, bias, state: torch.Tensor, positions: torch.Tensor, *,
+                 limit: int, backend=None, config=None) -> torch.Tensor:
+    """x (n, C) of nseq sequences of T = n / nseq tokens (nseq = state's rows), weight (C, K), bias (C,) or None,
+    state (nseq, K-1, C) updated in place, positions (n,) -> silu(conv) (n, C) in x.dtype."""
+    nseq, K = state.shape[0], weight.shape[1]
+    if x.shape[0] % nseq or state.shape[1:] != (K - 1, x.shape[1]) or weight.shape[0] != x.shape[1]:
+        raise ValueError(f"conv1d: x {tuple(x.shape)}, weight {tuple(weight.shape)} and state {tuple(state.shape)} "
+                         "do not describe nseq sequences of C channels with a (nseq, K-1, C) state")
+    return conv1d_silu_kernel(x, weight, bias, state, positions.reshape(-1),
+                              T=x.shape[0] // nseq, limit=int(limit), K=K, HAS_BIAS=bias is not None,
+                              backend=backend, config=config)
+
+
+# ------------------------------------------------------------------ selective scan
+def _scan_default(x, *a, **_):
+    return {"BLOCK_P": min(pow2_at_least(x.shape[2]), 16)}
+
+
+@kd.kernel(tune={"BLOCK_P": kd.pow2(4, 128, default=16), "num_warps": kd.choice(1, 2, 4, 8, default=4)},
+           key=lambda x, *a, **k: {"n": x.shape[0], "H": x.shape[1], "P": x.shape[2]}, default=_scan_default)
+def ssm_scan_kernel(x, dt, Bm, Cm, A_log, dt_bias, D, state, positions, *, T: int, limit: int, dt_min: float,
+                    dt_max: float, BLOCK_N: kd.constexpr = 128, BLOCK_P):
+    """Per head h and token: dt = clamp(softplus(dt + dt_bias[h])), the state decays by exp(-exp(A_log[h]) * dt)
+    and takes dt * x ⊗ B; y = state · C + D[h] * x. B and C are shared by the H / G heads of a group."""
+    n, H, P = x.shape
+    N = Bm.shape[2]
+    b, h, pb = kd.grid(n // T, H, kd.cdiv(P, BLOCK_P))
+    g = h // (H // Bm.shape[1])
+    p = pb * BLOCK_P + kd.arange(0, BLOCK_P)
+    s = kd.arange(0, BLOCK_N)
+    a = -kd.exp(kd.load(A_log, h).f32())
+    bias = kd.load(dt_bias, h).f32()
+    skip = kd.load(D, h).f32()
+    first = b * T
+    fresh = kd.load(positions, first) == 0
+    inside = (p < P)[:, None] & (s < N)[None, :]
+    st = kd.var(kd.where(fresh, 0.0, kd.load(state, b, h, p[:, None], s[None, :], mask=inside).f32()))
+    y = kd.output((n, H, P), x.dtype, name="y")
+    for t in kd.range(0, T):
+        i = first + t
+        xt = kd.load(x, i, h, p, mask=p < P).f32()
+        step = kd.minimum(kd.maximum(kd.softplus(kd.load(dt, i, h).f32() + bias), dt_min), dt_max)
+        bt = kd.load(Bm, i, g, s, mask=s < N).f32()
+        ct = kd.load(Cm, i, g, s, mask=s < N).f32()
+        st.set(st * kd.exp(step * a) + (step * xt)[:, None] * bt[None, :])
+        kd.store(y, i, h, p, (kd.sum(st * ct[None, :], axis=1) + skip * xt).astype(x.dtype), mask=p < P)
+    keep_state = kd.load(positions, first + T - 1) < limit
+    kd.store(state, b, h, p[:, None], s[None, :], st, mask=inside & keep_state)
+    return y
+
+
+def ssm_scan_(x, dt, B, C, A_log, dt_bias, D, state, positions, *, limit: int, dt_min: float = 0.0,
+              dt_max: float = float("inf"), backend=None, config=None) -> torch.Tensor:
+    """x (n, H, P), dt (n, H) before softplus, B and C (n, G, N), A_log / dt_bias / D (H,), state (nseq, H, P, N)
+    fp32 updated in place, positions (n,) -> y (n, H, P) in x.dtype."""
+    nseq = state.shape[0]
+    n, H, P = x.shape
+    if n % nseq or state.shape[1:] != (H, P, B.shape[2]) or H % B.shape[1] or dt.shape != (n, H):
+        raise ValueError(f"ssm_scan: x {tuple(x.shape)}, dt {tuple(dt.shape)}, B {tuple(B.shape)} and state "
+                         f"{tuple(state.shape)} do not describe nseq sequences of H heads of P x N states")
+    return ssm_scan_kernel(x, dt, B, C, A_log, dt_bias, D, state, positions.reshape(-1), T=n // nseq,
+                           limit=int(limit), dt_min=float(dt_min), dt_max=float(dt_max),
+                           BLOCK_N=pow2_at_least(B.shape[2]), backend=backend, config=config)
+
+
+# ------------------------------------------------------------------ gated group RMSNorm
+@kd.kernel(tune={"num_warps": kd.choice(1, 2, 4, 8, default=4)},
+           key=lambda y, *a, **k: {"n": y.shape[0], "I": y.shape[1]})
+def gated_rms_norm_kernel(y, z, w, *, eps: float, GROUP: kd.constexpr = 64, BLOCK_D: kd.constexpr = 64):
+    """out = rms_norm over each group of GROUP channels of y * silu(z), times w."""
+    n, I = y.shape
+    i, g = kd.grid(n, I // GROUP)
+    d = kd.arange(0, BLOCK_D)
+    col = g * GROUP + d
+    h = kd.load(y, i, col, mask=d < GROUP).f32() * kd.silu(kd.load(z, i, col, mask=d < GROUP).f32())
+    r = kd.rsqrt(kd.sum(h * h) / GROUP + eps)
+    out = kd.output((n, I), y.dtype)
+    kd.store(out, i, col, (h * r * kd.load(w, col, mask=d < GROUP).f32()).astype(y.dtype), mask=d < GROUP)
+    return out
+
+
+def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, w: torch.Tensor, group: int, eps: float, *, backend=None,
+                   config=None) -> torch.Tensor:
+    """y, z (n, I), w (I,) -> rms_norm(y * silu(z)) per group of `group` channels, times w, in y.dtype."""
+    if y.shape[1] % group or z.shape != y.shape:
+        raise ValueError(f"gated_rms_norm: {tuple(y.shape)} / {tuple(z.shape)} rows do not split into groups of {group}")
+    return gated_rms_norm_kernel(y, z, w, eps=float(eps), GROUP=int(group), BLOCK_D=pow2_at_least(group),
+                                 backend=backend, config=config)
+
+
+# ------------------------------------------------------------------ meanings (float64), for tests and the torch peer
+def conv1d_silu_formula(x, weight, bias, state, positions, *, limit: int):
+    """conv1d_silu_'s meaning: (out in x.dtype, the new state), state untouched."""
+    nseq, K = state.shape[0], weight.shape[1]
+    T = x.shape[0] // nseq
+    outs, states = [], []
+    for b in range(nseq):
+        old = state[b].double() * (0.0 if int(positions[b * T]) == 0 else 1.0)
+        seq = torch.cat([old, x[b * T:(b + 1) * T].double()])                  # (K-1+T, C)
+        taps = torch.stack([seq[k:k + T] for k in range(K)], -1)              # (T, C, K)
+        pre = (taps * weight.double()).sum(-1) + (bias.double() if bias is not None else 0.0)
+        outs.append(torch.nn.functional.silu(pre).to(x.dtype))
+        keep = int(positions[b * T + T - 1]) < limit
+        states.append(seq[T:].to(state.dtype) if keep else state[b].clone())
+    return torch.cat(outs), torch.stack(states)
+
+
+def ssm_scan_formula(x, dt, B, C, A_log, dt_bias, D, state, positions, *, limit: int, dt_min: float = 0.0,
+                     dt_max: float = float("inf")):
+    """ssm_scan_'s meaning, token by token in float64: (y in x.dtype, the new state), state untouched."""
+    nseq = state.shape[0]
+    n, H, P = x.shape
+    T, rep = n // nseq, H // B.shape[1]
+    a = -torch.exp(A_log.double())
+    ys, states = [], []
+    for b in range(nseq):
+        st = state[b].double() * (0.0 if int(positions[b * T]) == 0 else 1.0)   # (H, P, N)
+        for t in range(b * T, (b + 1) * T):
+            step = torch.nn.functional.softplus(dt[t].double() + dt_bias.double()).clamp(dt_min, dt_max)  # (H,)
+            bt = B[t].double().repeat_interleave(rep, 0)                       # (H, N)
+            ct = C[t].double().repeat_interleave(rep, 0)
+            xt = x[t].double()                                                 # (H, P)
+            st = st * torch.exp(step * a)[:, None, None] + (step[:, None] * xt)[:, :, None] * bt[:, None, :]
+            ys.append(((st * ct[:, None, :]).sum(-1) + D.double()[:, None] * xt).to(x.dtype))
+        keep = int(positions[b * T + T - 1]) < limit
+        states.append(st.to(state.dtype) if keep else state[b].clone())
+    return torch.stack(ys), torch.stack(states)
+
+
+def gated_rms_norm_formula(y, z, w, group: int, eps: float):
+    h = (y.double() * torch.nn.functional.silu(z.double())).unflatten(-1, (-1, group))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h.flatten(-2) * w.double()).to(y.dtype)

@@ -1,0 +1,200 @@
+"""nemotron-h, the hybrid Mamba-2 / attention / MLP stack (models/hybrid.py).
+
+Truth: a tiny nemotron-h written by mlx-lm itself (dense and 4-bit) gives mlx-lm's logits in kilnx, on the kernels
+and on the torch peer. The engine over its recurrent state: chunked prefill then decode equals one full forward;
+rows decoded together equal rows decoded alone, a parked row's state untouched; the CPU's recorded step equals
+eager steps; the serving scheduler's text equals generate's. What cannot work on rows with state is refused by
+name: speculative decoding, MoE layers.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+import torch
+
+from kilnx.models.config import ModelConfig, from_hf
+from kilnx.models.errors import UnsupportedArchitectureError
+from kilnx.runtime.engine import Engine
+
+HF = dict(model_type="nemotron_h", vocab_size=320, hidden_size=128, intermediate_size=256, max_position_embeddings=128,
+          num_attention_heads=4, num_key_value_heads=2, head_dim=32, attention_bias=False, mamba_num_heads=8,
+          mamba_head_dim=16, mamba_proj_bias=False, ssm_state_size=16, conv_kernel=4, n_groups=2, mlp_bias=False,
+          layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True, hybrid_override_pattern="M-M*-M",
+          tie_word_embeddings=False, eos_token_id=2)
+IDS = [3, 17, 99, 250, 5, 61, 7, 128, 300, 42, 11]
+
+
+def tiny_hybrid(ops="torch", device="cpu", fmt="bf16", seed=0, **changes):
+    from kilnx.models.hybrid import HybridModel
+    from kilnx.models.loaders.random_init import RandomSource
+    from kilnx.models.weights import build_weights
+    cfg = from_hf(dict(HF, **changes))
+    src = RandomSource(cfg, fmt=fmt, dtype=torch.float32, seed=seed)
+    return HybridModel(cfg, build_weights(cfg, src, dtype=torch.float32, device=device), ops=ops)
+
+
+def full_logits(model, ids):
+    cache = model.new_cache(1, 64, dtype=torch.float32, device=model.device)
+    dev = model.device
+    return model.forward(torch.tensor([ids], device=dev), torch.arange(len(ids), device=dev)[None], cache)[0]
+
+
+def _write_mlx_checkpoint(path, quant: bool):
+    mx = pytest.importorskip("mlx.core")
+    pytest.importorskip("mlx_lm")
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.utils import quantize_model, save_config, save_model
+    module = importlib.import_module("mlx_lm.models.nemotron_h")
+    config = dict(HF)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    mx.random.seed(0)
+    params = {}
+    for name, p in tree_flatten(model.parameters()):
+        if name.endswith("norm.weight") or name.endswith(".D"):
+            params[name] = 1.0 + 0.1 * mx.random.normal(p.shape)
+        elif name.endswith("A_log"):
+            params[name] = mx.log(mx.random.uniform(1, 16, p.shape))
+        elif name.endswith("dt_bias"):
+            params[name] = mx.random.uniform(-4, -2, p.shape)
+        elif "conv1d" in name:
+            params[name] = 0.5 * mx.random.normal(p.shape)
+        else:
+            params[name] = mx.random.normal(p.shape) * p.shape[-1] ** -0.5
+    params["backbone.embeddings.weight"] = mx.random.normal((HF["vocab_size"], HF["hidden_size"]))
+    params["lm_head.weight"] = mx.random.normal((HF["vocab_size"], HF["hidden_size"])) * 2.0   # logits of O(5)
+    model.update(tree_unflatten(list(params.items())))
+    if quant:
+        model, config = quantize_model(model, config, group_size=64, bits=4)
+    mx.eval(model.parameters())
+    save_model(path, model)
+    save_config(dict(config), path / "config.json")
+    return np.array(model(mx.array([IDS])).astype(mx.float32))[0]
+
+
+@pytest.mark.parametrize("quant", [False, True])
+def test_logits_match_mlx_lm(tmp_path, quant, backend):
+    from kilnx.models.hybrid import HybridModel
+    from kilnx.models.loaders import load_model
+    want = _write_mlx_checkpoint(tmp_path, quant)
+    lm = load_model(str(tmp_path), device=backend.device, dtype=torch.float32, ops=backend.ops)
+    assert isinstance(lm.model, HybridModel)
+    assert [layer.kind for layer in lm.model.weights.layers] == ["mamba", "mlp", "mamba", "attention", "mlp", "mamba"]
+    if quant:
+        from kilnx.quant import QWeight
+        assert isinstance(lm.model.weights.layers[0].mamba.in_proj[0], QWeight)
+    with torch.no_grad():
+        got = full_logits(lm.model, IDS).cpu().numpy()
+    assert np.abs(want).max() > 4
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_chunked_prefill_then_decode_equals_one_forward(backend):
+    model = tiny_hybrid(backend.ops, backend.device)
+    ids = torch.randint(0, 320, (14,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        full = full_logits(model, ids)
+    eng = Engine(model, max_seq=32, prefill_chunk=4)          # chunks of 4, 4, 1 carry the state across
+    got = [eng.prefill(ids[:9])]
+    for t in range(9, 14):
+        got.append(eng.decode(torch.tensor([ids[t]]), torch.tensor([t]))[0].clone())
+    torch.testing.assert_close(torch.stack(got), full[8:], rtol=1e-4, atol=1e-4)
+    # a new prompt in the same row starts from a zero state (its first token is at position 0)
+    torch.testing.assert_close(eng.prefill(ids[:5]), full[4], rtol=1e-4, atol=1e-4)
+
+
+def test_rows_decoded_together_equal_rows_decoded_alone_and_a_parked_row_keeps_its_state():
+    model = tiny_hybrid()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (5, 9, 3)]
+    single = []
+    for p in prompts:
+        e = Engine(model, max_seq=32)
+        e.prefill(p)
+        single.append(e.decode(torch.tensor([7]), torch.tensor([len(p)]))[0].clone())
+    eng = Engine(model, max_seq=32, max_batch=3)
+    for row, p in enumerate(prompts):
+        eng.prefill(p, row=row)
+    kept = [t.clone() for t in eng.cache.rows(1, 2).ssm if t is not None]
+    # row 1 parked at the cache's last position (as the scheduler parks a row it is still prefilling)
+    out = eng.decode(torch.tensor([7, 7, 7]), torch.tensor([len(prompts[0]), 31, len(prompts[2])]))
+    torch.testing.assert_close(out[[0, 2]], torch.stack(single)[[0, 2]], rtol=1e-4, atol=1e-4)
+    assert all(torch.equal(a, b) for a, b in zip(kept, [t for t in eng.cache.rows(1, 2).ssm if t is not None]))
+    torch.testing.assert_close(eng.decode(torch.tensor([7, 7, 7]), torch.tensor([len(p) for p in prompts]))[1],
+                               single[1], rtol=1e-4, atol=1e-4)
+
+
+def test_cpu_replay_equals_eager_decode(monkeypatch):
+    """The CPU engine runs its first step twice (eager, then recorded): the state is put back between the two,
+    so the replayed steps continue from the right one."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    model = tiny_hybrid("kilnx")
+    runs = {}
+    for replay in (False, True):
+        eng = Engine(model, max_seq=32, cpu_replay=replay)
+        tok = int(eng.prefill(IDS[:6]).argmax())
+        runs[replay] = []
+        for t in range(6, 12):
+            logits = eng.decode(torch.tensor([tok]), torch.tensor([t]))[0].clone()
+            runs[replay].append(logits)
+            tok = int(logits.argmax())
+    assert eng._replays[1] is not None, eng.replay_refused
+    torch.testing.assert_close(torch.stack(runs[True]), torch.stack(runs[False]), rtol=0, atol=0)
+
+
+def test_the_cli_ops_run_it_on_the_kernels(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    auto = tiny_hybrid("auto")
+    with torch.no_grad():
+        got = full_logits(auto, IDS)
+    assert not auto.ops.fell_back
+    torch.testing.assert_close(got, full_logits(tiny_hybrid("kilnx"), IDS), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_the_scheduler_gives_each_request_its_tokens_alone(lookahead):
+    """Five requests on two rows (rows reused, free and prefilling rows parked in the steps; a prompt that repeats
+    an earlier one's history reuses nothing: state rows keep no prefixes): each request's tokens are those it gets
+    alone. With lookahead a step is enqueued before the previous one's tokens are read."""
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "runtime"))
+    from outcomes import Outcomes
+
+    from kilnx.runtime.generate import generate_ids
+    from kilnx.runtime.sampling import SamplingParams
+    from kilnx.runtime.scheduler import Scheduler
+    model = tiny_hybrid()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (5, 9, 3, 12)]
+    prompts.append(prompts[0] + [7, 8])
+    budgets = (6, 3, 8, 5, 4)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in budgets]
+    outcomes = Outcomes(len(prompts))
+    with Scheduler(Engine(model, max_seq=48, max_batch=2), lookahead=lookahead, prefix_slots=4) as sched:
+        assert sched.store is None
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            sched.submit(p, sp, outcomes.listener(i))
+        done = outcomes.wait(300)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        alone = [t for t in generate_ids(Engine(model, max_seq=48), p, sp) if isinstance(t, int)]
+        assert list(done[i].token_ids) == alone
+
+
+def test_speculative_decoding_is_refused_by_name():
+    eng = Engine(tiny_hybrid(), max_seq=32)
+    with pytest.raises(NotImplementedError, match="recurrent state"):
+        eng.verify([1, 2], row=0, start=3)
+
+
+def test_configs_it_cannot_run_are_refused_by_name():
+    with pytest.raises(UnsupportedArchitectureError, match="MoE layers"):
+        from_hf(dict(HF, hybrid_override_pattern="ME*"))
+    with pytest.raises(UnsupportedArchitectureError, match="hybrid_override_pattern"):
+        from_hf({k: v for k, v in HF.items() if k != "hybrid_override_pattern"})
+    with pytest.raises(UnsupportedArchitectureError, match="mlp_bias"):
+        from_hf(dict(HF, mlp_bias=True))
+    cfg = from_hf(dict(HF, layers_block_type=["mamba", "attention", "mlp"], hybrid_override_pattern=None))
+    assert isinstance(cfg, ModelConfig) and cfg.layer_kinds == ("mamba", "attention", "mlp") and cfg.num_layers == 3

@@ -25,7 +25,9 @@ from kilnx.kernels.sizes import pow2_at_least
 
 # ------------------------------------------------------------------ causal conv1d (+ SiLU)
 def _conv_default(x, weight, bias, state, positions, **_):
-    return {"BLOCK_C": 128 if x.shape[1] >= 128 else pow2_at_least(x.shape[1]), "BLOCK_T": 16}
+    # a decode step's sequences are one token each: a taller tile would be all masked lanes
+    T = x.shape[0] // max(state.shape[0], 1)
+    return {"BLOCK_C": 128 if x.shape[1] >= 128 else pow2_at_least(x.shape[1]), "BLOCK_T": min(16, pow2_at_least(T))}
 
 
 @kd.kernel(tune={"BLOCK_C": kd.pow2(16, 512, default=128), "BLOCK_T": kd.pow2(1, 64, default=16),

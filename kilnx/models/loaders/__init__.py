@@ -142,6 +142,10 @@ def load_model(spec: str, *, device: str = "cpu", dtype: torch.dtype | None = No
         key = spec.strip().lower()
         if key in PRESETS:
             cfg = get_preset(key)
+        elif os.path.isdir(spec):        # a directory's config.json is all random weights need
+            from kilnx.models.config import from_hf
+            from kilnx.models.loaders.safetensors_loader import read_hf_config
+            cfg = from_hf(read_hf_config(spec), os.path.join(spec, "config.json"))
         else:
             cfg, _, _ = open_source(resolve_path(spec))
         cfg.check_supported(spec)

@@ -66,6 +66,7 @@ def argmax(logits):
 
 silu_mul_kernel.tuning(make_args=rows_args(n_rows_inputs=1, n_vectors=0, width_factor=2),
                        problems=row_problems(widths=(14336,)))
+relu2_kernel.tuning(make_args=rows_args(n_rows_inputs=1, n_vectors=0), problems=row_problems(widths=(21504,)))
 gelu_tanh_mul_kernel.tuning(make_args=rows_args(n_rows_inputs=1, n_vectors=0, width_factor=2),
                             problems=row_problems(widths=(14336,)))
 softcap_kernel.tuning(make_args=rows_args(n_rows_inputs=1, n_vectors=0),

@@ -72,13 +72,22 @@ def problems_for_model(model: str, gpu: bool = True) -> list[tuple[str, dict]]:
         return out
 
     def rows(n: int) -> list[tuple[str, dict]]:
+        act = ("relu2_kernel", {"rows": n, "D": width, "dtype": "bf16"}) if cfg.hidden_act == "relu2" else \
+            ("silu_mul_kernel", {"rows": n, "D": width, "dtype": "bf16"})
         return [("add_rms_norm_kernel", {"rows": n, "D": cfg.hidden_size, "dtype": "bf16"}),
-                ("rms_norm_kernel", {"rows": n, "D": cfg.hidden_size, "dtype": "bf16"}),
-                ("silu_mul_kernel", {"rows": n, "D": width, "dtype": "bf16"})]
+                ("rms_norm_kernel", {"rows": n, "D": cfg.hidden_size, "dtype": "bf16"}), act]
+
+    def mixer(T: int, nseq: int = 1) -> list[tuple[str, dict]]:
+        """A hybrid model's Mamba-2 conv and scan at its own sizes (kernels/ssm.py)."""
+        if not cfg.is_hybrid:
+            return []
+        p = {"H": cfg.mamba_heads, "P": cfg.mamba_head_dim, "G": cfg.ssm_groups, "N": cfg.ssm_state_size,
+             "K": cfg.conv_kernel, "T": T, "nseq": nseq}
+        return [("ssm_scan_kernel", p), ("conv1d_silu_kernel", p)]
 
     # Most important first: a tune whose budget runs out skips the tail (tuner/session.py). One-token
     # decode is what a user waits on token after token; then 4-row decode, MoE, and prefill.
-    out = decode(1) + rows(1) + (decode(4) if gpu else [])
+    out = decode(1) + rows(1) + mixer(1) + (decode(4) + mixer(1, 4) if gpu else [])
     out += [("qmm_wg_direct", {"M": 16, "N": g["N"], "K": g["K"]}) for g in problems(cfg) if wgmma(g)]
     if cfg.is_moe:
         from kilnx.kernels.moe_specs import moe_problems
@@ -91,5 +100,5 @@ def problems_for_model(model: str, gpu: bool = True) -> list[tuple[str, dict]]:
         out += [("qmm", {"M": m, "N": g["N"], "K": g["K"], "bits": 4, "gs": 64}) for m in fused_rows]
         out += [("mm", {"M": m, "N": g["N"], "K": g["K"]}) for m in dense_rows]
         out.append(("qmatmul_rows_crossover", {"N": g["N"], "K": g["K"], "bits": 4, "gs": 64}))
-    out += rows(2048)
+    out += rows(2048) + mixer(2048)
     return out

@@ -22,6 +22,8 @@ import torch
 import kilnx.dsl as kd
 from kilnx.kernels.sizes import pow2_at_least
 
+NO_LIMIT = 2 ** 31 - 1     # no parking position: every sequence's state is written
+
 
 # ------------------------------------------------------------------ causal conv1d (+ SiLU)
 def _conv_default(x, weight, bias, state, positions, **_):
@@ -30,15 +32,23 @@ def _conv_default(x, weight, bias, state, positions, **_):
     return {"BLOCK_C": 128 if x.shape[1] >= 128 else pow2_at_least(x.shape[1]), "BLOCK_T": min(16, pow2_at_least(T))}
 
 
+def _conv_spec(x, weight, bias, state, positions, *, limit=NO_LIMIT, HAS_BIAS=True, **_):
+    return conv1d_silu_formula(x, weight, bias if HAS_BIAS else None, state, positions, limit=limit)[0]
+
+
 @kd.kernel(tune={"BLOCK_C": kd.pow2(16, 512, default=128), "BLOCK_T": kd.pow2(1, 64, default=16),
                  "num_warps": kd.choice(1, 2, 4, 8, default=4)},
-           key=lambda x, weight, *a, **k: {"n": x.shape[0], "C": x.shape[1]}, default=_conv_default)
-def conv1d_silu_kernel(x, weight, bias, state, positions, *, T: int, limit: int, K: kd.constexpr = 4,
+           key=lambda x, weight, bias, state, *a, **k: {"nseq": state.shape[0], "T": x.shape[0] // state.shape[0],
+                                                         "C": x.shape[1]},
+           default=_conv_default, spec=_conv_spec)
+def conv1d_silu_kernel(x, weight, bias, state, positions, *, limit: int = NO_LIMIT, K: kd.constexpr = 4,
                        HAS_BIAS: kd.constexpr = True, BLOCK_C, BLOCK_T):
     """out[i, c] = silu(bias[c] + sum_k weight[c, k] * in[i - (K-1) + k, c]) over each sequence's inputs preceded
     by its state (the K-1 inputs before the sequence); the state then holds the sequence's last K-1 inputs."""
     n, C = x.shape
-    b, cb = kd.grid(n // T, kd.cdiv(C, BLOCK_C))
+    nseq = state.shape[0]
+    T = n // nseq
+    b, cb = kd.grid(nseq, kd.cdiv(C, BLOCK_C))
     c = cb * BLOCK_C + kd.arange(0, BLOCK_C)
     first = b * T
     fresh = kd.load(positions, first) == 0                              # a sequence at position 0 starts afresh
@@ -76,8 +86,8 @@ def conv1d_silu_(x: torch.Tensor, weight: torch.Tensor, bias, state: torch.Tenso
     if x.shape[0] % nseq or state.shape[1:] != (K - 1, x.shape[1]) or weight.shape[0] != x.shape[1]:
         raise ValueError(f"conv1d: x {tuple(x.shape)}, weight {tuple(weight.shape)} and state {tuple(state.shape)} "
                          "do not describe nseq sequences of C channels with a (nseq, K-1, C) state")
-    return conv1d_silu_kernel(x, weight, bias, state, positions.reshape(-1),
-                              T=x.shape[0] // nseq, limit=int(limit), K=K, HAS_BIAS=bias is not None,
+    return conv1d_silu_kernel(x, weight, bias, state, positions.reshape(-1), limit=int(limit), K=K,
+                              HAS_BIAS=bias is not None,
                               backend=backend, config=config)
 
 
@@ -86,15 +96,26 @@ def _scan_default(x, *a, **_):
     return {"BLOCK_P": min(pow2_at_least(x.shape[2]), 16)}
 
 
+def _scan_spec(x, dt, B, C, A_log, dt_bias, D, state, positions, *, limit=NO_LIMIT, dt_min=0.0, dt_max=float("inf"),
+               **_):
+    return ssm_scan_formula(x, dt, B, C, A_log, dt_bias, D, state, positions, limit=limit, dt_min=dt_min,
+                            dt_max=dt_max)[0]
+
+
 @kd.kernel(tune={"BLOCK_P": kd.pow2(4, 128, default=16), "num_warps": kd.choice(1, 2, 4, 8, default=4)},
-           key=lambda x, *a, **k: {"n": x.shape[0], "H": x.shape[1], "P": x.shape[2]}, default=_scan_default)
-def ssm_scan_kernel(x, dt, Bm, Cm, A_log, dt_bias, D, state, positions, *, T: int, limit: int, dt_min: float,
-                    dt_max: float, BLOCK_N: kd.constexpr = 128, BLOCK_P):
+           key=lambda x, dt, B, C, A_log, dt_bias, D, state, *a, **k: {
+               "nseq": state.shape[0], "T": x.shape[0] // state.shape[0], "H": x.shape[1], "P": x.shape[2],
+               "N": B.shape[2]},
+           default=_scan_default, spec=_scan_spec)
+def ssm_scan_kernel(x, dt, Bm, Cm, A_log, dt_bias, D, state, positions, *, limit: int = NO_LIMIT,
+                    dt_min: float = 0.0, dt_max: float = float("inf"), BLOCK_N: kd.constexpr = 128, BLOCK_P):
     """Per head h and token: dt = clamp(softplus(dt + dt_bias[h])), the state decays by exp(-exp(A_log[h]) * dt)
     and takes dt * x ⊗ B; y = state · C + D[h] * x. B and C are shared by the H / G heads of a group."""
     n, H, P = x.shape
     N = Bm.shape[2]
-    b, h, pb = kd.grid(n // T, H, kd.cdiv(P, BLOCK_P))
+    nseq = state.shape[0]
+    T = n // nseq
+    b, h, pb = kd.grid(nseq, H, kd.cdiv(P, BLOCK_P))
     g = h // (H // Bm.shape[1])
     p = pb * BLOCK_P + kd.arange(0, BLOCK_P)
     s = kd.arange(0, BLOCK_N)
@@ -128,8 +149,7 @@ def ssm_scan_(x, dt, B, C, A_log, dt_bias, D, state, positions, *, limit: int, d
     if n % nseq or state.shape[1:] != (H, P, B.shape[2]) or H % B.shape[1] or dt.shape != (n, H):
         raise ValueError(f"ssm_scan: x {tuple(x.shape)}, dt {tuple(dt.shape)}, B {tuple(B.shape)} and state "
                          f"{tuple(state.shape)} do not describe nseq sequences of H heads of P x N states")
-    return ssm_scan_kernel(x, dt, B, C, A_log, dt_bias, D, state, positions.reshape(-1), T=n // nseq,
-                           limit=int(limit), dt_min=float(dt_min), dt_max=float(dt_max),
+    return ssm_scan_kernel(x, dt, B, C, A_log, dt_bias, D, state, positions.reshape(-1), limit=int(limit), dt_min=float(dt_min), dt_max=float(dt_max),
                            BLOCK_N=pow2_at_least(B.shape[2]), backend=backend, config=config)
 
 
@@ -201,3 +221,39 @@ def gated_rms_norm_formula(y, z, w, group: int, eps: float):
     h = (y.double() * torch.nn.functional.silu(z.double())).unflatten(-1, (-1, group))
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return (h.flatten(-2) * w.double()).to(y.dtype)
+
+
+# ------------------------------------------------------------------ tuning: nemotron-h-8b's mixer, decode and prefill
+# The tuner's inputs start every sequence at position 0, so a kernel's output never depends on the state its earlier
+# timed runs wrote: each call is the same pure function the spec states.
+MIXER = {"H": 128, "P": 64, "G": 8, "N": 128, "K": 4}
+
+
+def _mixer_args(problem: dict, device: str):
+    """(xBC (n, C) and dt (n, H) as column slices of one bf16 projection, positions 0.. per sequence, n = nseq * T)."""
+    nseq, T = problem.get("nseq", 1), problem["T"]
+    H, P, G, N = problem["H"], problem["P"], problem["G"], problem["N"]
+    n, C = nseq * T, H * P + 2 * G * N
+    proj = torch.randn(n, H * P + C + H, device=device).to(torch.bfloat16)
+    return proj[:, H * P:H * P + C], proj[:, H * P + C:], torch.arange(T, device=device).repeat(nseq)
+
+
+def _conv_problem_args(problem: dict, device: str):
+    xbc, _, positions = _mixer_args(problem, device)
+    C, K = xbc.shape[1], problem["K"]
+    return (xbc, (torch.randn(C, K, device=device) * 0.5).to(torch.bfloat16), torch.randn(C, device=device).to(
+        torch.bfloat16), torch.zeros(problem.get("nseq", 1), K - 1, C, device=device, dtype=torch.bfloat16), positions)
+
+
+def _scan_problem_args(problem: dict, device: str):
+    xbc, dt, positions = _mixer_args(problem, device)
+    H, P, G, N = problem["H"], problem["P"], problem["G"], problem["N"]
+    n, I = xbc.shape[0], H * P
+    return (xbc[:, :I].view(n, H, P), dt, xbc[:, I:I + G * N].view(n, G, N), xbc[:, I + G * N:].view(n, G, N),
+            torch.log(torch.linspace(1, 16, H, device=device)), torch.full((H,), -3.0, device=device),
+            torch.ones(H, device=device), torch.zeros(problem.get("nseq", 1), H, P, N, device=device), positions)
+
+
+_MIXER_PROBLEMS = [dict(MIXER, T=1, nseq=b) for b in (1, 4, 16)] + [dict(MIXER, T=t) for t in (512, 2048)]
+conv1d_silu_kernel.tuning(make_args=_conv_problem_args, problems=_MIXER_PROBLEMS)
+ssm_scan_kernel.tuning(make_args=_scan_problem_args, problems=_MIXER_PROBLEMS)

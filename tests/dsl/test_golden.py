@@ -64,7 +64,7 @@ CASES = {
                  torch.zeros(8, 2, 32, dtype=torch.bfloat16), torch.zeros(8, 2, 32, dtype=torch.bfloat16),
                  torch.zeros(4), torch.zeros(4), torch.zeros(4), torch.zeros(2, 4, 16, 32),
                  torch.zeros(8, dtype=torch.long)),
-        {"BLOCK_P": 16, "num_warps": 4}, dict(T=4, limit=99, dt_min=0.0, dt_max=1e30, BLOCK_N=32)),
+        {"BLOCK_P": 16, "num_warps": 4}, dict(limit=99, dt_min=0.0, dt_max=1e30, BLOCK_N=32)),
 }
 # pointers of another dtype than bf16 in a case's inputs (the compile check's signature)
 POINTER_DTYPES = {"ssm_scan": {"A_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "D_ptr": "*fp32", "state_ptr": "*fp32",

@@ -141,11 +141,11 @@ x, dt = proj[:, 8192:8192 + C], proj[:, 8192 + C:]
 pos = torch.arange(n)
 compile_for_target(ssm.conv1d_silu_kernel, (x, torch.randn(C, 4).to(bf), torch.randn(C).to(bf),
                                             torch.zeros(n, 3, C).to(bf), pos), {"BLOCK_C": 128, "BLOCK_T": 16},
-                   kw={"T": 1, "limit": 8191, "K": 4, "HAS_BIAS": True})
+                   kw={"limit": 8191, "K": 4, "HAS_BIAS": True})
 xs, B, Cm = x[:, :8192].view(n, H, P), x[:, 8192:9216].view(n, G, N), x[:, 9216:].view(n, G, N)
 f = torch.zeros(H)
 compile_for_target(ssm.ssm_scan_kernel, (xs, dt, B, Cm, f, f, f, torch.zeros(n, H, P, N), pos), {"BLOCK_P": 16},
-                   kw={"T": 1, "limit": 8191, "dt_min": 0.0, "dt_max": float("inf"), "BLOCK_N": 128})
+                   kw={"limit": 8191, "dt_min": 0.0, "dt_max": float("inf"), "BLOCK_N": 128})
 compile_for_target(ssm.gated_rms_norm_kernel, (proj[:, :8192], proj[:, :8192], torch.ones(8192).to(bf)), {},
                    kw={"eps": 1e-5, "GROUP": 1024, "BLOCK_D": 1024})
 print("ok")

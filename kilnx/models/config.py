@@ -220,6 +220,12 @@ def from_hf(cfg: dict, source: str = "config.json") -> ModelConfig:
     return c
 
 
+def _json_float(v) -> float:
+    """A float as config.json spells it: a number, a string ("Infinity"), or transformers' {"__float__": "Infinity"}
+    (JSON has no infinity)."""
+    return float(v["__float__"] if isinstance(v, dict) else v)
+
+
 def _nemotron_h_from_hf(c: ModelConfig, cfg: dict, source: str) -> ModelConfig:
     pattern = cfg.get("hybrid_override_pattern") or cfg.get("layers_block_type") or cfg.get("layer_types")
     if not pattern:
@@ -246,7 +252,7 @@ def _nemotron_h_from_hf(c: ModelConfig, cfg: dict, source: str) -> ModelConfig:
                    mamba_heads=int(cfg["mamba_num_heads"]), mamba_head_dim=int(cfg["mamba_head_dim"]),
                    ssm_state_size=int(cfg["ssm_state_size"]), ssm_groups=int(cfg.get("n_groups", 1)),
                    conv_kernel=int(cfg.get("conv_kernel", 4)), conv_bias=bool(cfg.get("use_conv_bias", True)),
-                   dt_limit=(float(limit[0]), float(limit[1])), num_experts=0, num_experts_per_tok=0,
+                   dt_limit=(_json_float(limit[0]), _json_float(limit[1])), num_experts=0, num_experts_per_tok=0,
                    moe_intermediate_size=0)
 
 

@@ -1,7 +1,8 @@
 """nemotron-h, the hybrid Mamba-2 / attention / MLP stack (models/hybrid.py).
 
 Truth: a tiny nemotron-h written by mlx-lm itself (dense and 4-bit) gives mlx-lm's logits in kilnx, on the kernels
-and on the torch peer. The engine over its recurrent state: chunked prefill then decode equals one full forward;
+and on the torch peer; one written by HF transformers gives transformers' logits, and `kilnx convert` turns it into
+a 4-bit directory mlx-lm runs to kilnx's logits. The engine over its recurrent state: chunked prefill then decode equals one full forward;
 rows decoded together equal rows decoded alone, a parked row's state untouched; the CPU's recorded step equals
 eager steps; the serving scheduler's text equals generate's. What cannot work on rows with state is refused by
 name: speculative decoding, MoE layers.
@@ -72,6 +73,55 @@ def _write_mlx_checkpoint(path, quant: bool):
     save_model(path, model)
     save_config(dict(config), path / "config.json")
     return np.array(model(mx.array([IDS])).astype(mx.float32))[0]
+
+
+def _write_hf_checkpoint(path):
+    """A tiny NemotronHForCausalLM of HF transformers (its reference torch mixer), random weights in trained ranges,
+    saved as HF saves it (conv1d (C, 1, K), infinity spelled {"__float__": "Infinity"}); its logits of IDS."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.NemotronHConfig(**{k: v for k, v in HF.items() if k != "model_type"})
+    torch.manual_seed(0)
+    model = transformers.NemotronHForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.log(torch.rand_like(p) * 15 + 1))
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.rand_like(p) * 2 - 4)
+            elif "norm" in name or name.endswith(".D"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif "conv1d.weight" in name:
+                p.copy_(0.5 * torch.randn_like(p))
+            elif p.dim() == 2:
+                p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+            else:
+                p.copy_(0.05 * torch.randn_like(p))
+        model.lm_head.weight.mul_(20)
+        model.save_pretrained(path)
+        return model(torch.tensor([IDS])).logits[0].float()
+
+
+def test_logits_match_hf_transformers_and_its_conversion_runs_in_mlx_lm(tmp_path):
+    """A second independent implementation: HF transformers' NemotronH on its own saved checkpoint gives kilnx's
+    logits (dense); `kilnx convert` makes it a 4-bit MLX directory that mlx-lm runs to kilnx's logits."""
+    from kilnx.models.convert import convert, quant_format
+    from kilnx.models.loaders import load_model
+    want = _write_hf_checkpoint(tmp_path / "hf")
+    lm = load_model(str(tmp_path / "hf"), device="cpu", dtype=torch.float32, ops="torch")
+    with torch.no_grad():
+        got = full_logits(lm.model, IDS)
+    assert want.abs().max() > 20
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-4)
+    counts = convert(str(tmp_path / "hf"), str(tmp_path / "q4"), quant_format("q4"))
+    assert counts["quantized"] == 3 * 2 + 4 + 2 * 2 + 2       # mixers' in / out, q k v o, up / down, embed + head
+    mx = pytest.importorskip("mlx.core")
+    from mlx_lm.utils import load_model as mlx_load
+    theirs = np.array(mlx_load(tmp_path / "q4")[0](mx.array([IDS])).astype(mx.float32))[0]
+    lm = load_model(str(tmp_path / "q4"), device="cpu", dtype=torch.float32, ops="torch")
+    with torch.no_grad():
+        ours = full_logits(lm.model, IDS).numpy()
+    np.testing.assert_allclose(ours, theirs, rtol=2e-4, atol=2e-4)
+    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
 
 
 @pytest.mark.parametrize("quant", [False, True])

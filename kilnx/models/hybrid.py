@@ -179,12 +179,7 @@ class HybridModel(LlamaModel):
                 h = self._attention(i, layer, x, positions, rows_flat, cache, B, T)
             else:
                 h = _linear(ops, ops.relu2(_linear(ops, x, layer.up)), [layer.down])
-        x = ops.add_rms_norm(h, residual, w.final_norm, eps)[1].view(B, T, -1)
-        if isinstance(last, torch.Tensor):
-            x = x.index_select(1, last)
-        elif last is not None:
-            x = x.narrow(1, last % T, 1).contiguous()
-        return self._logits(x)
+        return self._logits_of(ops.add_rms_norm(h, residual, w.final_norm, eps)[1].view(B, T, -1), last)
 
     __call__ = forward
 

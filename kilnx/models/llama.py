@@ -51,14 +51,17 @@ class LlamaModel:
         rows_flat = self._rows_of(B, T, positions.device)      # cache row of each token
         x = self._layers(input_ids, lambda i, layer, x: self._attention(i, layer, x, positions, rows_flat, kv_cache,
                                                                         B, T))
-        x = x.view(B, T, -1)
+        return self._logits_of(x.view(B, T, -1), last)
+
+    __call__ = forward
+
+    def _logits_of(self, x: torch.Tensor, last) -> torch.Tensor:
+        """Logits of the final hidden states x (B, T, H): every token's, or token `last`'s (forward's argument)."""
         if isinstance(last, torch.Tensor):
             x = x.index_select(1, last)
         elif last is not None:
-            x = x.narrow(1, last % T, 1).contiguous()
+            x = x.narrow(1, last % x.shape[1], 1).contiguous()
         return self._logits(x)
-
-    __call__ = forward
 
     def forward_mixed(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, kv_cache,
                       segments: list[tuple[int, int, int, int]], picks: torch.Tensor) -> torch.Tensor:

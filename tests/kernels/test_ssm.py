@@ -53,11 +53,14 @@ def test_conv1d_silu_is_its_formula_and_updates_the_window(nseq, T, C, K, bias, 
     torch.testing.assert_close(state, want_state, rtol=0, atol=0)   # the window is copied, not computed
 
 
-@settings(max_examples=12, deadline=None)
-@given(nseq=st.integers(1, 3), T=st.sampled_from([1, 3, 8]), heads=st.sampled_from([(2, 1), (4, 2), (3, 3)]),
+@settings(max_examples=16, deadline=None)
+@given(nseq=st.integers(1, 3), T=st.sampled_from([1, 3, 8, 21]), heads=st.sampled_from([(2, 1), (4, 2), (3, 3)]),
        P=st.sampled_from([4, 6, 16]), N=st.sampled_from([8, 12]), block_p=st.sampled_from([4, 8, 16]),
-       dt_max=st.sampled_from([float("inf"), 0.05]), backend=st.sampled_from(BACKENDS), seed=st.integers(0, 99))
-def test_ssm_scan_is_the_recurrence_and_carries_the_state(nseq, T, heads, P, N, block_p, dt_max, backend, seed):
+       dt_max=st.sampled_from([float("inf"), 0.05]), chunked=st.booleans(), backend=st.sampled_from(BACKENDS),
+       seed=st.integers(0, 99))
+def test_ssm_scan_is_the_recurrence_and_carries_the_state(nseq, T, heads, P, N, block_p, dt_max, chunked, backend,
+                                                          seed):
+    """Token by token, or a chunk at a time as products (16-token chunks: a 21-token sequence ends in a part chunk)."""
     g = torch.Generator().manual_seed(seed)
     H, G = heads
     n = nseq * T
@@ -69,8 +72,9 @@ def test_ssm_scan_is_the_recurrence_and_carries_the_state(nseq, T, heads, P, N, 
     state = torch.randn(nseq, H, P, N, generator=g)
     pos = _positions(nseq, T, _starts(g, nseq, T))
     want, want_state = ssm.ssm_scan_formula(x, dt, B, C, A_log, dt_bias, D, state, pos, limit=LIMIT, dt_max=dt_max)
+    config = {"BLOCK_P": max(block_p, 16), "CHUNK": 16} if chunked else {"BLOCK_P": block_p}
     got = ssm.ssm_scan_(x, dt, B, C, A_log, dt_bias, D, state, pos, limit=LIMIT, dt_max=dt_max, backend=backend,
-                        config={"BLOCK_P": block_p})
+                        config=config, chunked=chunked)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(state, want_state, rtol=1e-5, atol=1e-5)
 
@@ -105,6 +109,12 @@ def test_the_numba_lowering_gives_the_same_three_results():
     want, want_state = ssm.ssm_scan_formula(xs, dt, B, C, A_log, dt_bias, D, S, pos, limit=LIMIT)
     torch.testing.assert_close(ssm.ssm_scan_(xs, dt, B, C, A_log, dt_bias, D, S, pos, limit=LIMIT, backend="numba"),
                                want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(S, want_state, rtol=1e-5, atol=1e-5)
+    S = torch.randn(2, 4, 6, 8, generator=g)
+    want, want_state = ssm.ssm_scan_formula(xs, dt, B, C, A_log, dt_bias, D, S, pos, limit=LIMIT)
+    got = ssm.ssm_scan_(xs, dt, B, C, A_log, dt_bias, D, S, pos, limit=LIMIT, backend="numba", chunked=True,
+                        config={"CHUNK": 16, "BLOCK_P": 16})
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(S, want_state, rtol=1e-5, atol=1e-5)
     y, z, wn = torch.randn(3, 32, generator=g), torch.randn(3, 32, generator=g), torch.randn(32, generator=g)
     torch.testing.assert_close(ssm.gated_rms_norm(y, z, wn, 16, 1e-5, backend="numba"),
@@ -146,6 +156,12 @@ xs, B, Cm = x[:, :8192].view(n, H, P), x[:, 8192:9216].view(n, G, N), x[:, 9216:
 f = torch.zeros(H)
 compile_for_target(ssm.ssm_scan_kernel, (xs, dt, B, Cm, f, f, f, torch.zeros(n, H, P, N), pos), {"BLOCK_P": 16},
                    kw={"limit": 8191, "dt_min": 0.0, "dt_max": float("inf"), "BLOCK_N": 128})
+x2k = torch.randn(2048, 8192 + C + H).to(bf)
+xs, dt = x2k[:, :8192].view(2048, H, P), x2k[:, 8192 + C:]
+B, Cm = x2k[:, 8192:9216].view(2048, G, N), x2k[:, 9216:10240].view(2048, G, N)
+ptx = compile_for_target(ssm.ssm_chunk_scan_kernel, (xs, dt, B, Cm, f, f, f, torch.zeros(1, H, P, N), torch.arange(2048)),
+                         {"BLOCK_P": 32, "CHUNK": 64}, kw={"BLOCK_N": 128}).asm["ptx"]
+assert "mma" in ptx, "the chunked scan's products are off the tensor cores"
 compile_for_target(ssm.gated_rms_norm_kernel, (proj[:, :8192], proj[:, :8192], torch.ones(8192).to(bf)), {},
                    kw={"eps": 1e-5, "GROUP": 1024, "BLOCK_D": 1024})
 print("ok")

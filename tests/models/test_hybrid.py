@@ -142,16 +142,19 @@ def test_logits_match_mlx_lm(tmp_path, quant, backend):
     assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
-def test_chunked_prefill_then_decode_equals_one_forward(backend):
+@pytest.mark.parametrize("n,chunk", [(14, 4), (45, 32)])
+def test_chunked_prefill_then_decode_equals_one_forward(backend, n, chunk):
+    """Prefill chunks carry the state across (4, 4, 1 tokens; or 32 scanned in chunks of products and 8 token by
+    token, against one forward's 40 in products), then decode steps."""
     model = tiny_hybrid(backend.ops, backend.device)
-    ids = torch.randint(0, 320, (14,), generator=torch.Generator().manual_seed(1)).tolist()
+    ids = torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         full = full_logits(model, ids)
-    eng = Engine(model, max_seq=32, prefill_chunk=4)          # chunks of 4, 4, 1 carry the state across
-    got = [eng.prefill(ids[:9])]
-    for t in range(9, 14):
+    eng = Engine(model, max_seq=64, prefill_chunk=chunk)
+    got = [eng.prefill(ids[:n - 5])]
+    for t in range(n - 5, n):
         got.append(eng.decode(torch.tensor([ids[t]]), torch.tensor([t]))[0].clone())
-    torch.testing.assert_close(torch.stack(got), full[8:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.stack(got), full[n - 6:], rtol=1e-4, atol=1e-4)
     # a new prompt in the same row starts from a zero state (its first token is at position 0)
     torch.testing.assert_close(eng.prefill(ids[:5]), full[4], rtol=1e-4, atol=1e-4)
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kilnx.models.errors import ContextLengthError, TokenIdError
+from kilnx.models.errors import ContextLengthError, TokenIdError, UnsupportedArchitectureError
 from kilnx.runtime.kv_cache import KVCache, cache_dtype
 
 
@@ -165,7 +165,7 @@ class Engine:
         decode step: from its second use at a (row, n) it replays, as a CUDA graph or the CPU's recorded
         launches; the first runs eagerly (compiling, filling memos) and is then captured. The logits are the
         replay's buffer: read them before the next call."""
-        self._check_rewindable()
+        self.check_rewindable()
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1).to(self.device)
         n = ids.numel()
         self.check_fits(start + n)
@@ -176,17 +176,20 @@ class Engine:
         """Rows 0..B-1, n tokens each: tokens and positions (B, n) -> every token's logits (B, n, V) — speculative
         rounds of several rows in one forward (a row with nothing to check rides along parked, as in decode).
         Replayed like verify from the second use at a (B, n)."""
-        self._check_rewindable()
+        self.check_rewindable()
         B, n = tokens.shape
         if int(positions.max()) >= self.max_seq:
             raise ContextLengthError(f"generation reached the context length ({self.max_seq} tokens).")
         cache = self.cache.rows(0, B) if B != self.max_batch else self.cache
         return self._check_forward(("rows", B, n), tokens, positions, cache)
 
-    def _check_rewindable(self) -> None:
+    def check_rewindable(self) -> None:
+        """Speculative decoding writes guesses into a row and takes back the rejected ones: a row with recurrent state
+        cannot take anything back."""
         if self.recurrent:
-            raise NotImplementedError(f"speculative decoding needs rows that can take back rejected tokens; "
-                                      f"{self.config.arch}'s recurrent state cannot. Run it without a draft model.")
+            raise UnsupportedArchitectureError(
+                f"speculative decoding needs rows that can take back rejected tokens; {self.config.arch}'s recurrent "
+                "state cannot. Run it without --draft-model / --prompt-lookup.")
 
     def _check_forward(self, key: tuple, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
         """Every token's logits of a short forward (ids, positions: (b, n)), eager at its first use at `key`, then

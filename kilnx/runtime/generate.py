@@ -55,6 +55,8 @@ def generate_ids(engine: Engine, ids: list[int], params: SamplingParams, *,
                  proposer=None) -> Iterator[int | GenerationStats]:
     """Token ids one by one, then stats. Single sequence in cache row 0. With a `proposer`
     (runtime/speculative.py), decoding is speculative."""
+    if proposer is not None:
+        engine.check_rewindable()
     if proposer is not None and params.grammar is not None:
         raise ValueError("speculative decoding does not take a grammar: drop the draft model / prompt lookup or "
                          "the schema.")

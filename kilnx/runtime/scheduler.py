@@ -94,7 +94,7 @@ class Scheduler:
         self._proposing_for: Request | None = None   # the request whose sequence the shared proposer began
         self.drafted = self.accepted = 0             # speculative telemetry: guesses made, guesses kept
         if engine.recurrent and proposer is not None:
-            engine._check_rewindable()
+            engine.check_rewindable()
         # a recurrent model's rows reuse nothing (runtime/kv_cache.py's HybridCache): no prefixes kept or stored
         self.store = (PrefixStore(engine.cache, prefix_slots, min_tokens=COPY_MIN)
                       if prefix_slots and not engine.recurrent else None)

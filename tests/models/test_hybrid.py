@@ -237,9 +237,17 @@ def test_the_scheduler_gives_each_request_its_tokens_alone(lookahead):
 
 
 def test_speculative_decoding_is_refused_by_name():
+    from kilnx.runtime.generate import generate_ids
+    from kilnx.runtime.sampling import SamplingParams
+    from kilnx.runtime.scheduler import Scheduler
+    from kilnx.runtime.speculative import PromptLookup
     eng = Engine(tiny_hybrid(), max_seq=32)
-    with pytest.raises(NotImplementedError, match="recurrent state"):
+    with pytest.raises(UnsupportedArchitectureError, match="recurrent state"):
         eng.verify([1, 2], row=0, start=3)
+    with pytest.raises(UnsupportedArchitectureError, match="--prompt-lookup"):
+        next(generate_ids(eng, IDS, SamplingParams(max_tokens=3), proposer=PromptLookup()))
+    with pytest.raises(UnsupportedArchitectureError, match="recurrent state"):
+        Scheduler(eng, proposer=PromptLookup())
 
 
 def test_configs_it_cannot_run_are_refused_by_name():

@@ -286,3 +286,20 @@ def test_gpu_graph_steps_follow_the_torch_peer(batch):
         tok = want.argmax(-1).cuda()
         pos = torch.tensor([len(p) + step for p in prompts], device="cuda")
         logits = {ops: e.decode(tok, pos).float().clone() for ops, e in engines.items()}
+
+
+def test_an_fp8_kv_cache_holds_only_the_attention_layers_keys_in_fp8():
+    """--kv-cache-dtype fp8 narrows the attention layers' K and V; the recurrent state keeps the model's dtype (conv)
+    and fp32 (scan). The cache's size counts both, its bytes per token only K and V."""
+    model = tiny_hybrid()
+    eng = Engine(model, max_seq=32, kv_cache_dtype="fp8")
+    kinds = [layer.kind for layer in model.weights.layers]
+    assert [t is not None for t in eng.cache.k] == [k == "attention" for k in kinds]
+    assert eng.cache.k[3].dtype == torch.float8_e4m3fn and eng.cache.conv[0].dtype == torch.float32
+    assert eng.cache.ssm[0].dtype == torch.float32 and eng.cache.conv[1] is None
+    assert eng.cache.bytes_per_token() == 2 * 1 * 2 * 32 * 1                 # one attention layer, 2 KV heads of 32
+    assert eng.cache.state_nbytes_per_row == 3 * (3 * 192 * 4 + 8 * 16 * 16 * 4)   # conv: I + 2 G N = 192 channels
+    want = full_logits(model, IDS)[-1]
+    got = eng.prefill(IDS)
+    assert int(got.argmax()) == int(want.argmax())
+    torch.testing.assert_close(got, want, rtol=0.1, atol=0.1 * float(want.abs().max()))

@@ -225,6 +225,10 @@ class Engine:
             for src, dst in ((tokens, g.ids[:B, 0]), (positions, g.positions[:B, 0])):
                 if src.data_ptr() != dst.data_ptr():     # not already written there (decode_inputs)
                     dst.copy_(src)
+            if self.recurrent and B < g.ids.shape[0]:
+                # the bucket's rows past B would rerun their last inputs: harmless for K/V (the same values written
+                # again), not for a recurrent state, which would take that token twice. Parked, they leave it.
+                g.positions[B:, 0].fill_(self.max_seq - 1)
             g.graph.replay()
             return g.logits[:B, 0]
         if self.cpu_replay:

@@ -243,9 +243,12 @@ class Scheduler:
         prefix copied in now; else a free row keeping nothing, or the one freed longest ago. Kept tokens the
         request would overwrite go to the store first. At least the prompt's last token is prefilled again (its logits
         give the first token); echo wants every prompt token's logits, so it reuses nothing."""
-        ids, limit = req.ids, 0 if req.echo or self.engine.recurrent else len(req.ids) - 1
+        ids, limit = req.ids, 0 if req.echo else len(req.ids) - 1
         free = [i for i, r in enumerate(self.rows) if r is None]
         spare = min(free, key=lambda i: (bool(self.kept[i]), self._released[i]))
+        if self.engine.recurrent:
+            self._admit_recurrent(req, free, spare, limit)
+            return
         row, have = spare, 0
         for i in free:
             n = common_prefix(self.kept[i], ids, limit)
@@ -271,6 +274,21 @@ class Scheduler:
             have = stored
         elif overwritten:
             self.store.save(kept, self.engine.cache, row)   # what the request will overwrite
+        self._seat(req, row, have)
+        self._take_copy(req)
+
+    def _admit_recurrent(self, req: Request, free: list[int], spare: int, limit: int) -> None:
+        """_admit for rows with recurrent state (a hybrid model): a row's state is its kept tokens' whole history,
+        so only a prompt that begins with every one of them continues it (a conversation's next turn); nothing is
+        copied between rows or stored."""
+        row, have = spare, 0
+        for i in free:
+            k = self.kept[i]
+            if have < len(k) <= limit and req.ids[:len(k)] == k:
+                row, have = i, len(k)
+        self._seat(req, row, have)
+
+    def _seat(self, req: Request, row: int, have: int) -> None:
         req.row, req.prefilled = row, have
         req.cached = have
         self.cached_tokens += have
@@ -278,7 +296,6 @@ class Scheduler:
         self.rows[row] = req
         self._admitted += 1
         req.admitted = self._admitted
-        self._take_copy(req)
 
     def _take_copy(self, req: Request) -> None:
         """Copy the prefix req shares with its source row once the source has prefilled that far; if the source
@@ -506,6 +523,9 @@ class Scheduler:
             # what the row's cache now holds: the prompt as far as prefilled, then every token fed back in (all
             # but the last sampled); never the parking position, where other steps write
             held = req.ids[:req.prefilled] + (req.tokens[:-1] if req.prefilled == len(req.ids) else [])
+            if self.engine.recurrent and req.prefilled == len(req.ids):
+                # a state takes every token a step fed, a step enqueued ahead of the request's end included
+                held = req.ids + req.tokens[:req.fed]
             self.kept[req.row] = held[:self.engine.max_seq - 1] if keep else []
             self._released[req.row] = max(self._released) + 1
 

@@ -210,8 +210,8 @@ def test_the_cli_ops_run_it_on_the_kernels(monkeypatch):
 @pytest.mark.parametrize("lookahead", [False, True])
 def test_the_scheduler_gives_each_request_its_tokens_alone(lookahead):
     """Five requests on two rows (rows reused, free and prefilling rows parked in the steps; a prompt that repeats
-    an earlier one's history reuses nothing: state rows keep no prefixes): each request's tokens are those it gets
-    alone. With lookahead a step is enqueued before the previous one's tokens are read."""
+    only part of an earlier one's history starts over): each request's tokens are those it gets alone. With
+    lookahead a step is enqueued before the previous one's tokens are read."""
     import sys
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "runtime"))
     from outcomes import Outcomes
@@ -234,6 +234,33 @@ def test_the_scheduler_gives_each_request_its_tokens_alone(lookahead):
     for i, (p, sp) in enumerate(zip(prompts, params)):
         alone = [t for t in generate_ids(Engine(model, max_seq=48), p, sp) if isinstance(t, int)]
         assert list(done[i].token_ids) == alone
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_a_conversations_next_turn_continues_the_rows_state(lookahead):
+    """A turn whose prompt begins with everything the row's state has taken (the last turn's prompt and answer, as a
+    chat renders them) prefills only the rest, and gets the tokens it gets from scratch."""
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "runtime"))
+    from outcomes import Outcomes
+
+    from kilnx.runtime.generate import generate_ids
+    from kilnx.runtime.sampling import SamplingParams
+    from kilnx.runtime.scheduler import Scheduler
+    model = tiny_hybrid()
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    first = IDS[:6]
+    with Scheduler(Engine(model, max_seq=48, max_batch=1), lookahead=lookahead) as sched:
+        outcomes = Outcomes(1)
+        sched.submit(first, params, outcomes.listener(0))
+        answer = list(outcomes.wait(300)[0].token_ids)
+        second = first + answer + [9, 10]
+        outcomes = Outcomes(1)
+        sched.submit(second, params, outcomes.listener(0))
+        done = outcomes.wait(300)[0]
+    assert done.cached_tokens in (len(first) + 4, len(first) + 5)   # the answer's last token: fed by a step ahead, or not
+    assert list(done.token_ids) == [t for t in generate_ids(Engine(model, max_seq=48), second, params)
+                                    if isinstance(t, int)]
 
 
 def test_speculative_decoding_is_refused_by_name():

@@ -2,7 +2,8 @@
 
 One flat dataclass covers the llama family (llama 3.x, SmolLM2, mistral, qwen2, qwen3 with q/k norms),
 gemma3, the MoE members qwen3-moe and mixtral (routed expert MLPs; which layers, how many experts), and the
-hybrid nemotron-h (Mamba-2, attention and MLP layers in the order `layer_kinds` gives; models/hybrid.py).
+hybrids nemotron-h and granite 4.0 h (Mamba-2 and attention layers in the order `layer_kinds` gives;
+models/hybrid.py).
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from kilnx.models.errors import UnsupportedArchitectureError
 # general.architecture spellings map onto these.
 DENSE_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 MOE_ARCHS = ("qwen3_moe", "mixtral")
-HYBRID_ARCHS = ("nemotron_h",)
+HYBRID_ARCHS = ("nemotron_h", "granitemoehybrid")
 RUNNABLE_ARCHS = DENSE_ARCHS + MOE_ARCHS + HYBRID_ARCHS
 _HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                    "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral",
-                   "nemotron_h": "nemotron_h"}
+                   "nemotron_h": "nemotron_h", "granitemoehybrid": "granitemoehybrid"}
 # nemotron-h's layer letters (hybrid_override_pattern) and the spellings of its layer-type lists
 _NEMOTRON_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe", "mamba": "mamba", "linear_attention": "mamba",
                    "attention": "attention", "full_attention": "attention", "mlp": "mlp", "moe": "moe"}
@@ -78,6 +79,13 @@ class ModelConfig:
     conv_kernel: int = 4
     conv_bias: bool = True
     dt_limit: tuple[float, float] = (0.0, float("inf"))
+    ssm_norm_groups: int = 1              # the gated norm's groups (nemotron-h: G; granite: G as HF groups it)
+    nope: bool = False                    # attention without positions (no rotary embedding)
+    # granite's scalings: sublayer outputs times residual_multiplier before the residual add, logits divided by
+    # logits_scaling; an MLP per layer after its mixer (the MoE's shared expert, or the dense MLP)
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    shared_intermediate_size: int = 0
     name: str = ""
 
     # ---- derived ----
@@ -100,7 +108,7 @@ class ModelConfig:
     @property
     def moe_block(self) -> str:
         """Where an MoE layer's router and experts live in HF / mlx-lm names."""
-        return "block_sparse_moe" if self.arch == "mixtral" else "mlp"
+        return "block_sparse_moe" if self.arch in ("mixtral", "granitemoehybrid") else "mlp"
 
     def layer_is_moe(self, i: int) -> bool:
         return self.is_moe and i not in self.mlp_only_layers and (i + 1) % max(self.decoder_sparse_step, 1) == 0
@@ -217,6 +225,8 @@ def from_hf(cfg: dict, source: str = "config.json") -> ModelConfig:
         c = _gemma3_from_hf(c, cfg)
     if arch == "nemotron_h":
         c = _nemotron_h_from_hf(c, cfg, source)
+    if arch == "granitemoehybrid":
+        c = _granite_hybrid_from_hf(c, cfg, source)
     return c
 
 
@@ -253,7 +263,44 @@ def _nemotron_h_from_hf(c: ModelConfig, cfg: dict, source: str) -> ModelConfig:
                    ssm_state_size=int(cfg["ssm_state_size"]), ssm_groups=int(cfg.get("n_groups", 1)),
                    conv_kernel=int(cfg.get("conv_kernel", 4)), conv_bias=bool(cfg.get("use_conv_bias", True)),
                    dt_limit=(_json_float(limit[0]), _json_float(limit[1])), num_experts=0, num_experts_per_tok=0,
-                   moe_intermediate_size=0)
+                   moe_intermediate_size=0, ssm_norm_groups=int(cfg.get("n_groups", 1)), nope=True)
+
+
+def _granite_hybrid_from_hf(c: ModelConfig, cfg: dict, source: str) -> ModelConfig:
+    """IBM's Granite 4.0 H: each layer a Mamba-2 or attention mixer, then an MLP (dense, or routed experts beside a
+    shared one), with granite's multipliers. The gated norm is grouped as HF groups it (mlx-lm normalizes the whole
+    row; the released configs have one group, where both agree). Without time_step_limit, HF's (0, inf)."""
+    types = cfg.get("layer_types") or ["mamba"] * c.num_layers
+    unknown = sorted({str(t) for t in types} - _NEMOTRON_KINDS.keys())
+    if unknown:
+        raise UnsupportedArchitectureError(f"{source}: granitemoehybrid layer types {unknown} are not known; expected "
+                                           "mamba and attention.")
+    kinds = tuple(_NEMOTRON_KINDS[t] for t in types)
+    biased = [k for k in ("attention_bias", "mlp_bias", "mamba_proj_bias") if cfg.get(k)]
+    if biased:
+        raise UnsupportedArchitectureError(f"{source}: granitemoehybrid with {', '.join(biased)} set; kilnx runs the "
+                                           "released configs, whose linear layers have no biases.")
+    experts = int(cfg.get("num_local_experts") or 0)
+    limit = cfg.get("time_step_limit") or (0.0, float("inf"))
+    heads = int(cfg["mamba_n_heads"])
+    groups = int(cfg.get("mamba_n_groups", 1))
+    return c.with_(layer_kinds=kinds, num_layers=len(kinds), hidden_act="silu", qk_norm=False,
+                   tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+                   mamba_heads=heads, mamba_head_dim=int(cfg.get("mamba_d_head") or 0),
+                   ssm_state_size=int(cfg.get("mamba_d_state", 128)), ssm_groups=groups,
+                   conv_kernel=int(cfg.get("mamba_d_conv", 4)), conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+                   dt_limit=(_json_float(limit[0]), _json_float(limit[1])), ssm_norm_groups=groups,
+                   nope=cfg.get("position_embedding_type") == "nope",
+                   embed_scale=float(cfg.get("embedding_multiplier", 1.0)),
+                   query_pre_attn_scalar=float(cfg.get("attention_multiplier", c.head_dim ** -0.5)) ** -2,
+                   residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+                   logits_scaling=float(cfg.get("logits_scaling", 1.0)),
+                   shared_intermediate_size=int(cfg.get("shared_intermediate_size") or 0) if experts else
+                   int(cfg.get("shared_intermediate_size") or cfg.get("intermediate_size") or 0),
+                   num_experts=experts, num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+                   moe_intermediate_size=int(cfg.get("intermediate_size") or 0) if experts else 0,
+                   # the router's softmax over the chosen logits: the top-k of the full softmax, renormalized
+                   norm_topk_prob=True)
 
 
 def _gemma3_from_hf(c: ModelConfig, cfg: dict) -> ModelConfig:

@@ -209,7 +209,7 @@ def build_weights(cfg: ModelConfig, src: WeightSource, *, device="cpu", dtype=to
         return [gemv_width(_place(w, device, dtype)) for w in concat_linears(src.linears(names))]
 
     if cfg.is_hybrid:
-        from kilnx.models.hybrid import build_hybrid_weights
+        from kilnx.models.hybrid_weights import build_hybrid_weights
         return build_hybrid_weights(cfg, src, device=device, dtype=dtype, progress=progress)
     gemma = cfg.arch == "gemma3"
     layers = []

@@ -65,7 +65,7 @@ class RandomSource:
         return torch.randn(shape, generator=self.gen, device=self.device, dtype=dtype).mul_(std)
 
     def _hybrid(self, name: str):
-        from kilnx.models.hybrid import random_hybrid_tensor
+        from kilnx.models.hybrid_weights import random_hybrid_tensor
         return random_hybrid_tensor(self.cfg, name, lambda shape, std: self._randn(shape, std))
 
     def dense(self, name: str) -> torch.Tensor:

@@ -54,6 +54,9 @@ def quantize(t: torch.Tensor, fmt):
 _EXPERT_NAMES = {"mlp": (("gate_proj", "gate_proj"), ("up_proj", "up_proj"), ("down_proj", "down_proj")),
                  "block_sparse_moe": (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))}
 _EXPERT = re.compile(r"^(model\.layers\.\d+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+# granite 4.0 h stores each MoE layer's experts already stacked, gate and up fused: input_linear (E, 2F, H) [gate |
+# up] and output_linear (E, H, F), which mlx-lm's sanitize splits into the same switch_mlp stacks
+_FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe)\.(input|output)_linear\.weight$")
 
 
 class StackedExperts:
@@ -72,25 +75,44 @@ class StackedExperts:
                 self._hidden.add(name)
         for stacked, parts in self._parts.items():   # in expert order (names sort 10 before 2)
             parts.sort(key=lambda n: int(_EXPERT.match(n).group(3)))
+        self._halves: dict[str, tuple[str, int | None]] = {}    # stacked name -> (fused name, half or None: whole)
+        for name in inner.names():
+            m = _FUSED_EXPERTS.match(name)
+            if m:
+                at = m.group(1) + ".switch_mlp."
+                if m.group(2) == "input":
+                    self._halves[at + "gate_proj.weight"], self._halves[at + "up_proj.weight"] = (name, 0), (name, 1)
+                else:
+                    self._halves[at + "down_proj.weight"] = (name, None)
+                self._hidden.add(name)
 
     def names(self) -> list[str]:
-        return sorted([n for n in self.inner.names() if n not in self._hidden] + list(self._parts))
+        return sorted([n for n in self.inner.names() if n not in self._hidden] + list(self._parts) + list(self._halves))
 
     def has(self, name: str) -> bool:
-        return name in self._parts or (self.inner.has(name) and name not in self._hidden)
+        return name in self._parts or name in self._halves or (self.inner.has(name) and name not in self._hidden)
 
     def linears(self, names: list[str]) -> list:
-        return [torch.stack(self.inner.linears(self._parts[n])) if n in self._parts else self.inner.linears([n])[0]
-                for n in names]
+        return [self._linear(n) for n in names]
+
+    def _linear(self, name: str):
+        if name in self._parts:
+            return torch.stack(self.inner.linears(self._parts[name]))
+        if name in self._halves:
+            fused, half = self._halves[name]
+            w = self.inner.linears([fused])[0]
+            return w if half is None else w.chunk(2, dim=1)[half].contiguous()
+        return self.inner.linears([name])[0]
 
     def __getattr__(self, attr):
         return getattr(self.inner, attr)
 
 
 def module_format(module: str, fmt, arch: str):
-    """The format mlx-lm's own predicate gives a module: qwen3-moe keeps its router (`mlp.gate`) at 8 bits."""
+    """The format mlx-lm's own predicate gives a module: qwen3-moe and granite keep their routers at 8 bits."""
     from kilnx.quant.qweight import QuantFormat
-    if arch == "qwen3_moe" and module.endswith("mlp.gate") and fmt.mode == "affine":
+    if ((arch == "qwen3_moe" and module.endswith("mlp.gate")) or (arch == "granitemoehybrid" and module.endswith(
+            "router.layer"))) and fmt.mode == "affine":
         return QuantFormat("affine", 8, 64)
     return fmt
 

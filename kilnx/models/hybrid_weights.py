@@ -153,8 +153,9 @@ def _granite_ffn(cfg: ModelConfig, src, at: str, dense, lin) -> FeedForward:
         return f
     moe = at + "block_sparse_moe."
     if not src.has(moe + "switch_mlp.gate_proj.weight"):
-        raise CheckpointError(f"{src.path}: {moe}switch_mlp stacks are missing (HF's input_linear experts are not "
-                              "read); kilnx runs this MoE's experts from an MLX checkpoint (mlx_lm.convert -q).")
+        raise CheckpointError(f"{src.path}: no {moe}switch_mlp expert stacks; kilnx runs MoE experts as quantized "
+                              "stacks: load an HF checkpoint with --quantize q4, or convert it once with `kilnx convert "
+                              "<dir> <out>` and load that directory.")
     f.router = lin([moe + "router.layer.weight"])[0]
     gate_up = lin([moe + "switch_mlp.gate_proj.weight", moe + "switch_mlp.up_proj.weight"])
     f.experts_down = lin([moe + "switch_mlp.down_proj.weight"])[0]

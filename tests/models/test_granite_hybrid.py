@@ -10,6 +10,7 @@ one forward (the MoE's decode path included).
 from __future__ import annotations
 
 import importlib
+import json
 
 import numpy as np
 import pytest
@@ -111,6 +112,47 @@ def test_logits_match_hf_transformers_with_a_grouped_gated_norm(tmp_path):
     lm = load_model(str(tmp_path), device="cpu", dtype=torch.float32, ops="torch")
     assert lm.config.ssm_norm_groups == 2 and lm.config.layer_kinds == ("mamba", "attention", "mamba", "mamba")
     torch.testing.assert_close(_logits(lm.model, IDS), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def test_an_hf_moe_checkpoint_converts_to_the_directory_mlx_lm_runs(tmp_path):
+    """HF's fused expert stacks (input_linear (E, 2F, H) [gate | up], output_linear) become mlx-lm's switch_mlp stacks
+    in `kilnx convert` (the router at 8 bits, as mlx-lm's predicate keeps it): mlx-lm runs the directory to kilnx's
+    logits, and the same checkpoint quantized as it loads gives the same logits. Loaded as it is, it is refused with
+    the way out."""
+    transformers = pytest.importorskip("transformers")
+    mx = pytest.importorskip("mlx.core")
+    if not hasattr(transformers, "GraniteMoeHybridForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no GraniteMoeHybrid")
+    from mlx_lm.utils import load_model as mlx_load
+
+    from kilnx.models.convert import convert, quant_format
+    from kilnx.models.errors import CheckpointError
+    from kilnx.models.loaders import load_model
+    keys = {k: v for k, v in CONFIGS["moe"].items() if k not in ("model_type", "time_step_limit")}
+    cfg = transformers.GraniteMoeHybridConfig(**dict(keys, shared_intermediate_size=128, mamba_expand=1))
+    torch.manual_seed(0)
+    model = transformers.GraniteMoeHybridForCausalLM(cfg).eval()
+    with torch.no_grad():
+        named = [(n, tuple(p.shape), lambda s: torch.randn(s), lambda lo, hi, s: torch.rand(s) * (hi - lo) + lo)
+                 for n, p in model.named_parameters()]
+        for name, value in _random_params(named).items():
+            model.get_parameter(name).copy_(torch.as_tensor(value))
+    model.save_pretrained(tmp_path / "hf")
+    # the released checkpoints' spelling of the layer types (transformers 5 writes linear_attention / full_attention,
+    # which this mlx-lm does not read)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["layer_types"] = CONFIGS["moe"]["layer_types"]
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="--quantize q4"):
+        load_model(str(tmp_path / "hf"), device="cpu", dtype=torch.float32, ops="torch")
+    convert(str(tmp_path / "hf"), str(tmp_path / "q4"), quant_format("q4"))
+    theirs = np.array(mlx_load(tmp_path / "q4")[0](mx.array([IDS])).astype(mx.float32))[0]
+    lm = load_model(str(tmp_path / "q4"), device="cpu", dtype=torch.float32, ops="torch")
+    assert lm.model.weights.layers[0].ffn.router.bits == 8
+    ours = _logits(lm.model, IDS).numpy()
+    np.testing.assert_allclose(ours, theirs, rtol=2e-4, atol=2e-4)
+    at_load = load_model(str(tmp_path / "hf"), device="cpu", dtype=torch.float32, ops="torch", quantize="q4")
+    np.testing.assert_array_equal(_logits(at_load.model, IDS).numpy(), ours)
 
 
 def test_chunked_prefill_then_decode_equals_one_forward(tmp_path, backend):

@@ -96,6 +96,38 @@ def _scan_default(x, *a, **_):
     return {"BLOCK_P": min(pow2_at_least(x.shape[2]), 16)}
 
 
+def _scan_start(x, Bm, A_log, dt_bias, D, state, positions, BLOCK_P: int, BLOCK_N: int):
+    """What both scans begin with: the program's (sequence b, head h, channel block p) and group g, its head's decay
+    rate a = -exp(A_log), dt bias and skip D, and its (BLOCK_P, BLOCK_N) slice of the state (zeros for a sequence
+    starting at position 0), as an accumulator."""
+    n, H, P = x.shape
+    N = Bm.shape[2]
+    nseq = state.shape[0]
+    T = n // nseq
+    b, h, pb = kd.grid(nseq, H, kd.cdiv(P, BLOCK_P))
+    g = h // (H // Bm.shape[1])
+    p = pb * BLOCK_P + kd.arange(0, BLOCK_P)
+    s = kd.arange(0, BLOCK_N)
+    a = -kd.exp(kd.load(A_log, h).f32())
+    bias = kd.load(dt_bias, h).f32()
+    skip = kd.load(D, h).f32()
+    first = b * T
+    fresh = kd.load(positions, first) == 0
+    inside = (p < P)[:, None] & (s < N)[None, :]
+    st = kd.var(kd.where(fresh, 0.0, kd.load(state, b, h, p[:, None], s[None, :], mask=inside).f32()))
+    return T, b, h, g, p, s, N, first, inside, a, bias, skip, st
+
+
+def _step_size(dt, bias, dt_min, dt_max):
+    return kd.minimum(kd.maximum(kd.softplus(dt + bias), dt_min), dt_max)
+
+
+def _scan_end(state, positions, first, T, limit, b, h, p, s, inside, st):
+    """The state written back, unless the sequence is parked (its last token at `limit`)."""
+    keep_state = kd.load(positions, first + T - 1) < limit
+    kd.store(state, b, h, p[:, None], s[None, :], st, mask=inside & keep_state)
+
+
 def _scan_spec(x, dt, B, C, A_log, dt_bias, D, state, positions, *, limit=NO_LIMIT, dt_min=0.0, dt_max=float("inf"),
                **_):
     return ssm_scan_formula(x, dt, B, C, A_log, dt_bias, D, state, positions, limit=limit, dt_min=dt_min,
@@ -112,31 +144,18 @@ def ssm_scan_kernel(x, dt, Bm, Cm, A_log, dt_bias, D, state, positions, *, limit
     """Per head h and token: dt = clamp(softplus(dt + dt_bias[h])), the state decays by exp(-exp(A_log[h]) * dt)
     and takes dt * x ⊗ B; y = state · C + D[h] * x. B and C are shared by the H / G heads of a group."""
     n, H, P = x.shape
-    N = Bm.shape[2]
-    nseq = state.shape[0]
-    T = n // nseq
-    b, h, pb = kd.grid(nseq, H, kd.cdiv(P, BLOCK_P))
-    g = h // (H // Bm.shape[1])
-    p = pb * BLOCK_P + kd.arange(0, BLOCK_P)
-    s = kd.arange(0, BLOCK_N)
-    a = -kd.exp(kd.load(A_log, h).f32())
-    bias = kd.load(dt_bias, h).f32()
-    skip = kd.load(D, h).f32()
-    first = b * T
-    fresh = kd.load(positions, first) == 0
-    inside = (p < P)[:, None] & (s < N)[None, :]
-    st = kd.var(kd.where(fresh, 0.0, kd.load(state, b, h, p[:, None], s[None, :], mask=inside).f32()))
+    T, b, h, g, p, s, N, first, inside, a, bias, skip, st = _scan_start(x, Bm, A_log, dt_bias, D, state, positions,
+                                                                      BLOCK_P, BLOCK_N)
     y = kd.output((n, H, P), x.dtype, name="y")
     for t in kd.range(0, T):
         i = first + t
         xt = kd.load(x, i, h, p, mask=p < P).f32()
-        step = kd.minimum(kd.maximum(kd.softplus(kd.load(dt, i, h).f32() + bias), dt_min), dt_max)
+        step = _step_size(kd.load(dt, i, h).f32(), bias, dt_min, dt_max)
         bt = kd.load(Bm, i, g, s, mask=s < N).f32()
         ct = kd.load(Cm, i, g, s, mask=s < N).f32()
         st.set(st * kd.exp(step * a) + (step * xt)[:, None] * bt[None, :])
         kd.store(y, i, h, p, (kd.sum(st * ct[None, :], axis=1) + skip * xt).astype(x.dtype), mask=p < P)
-    keep_state = kd.load(positions, first + T - 1) < limit
-    kd.store(state, b, h, p[:, None], s[None, :], st, mask=inside & keep_state)
+    _scan_end(state, positions, first, T, limit, b, h, p, s, inside, st)
     return y
 
 
@@ -159,21 +178,9 @@ def ssm_chunk_scan_kernel(x, dt, Bm, Cm, A_log, dt_bias, D, state, positions, *,
     exp(s_last - s_u) dt_u x_u B_u. Four tensor-core products a chunk, where the scan is a chain of T dependent
     steps: the form for a prompt. Tokens past T are masked to dt = 0 (no decay, no input)."""
     n, H, P = x.shape
-    N = Bm.shape[2]
-    nseq = state.shape[0]
-    T = n // nseq
-    b, h, pb = kd.grid(nseq, H, kd.cdiv(P, BLOCK_P))
-    g = h // (H // Bm.shape[1])
-    p = pb * BLOCK_P + kd.arange(0, BLOCK_P)
-    s = kd.arange(0, BLOCK_N)
+    T, b, h, g, p, s, N, first, inside, a, bias, skip, st = _scan_start(x, Bm, A_log, dt_bias, D, state, positions,
+                                                                      BLOCK_P, BLOCK_N)
     u = kd.arange(0, CHUNK)
-    a = -kd.exp(kd.load(A_log, h).f32())
-    bias = kd.load(dt_bias, h).f32()
-    skip = kd.load(D, h).f32()
-    first = b * T
-    fresh = kd.load(positions, first) == 0
-    inside = (p < P)[:, None] & (s < N)[None, :]
-    st = kd.var(kd.where(fresh, 0.0, kd.load(state, b, h, p[:, None], s[None, :], mask=inside).f32()))   # (P, N)
     causal = u[None, :] <= u[:, None]                                       # (t, u): u at or before t
     y = kd.output((n, H, P), x.dtype, name="y")
     for c0 in kd.range(0, T, CHUNK):
@@ -181,7 +188,7 @@ def ssm_chunk_scan_kernel(x, dt, Bm, Cm, A_log, dt_bias, D, state, positions, *,
         live = t < T
         i = first + t
         xt = kd.load(x, i[:, None], h, p[None, :], mask=live[:, None] & (p < P)[None, :]).f32()          # (L, P)
-        step = kd.minimum(kd.maximum(kd.softplus(kd.load(dt, i, h, mask=live).f32() + bias), dt_min), dt_max)
+        step = _step_size(kd.load(dt, i, h, mask=live).f32(), bias, dt_min, dt_max)
         step = kd.where(live, step, 0.0)
         bt = kd.load(Bm, i[:, None], g, s[None, :], mask=live[:, None] & (s < N)[None, :]).f32()       # (L, N)
         ct = kd.load(Cm, i[:, None], g, s[None, :], mask=live[:, None] & (s < N)[None, :]).f32()
@@ -193,8 +200,7 @@ def ssm_chunk_scan_kernel(x, dt, Bm, Cm, A_log, dt_bias, D, state, positions, *,
         kd.store(y, i[:, None], h, p[None, :], out.astype(x.dtype), mask=live[:, None] & (p < P)[None, :])
         total = kd.sum(decay)
         st.set(kd.exp(total) * st + kd.dot(kd.trans(xt * (kd.exp(total - run) * step)[:, None]), bt))
-    keep_state = kd.load(positions, first + T - 1) < limit
-    kd.store(state, b, h, p[:, None], s[None, :], st, mask=inside & keep_state)
+    _scan_end(state, positions, first, T, limit, b, h, p, s, inside, st)
     return y
 
 

@@ -5,8 +5,9 @@ set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1 KILNX_CACHE_DIR=/tmp/kilnx-cache KILNX_DB=${KILNX_DB:-sqlite:////tmp/kilnx-tune.db}
-# the commit column: pass KILNX_COMMIT=<hash> with the call (a .commit file, ignored by git, came back stale from
-# the device copy in session 15)
+# the commit column: pass KILNX_COMMIT=<hash> with the call, the hash written out in the command (a .commit file,
+# ignored by git, came back stale from the device copy in session 15; `$(git rev-parse HEAD)` evaluated there gave an
+# older commit than the tree it ran in session 28)
 export KILNX_COMMIT=${KILNX_COMMIT:-$(cat .commit 2>/dev/null || echo unknown)}
 # bytecode caches somewhere writable, as any installed Python has them: without, every new process compiled
 # torch's and sqlalchemy's sources again (cProfile of a cold start: 4.2 s in builtins.compile)

@@ -4,7 +4,7 @@ weights, in one process.
     python bench/probes/hybrid_cpu_vs_hf.py OUT_CSV [PROMPT_LEN] [GEN]
 
 A mid-size nemotron-h (hidden 1024, 12 layers M-M*-M-M-M*-, 32 Mamba heads of 32 channels with 64-wide states, 8
-groups, vocab 32000; ~170M parameters) with random weights in trained ranges, saved by transformers and loaded by
+groups, vocab 32000; 121M parameters (counted)) with random weights in trained ranges, saved by transformers and loaded by
 kilnx from that directory twice: dense fp32 as transformers runs it, and quantized to 4-bit groups of 64 as it loads
 (`--quantize q4`, kilnx's CPU path; transformers' CPU path has no 4-bit). Greedy decoding of GEN tokens after a
 PROMPT_LEN-token prompt, each twice, the second timed: prefill tok/s and decode tok/s. Torch threads as the machine

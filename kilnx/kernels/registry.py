@@ -83,7 +83,9 @@ def problems_for_model(model: str, gpu: bool = True) -> list[tuple[str, dict]]:
             return []
         p = {"H": cfg.mamba_heads, "P": cfg.mamba_head_dim, "G": cfg.ssm_groups, "N": cfg.ssm_state_size,
              "K": cfg.conv_kernel, "T": T, "nseq": nseq}
-        return [("ssm_scan_kernel", p), ("conv1d_silu_kernel", p)]
+        from kilnx.kernels.ssm import chunked_scan_from
+        scan = "ssm_chunk_scan_kernel" if T >= chunked_scan_from() else "ssm_scan_kernel"   # the form the route runs
+        return [(scan, p), ("conv1d_silu_kernel", p)]
 
     # Most important first: a tune whose budget runs out skips the tail (tuner/session.py). One-token
     # decode is what a user waits on token after token; then 4-row decode, MoE, and prefill.

@@ -45,8 +45,7 @@ class HybridModel(LlamaModel):
         ops, w = self.ops, self.weights
         rows_flat = self._rows_of(B, T, positions.device)
         flat_pos = positions.reshape(-1)
-        emb = getattr(ops, "embedding", None)
-        h = emb(w.embed, input_ids) if emb is not None else w.embed[input_ids.reshape(-1)]
+        h = self._embed(input_ids)
         residual = None
         for i, layer in enumerate(w.layers):
             residual, x = self._residual_norm(h, residual, layer.norm)

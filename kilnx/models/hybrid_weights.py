@@ -15,7 +15,7 @@ import torch
 
 from kilnx.models.config import ModelConfig
 from kilnx.models.errors import CheckpointError
-from kilnx.models.weights import ModelWeights, _place, concat_linears, embedding_and_head, gemv_width, qweight_class
+from kilnx.models.weights import ModelWeights, _place, concat_linears, embedding_and_head, gemv_width, moe_weights
 
 
 @dataclass
@@ -75,6 +75,7 @@ class HybridLayer:
         return [p for p in parts if p is not None]
 
     def small_tensors(self) -> list:
+        """Norms and the mixer's small parameters."""
         m = self.mamba
         rest = [] if m is None else [m.conv_weight, m.conv_bias, m.dt_bias, m.A_log, m.D, m.norm]
         return [t for t in (self.norm, *rest, self.ffn.norm if self.ffn else None) if t is not None]
@@ -149,22 +150,9 @@ def _granite_ffn(cfg: ModelConfig, src, at: str, dense, lin) -> FeedForward:
                         lin([at + "mlp.down_proj.weight"])[0])
     else:                                             # HF's, and every MoE layer's shared expert: [gate | up] fused
         f = FeedForward(norm, lin([at + "shared_mlp.input_linear.weight"]), lin([at + "shared_mlp.output_linear.weight"])[0])
-    if not cfg.is_moe:
-        return f
-    moe = at + "block_sparse_moe."
-    if not src.has(moe + "switch_mlp.gate_proj.weight"):
-        raise CheckpointError(f"{src.path}: no {moe}switch_mlp expert stacks; kilnx runs MoE experts as quantized "
-                              "stacks: load an HF checkpoint with --quantize q4, or convert it once with `kilnx convert "
-                              "<dir> <out>` and load that directory.")
-    f.router = lin([moe + "router.layer.weight"])[0]
-    gate_up = lin([moe + "switch_mlp.gate_proj.weight", moe + "switch_mlp.up_proj.weight"])
-    f.experts_down = lin([moe + "switch_mlp.down_proj.weight"])[0]
-    QWeight = qweight_class()
-    if len(gate_up) != 1 or any(QWeight is None or not isinstance(w, QWeight) or w.packed.dim() != 3
-                                for w in (*gate_up, f.experts_down)):
-        raise CheckpointError(f"{src.path}: {moe}switch_mlp's experts are not one quantized (E, N, K) [gate | up] "
-                              "stack and a down stack; the MoE kernels take MLX affine 2/4/8-bit experts.")
-    f.experts_gate_up = gate_up[0]
+    if cfg.is_moe:
+        f.router, f.experts_gate_up, f.experts_down = moe_weights(cfg, src, at + cfg.moe_block, lin,
+                                                                  router="router.layer.weight")
     return f
 
 

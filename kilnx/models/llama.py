@@ -84,8 +84,7 @@ class LlamaModel:
         the final-normed hidden states (tokens, H)."""
         cfg, ops, w = self.config, self.ops, self.weights
         eps, off = cfg.rms_norm_eps, self._norm_offset
-        emb = getattr(ops, "embedding", None)
-        h = emb(w.embed, input_ids) if emb is not None else w.embed[input_ids.reshape(-1)]   # (B*T, H) gather
+        h = self._embed(input_ids)
         residual = None
         for i, layer in enumerate(w.layers):
             if residual is None:
@@ -102,6 +101,11 @@ class LlamaModel:
             if self._gemma:
                 h = ops.rms_norm(h, layer.post_mlp_norm, eps, weight_offset=off)
         return ops.add_rms_norm(h, residual, w.final_norm, eps, weight_offset=off)[1]
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of input_ids' tokens, (tokens, H)."""
+        emb = getattr(self.ops, "embedding", None)
+        return emb(self.weights.embed, input_ids) if emb is not None else self.weights.embed[input_ids.reshape(-1)]
 
     def _rows_of(self, B: int, T: int, device) -> torch.Tensor:
         """The cache row of each token, made once per (B, T): a step then runs no torch op that writes

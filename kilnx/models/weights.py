@@ -37,6 +37,15 @@ class LayerWeights:
     experts_gate_up: "QWeight | None" = None  # noqa: F821
     experts_down: "QWeight | None" = None  # noqa: F821
 
+    def linears(self) -> list:
+        """Every 2-D linear (the expert stacks are counted apart, ModelWeights.nbytes)."""
+        return [*self.qkv, self.o, *self.gate_up, *(t for t in (self.down, self.router) if t is not None)]
+
+    def small_tensors(self) -> list:
+        """Norms and biases."""
+        return [t for t in (self.attn_norm, self.mlp_norm, self.qkv_bias, self.q_norm, self.k_norm,
+                            self.post_attn_norm, self.post_mlp_norm) if t is not None]
+
 
 @dataclass(frozen=True)
 class QuantEmbedding:
@@ -97,7 +106,7 @@ class ModelWeights:
             seen.add(id(w))
             total += linear_nbytes(w)
         for layer in self.layers:
-            for w in (getattr(layer, "experts_gate_up", None), getattr(layer, "experts_down", None)):
+            for w in (layer.experts_gate_up, layer.experts_down):
                 if w is not None:
                     total += int(linear_nbytes(w) * expert_fraction)
         for t in _all_norms(self):
@@ -122,25 +131,13 @@ def linear_nbytes(w) -> int:
 def _all_linears(w: ModelWeights):
     """Every 2-D linear (the expert stacks are counted apart, see nbytes)."""
     for layer in w.layers:
-        if hasattr(layer, "linears"):          # a hybrid model's layer (models/hybrid.py) lists its own
-            yield from layer.linears()
-            continue
-        yield from layer.qkv
-        yield layer.o
-        yield from layer.gate_up
-        yield from (t for t in (layer.down, layer.router) if t is not None)
+        yield from layer.linears()
     yield from w.lm_head
 
 
 def _all_norms(w: ModelWeights):
     for layer in w.layers:
-        if hasattr(layer, "small_tensors"):
-            yield from layer.small_tensors()
-            continue
-        for t in (layer.attn_norm, layer.mlp_norm, layer.qkv_bias, layer.q_norm, layer.k_norm,
-                  layer.post_attn_norm, layer.post_mlp_norm):
-            if t is not None:
-                yield t
+        yield from layer.small_tensors()
     yield w.final_norm
 
 
@@ -226,7 +223,8 @@ def build_weights(cfg: ModelConfig, src: WeightSource, *, device="cpu", dtype=to
             down=None if moe else lin([a("mlp.down_proj.weight")])[0],
         )
         if moe:
-            layer.router, layer.experts_gate_up, layer.experts_down = _moe_weights(cfg, src, i, lin)
+            layer.router, layer.experts_gate_up, layer.experts_down = moe_weights(cfg, src, _hf(i, cfg.moe_block),
+                                                                                  lin)
         if cfg.attention_bias:
             layer.qkv_bias = torch.cat([dense(a(f"self_attn.{x}_proj.bias")) for x in "qkv"])
         if cfg.qk_norm:
@@ -267,27 +265,27 @@ def embedding_and_head(cfg: ModelConfig, src: WeightSource, embed_name: str, lin
     return lm_head, embed
 
 
-def _moe_weights(cfg: ModelConfig, src: WeightSource, i: int, lin):
-    """(router, [gate | up] stack, down stack) of MoE layer i, from mlx-lm's stacked `switch_mlp` tensors
-    (qwen3-moe's under `mlp`, mixtral's under `block_sparse_moe`)."""
-    block = cfg.moe_block
-    stack = _hf(i, block + ".switch_mlp.{}_proj.weight")
-    one_by_one = (_hf(i, f"{block}.experts.0.{p}.weight") for p in ("gate_proj", "w1"))
-    if not src.has(stack.format("gate")) and any(src.has(n) for n in one_by_one):
-        raise CheckpointError(f"{src.path}: the experts of this {cfg.arch} checkpoint are stored one by one (HF "
-                              f"layout); kilnx runs MoE experts as quantized stacks: load it with --quantize q4, "
-                              f"or convert it once with `kilnx convert <dir> <out>` and load that directory.")
+def moe_weights(cfg: ModelConfig, src: WeightSource, block: str, lin, router: str = "gate.weight"):
+    """(router, [gate | up] stack, down stack) of the MoE block `block` (e.g. model.layers.3.mlp), from mlx-lm's
+    stacked `switch_mlp` tensors (qwen3-moe's under `mlp`, mixtral's and granite's under `block_sparse_moe`; granite's
+    router is `router.layer.weight`)."""
+    stack = block + ".switch_mlp.{}_proj.weight"
+    hf_layout = [f"{block}.experts.0.{p}.weight" for p in ("gate_proj", "w1")] + [f"{block}.input_linear.weight"]
+    if not src.has(stack.format("gate")) and any(src.has(n) for n in hf_layout):
+        raise CheckpointError(f"{src.path}: the experts of this {cfg.arch} checkpoint are in HF's layout (one by one, "
+                              f"or gate and up fused); kilnx runs MoE experts as quantized stacks: load it with "
+                              f"--quantize q4, or convert it once with `kilnx convert <dir> <out>` and load that directory.")
     gate_up = lin([stack.format("gate"), stack.format("up")])
     down = lin([stack.format("down")])[0]
     QWeight = qweight_class()
     for w in (*gate_up, down):
         if QWeight is None or not isinstance(w, QWeight) or w.packed.dim() != 3:
-            raise CheckpointError(f"{src.path}: layer {i}'s experts are not quantized (E, N, K) stacks; the MoE "
+            raise CheckpointError(f"{src.path}: {block}'s experts are not quantized (E, N, K) stacks; the MoE "
                                   f"kernels take MLX affine 2/4/8-bit experts (mlx_lm.convert -q).")
     if len(gate_up) != 1:
-        raise CheckpointError(f"{src.path}: layer {i}'s gate and up experts differ in format; they must share "
+        raise CheckpointError(f"{src.path}: {block}'s gate and up experts differ in format; they must share "
                               f"bits and group size to run as one [gate | up] stack.")
-    return lin([_hf(i, block + ".gate.weight")])[0], gate_up[0], down
+    return lin([f"{block}.{router}"])[0], gate_up[0], down
 
 
 def gemv_width(w):

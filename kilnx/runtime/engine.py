@@ -80,6 +80,7 @@ class Engine:
         # rows carrying recurrent state (models/hybrid.py) take only their next tokens: no prompt padded to a
         # prefill graph's length, no speculative tokens to take back, no prefixes copied between rows
         self.recurrent = bool(getattr(model, "recurrent", False))
+        self._rows_run: dict[int, int] = {}    # a decode graph's id -> the rows B of its last step
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda" and os.environ.get("KILNX_CUDA_GRAPHS", "1") != "0"
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
@@ -225,10 +226,12 @@ class Engine:
             for src, dst in ((tokens, g.ids[:B, 0]), (positions, g.positions[:B, 0])):
                 if src.data_ptr() != dst.data_ptr():     # not already written there (decode_inputs)
                     dst.copy_(src)
-            if self.recurrent and B < g.ids.shape[0]:
+            if self.recurrent and B < g.ids.shape[0] and self._rows_run.get(id(g)) != B:
                 # the bucket's rows past B would rerun their last inputs: harmless for K/V (the same values written
-                # again), not for a recurrent state, which would take that token twice. Parked, they leave it.
+                # again), not for a recurrent state, which would take that token twice. Parked, they leave it, and
+                # stay parked while steps keep to B rows (a fill when B changes, not a launch every step).
                 g.positions[B:, 0].fill_(self.max_seq - 1)
+            self._rows_run[id(g)] = B
             g.graph.replay()
             return g.logits[:B, 0]
         if self.cpu_replay:

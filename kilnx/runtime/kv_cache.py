@@ -84,8 +84,9 @@ class HybridCache(KVCache):
     indexed by layer, None where a layer has no such part.
 
     A row's state sums its whole history, so it cannot be cut back to a prefix: no prefix copies between rows (a
-    prompt restarts from position 0, where the kernels begin from a zero state), and nothing may run a token into a
-    row that is not its next one (runtime/engine.py: no padded prefill graphs, no speculative rounds)."""
+    prompt either continues its row's whole history or restarts from position 0, where the kernels begin from a zero
+    state), and nothing may run a token into a row that is not its next one (runtime/engine.py: no padded prefill
+    graphs, no speculative rounds)."""
 
     def __init__(self, k: list, v: list, conv: list, ssm: list, max_seq: int):
         super().__init__(k, v)

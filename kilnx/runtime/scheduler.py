@@ -93,9 +93,9 @@ class Scheduler:
         self._per_request = proposer is not None and proposer.fork() is not None
         self._proposing_for: Request | None = None   # the request whose sequence the shared proposer began
         self.drafted = self.accepted = 0             # speculative telemetry: guesses made, guesses kept
-        if engine.recurrent and proposer is not None:
+        if proposer is not None:
             engine.check_rewindable()
-        # a recurrent model's rows reuse nothing (runtime/kv_cache.py's HybridCache): no prefixes kept or stored
+        # a recurrent model's rows continue only their own history (_admit_recurrent): no prefix store
         self.store = (PrefixStore(engine.cache, prefix_slots, min_tokens=COPY_MIN)
                       if prefix_slots and not engine.recurrent else None)
         # a GPU step is enqueued before the host reads the previous step's tokens (their detokenizing, stop

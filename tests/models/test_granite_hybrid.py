@@ -92,22 +92,29 @@ def test_logits_match_mlx_lm(tmp_path, variant, backend):
     assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
-def test_logits_match_hf_transformers_with_a_grouped_gated_norm(tmp_path):
+def _hf_granite(path, config: dict, **changes):
+    """A tiny GraniteMoeHybridForCausalLM of HF transformers with random weights in trained ranges, saved to path as
+    transformers saves it (layer_types as linear_attention / full_attention)."""
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "GraniteMoeHybridForCausalLM"):
         pytest.skip(f"transformers {transformers.__version__} has no GraniteMoeHybrid")
-    from kilnx.models.loaders import load_model
-    keys = {k: v for k, v in BASE.items() if k not in ("model_type", "time_step_limit")}
-    cfg = transformers.GraniteMoeHybridConfig(**dict(keys, mamba_n_groups=2, position_embedding_type="rope",
-                                                     num_local_experts=0, mamba_expand=1))
+    keys = {k: v for k, v in config.items() if k not in ("model_type", "time_step_limit")}
     torch.manual_seed(0)
-    model = transformers.GraniteMoeHybridForCausalLM(cfg).eval()
+    model = transformers.GraniteMoeHybridForCausalLM(transformers.GraniteMoeHybridConfig(**dict(keys, **changes))).eval()
     with torch.no_grad():
         named = [(n, tuple(p.shape), lambda s: torch.randn(s), lambda lo, hi, s: torch.rand(s) * (hi - lo) + lo)
                  for n, p in model.named_parameters()]
         for name, value in _random_params(named).items():
             model.get_parameter(name).copy_(torch.as_tensor(value))
-        model.save_pretrained(tmp_path)                     # layer_types as linear_attention / full_attention
+    model.save_pretrained(path)
+    return model
+
+
+def test_logits_match_hf_transformers_with_a_grouped_gated_norm(tmp_path):
+    from kilnx.models.loaders import load_model
+    model = _hf_granite(tmp_path, BASE, mamba_n_groups=2, position_embedding_type="rope", num_local_experts=0,
+                        mamba_expand=1)
+    with torch.no_grad():
         want = model(torch.tensor([IDS])).logits[0].float()
     lm = load_model(str(tmp_path), device="cpu", dtype=torch.float32, ops="torch")
     assert lm.config.ssm_norm_groups == 2 and lm.config.layer_kinds == ("mamba", "attention", "mamba", "mamba")
@@ -119,25 +126,14 @@ def test_an_hf_moe_checkpoint_converts_to_the_directory_mlx_lm_runs(tmp_path):
     in `kilnx convert` (the router at 8 bits, as mlx-lm's predicate keeps it): mlx-lm runs the directory to kilnx's
     logits, and the same checkpoint quantized as it loads gives the same logits. Loaded as it is, it is refused with
     the way out."""
-    transformers = pytest.importorskip("transformers")
     mx = pytest.importorskip("mlx.core")
-    if not hasattr(transformers, "GraniteMoeHybridForCausalLM"):
-        pytest.skip(f"transformers {transformers.__version__} has no GraniteMoeHybrid")
+    pytest.importorskip("mlx_lm")
     from mlx_lm.utils import load_model as mlx_load
 
     from kilnx.models.convert import convert, quant_format
     from kilnx.models.errors import CheckpointError
     from kilnx.models.loaders import load_model
-    keys = {k: v for k, v in CONFIGS["moe"].items() if k not in ("model_type", "time_step_limit")}
-    cfg = transformers.GraniteMoeHybridConfig(**dict(keys, shared_intermediate_size=128, mamba_expand=1))
-    torch.manual_seed(0)
-    model = transformers.GraniteMoeHybridForCausalLM(cfg).eval()
-    with torch.no_grad():
-        named = [(n, tuple(p.shape), lambda s: torch.randn(s), lambda lo, hi, s: torch.rand(s) * (hi - lo) + lo)
-                 for n, p in model.named_parameters()]
-        for name, value in _random_params(named).items():
-            model.get_parameter(name).copy_(torch.as_tensor(value))
-    model.save_pretrained(tmp_path / "hf")
+    _hf_granite(tmp_path / "hf", CONFIGS["moe"], shared_intermediate_size=128, mamba_expand=1)
     # the released checkpoints' spelling of the layer types (transformers 5 writes linear_attention / full_attention,
     # which this mlx-lm does not read)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())

@@ -69,9 +69,10 @@ class RandomSource:
         return random_hybrid_tensor(self.cfg, name, lambda shape, std: self._randn(shape, std))
 
     def dense(self, name: str) -> torch.Tensor:
-        if self.cfg.is_hybrid and not isinstance(got := self._hybrid(name), tuple):
+        got = self._hybrid(name) if self.cfg.is_hybrid else None   # a hybrid's mixer parameters come as values
+        if isinstance(got, torch.Tensor):
             return got.to(self.device)
-        shape = self._shape(name)
+        shape = got or self._shape(name)
         if len(shape) == 2:                      # the embedding table
             return self._randn(shape, 1.0, self.dtype)
         if name.endswith(".bias"):

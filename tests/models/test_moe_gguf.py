@@ -173,11 +173,15 @@ def test_a_moe_gguf_without_its_experts_names_the_missing_tensor(tmp_path):
 
 @pytest.mark.gpu
 def test_a_qwen3_moe_gguf_on_the_gpu_matches_the_cpu(tmp_path):
-    """The GPU's MoE kernels (fp32 scales in groups of 32, 4-bit gate / up with 8-bit down) on the same file."""
+    """The GPU's MoE kernels (fp32 scales in groups of 32, 4-bit gate / up with 8-bit down) on the same file.
+    An fp32 model's decode products on the GPU run in packed fp16 (kernels/qmv_h2.py, moe_h2.py: activations
+    and each word's partial sums in fp16, before the affine offset is taken out): ~1e-3 of the largest output
+    per product (qmv_h2's reference and Triton alike on 4- and 8-bit group-32 weights), and on the H100 the
+    two-layer model's logits 0.45% of the largest from the CPU's (the torch peer on the GPU: 1.2e-6)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     path = tmp_path / "qwen3moe.gguf"
     write_moe_gguf(path, "qwen3moe")
     _, want = _kilnx_logits(path)
     _, got = _kilnx_logits(path, device="cuda")
-    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())

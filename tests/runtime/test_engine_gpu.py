@@ -45,13 +45,13 @@ def engines_for(arch, max_seq):
     return {ops: Engine(model(arch, ops), max_seq=max_seq, cuda_graphs=(ops == "kilnx")) for ops in ("torch", "kilnx")}
 
 
-def follow_the_peer(engines, prompt, steps):
+def follow_the_peer(engines, prompt, steps, tol=3e-2):
     """Prefill both engines, then decode `steps` greedy tokens of the peer's choosing in both: kilnx's logits
     equal the peer's at every step (free-running paths of a random model would part at near-ties)."""
     logits = {ops: e.prefill(prompt).float() for ops, e in engines.items()}
     for step in range(steps):
         want = logits["torch"]
-        torch.testing.assert_close(logits["kilnx"], want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
+        torch.testing.assert_close(logits["kilnx"], want, rtol=tol, atol=tol * want.abs().max().item())
         tok = torch.tensor([int(want.argmax())], device="cuda")
         pos = torch.tensor([len(prompt) + step], device="cuda")
         logits = {ops: e.decode(tok, pos)[0].float() for ops, e in engines.items()}
@@ -76,7 +76,20 @@ def test_graph_decode_on_an_fp8_cache_follows_the_torch_peer_on_one(arch, max_se
     engines = {ops: Engine(model(arch, ops), max_seq=max_seq, cuda_graphs=(ops == "kilnx"), kv_cache_dtype="fp8")
                for ops in ("torch", "kilnx")}
     assert all(e.cache.k[0].dtype == torch.float8_e4m3fn for e in engines.values())
-    follow_the_peer(engines, random_prompt(20, 3), 8)
+    # Where kilnx's bf16 k or v differs from the peer's by an ulp (their GEMVs sum in other orders), rounding
+    # to e4m3 (3 mantissa bits) can land on the neighbouring code: on the H100, 9% of llama's cached values
+    # did, which moved the logits by up to 3.65% of the largest (qwen3 2.6%) where a bf16 cache keeps 3%.
+    # The codes are the sharper check: the same or adjacent, and mostly the same (rounding toward zero
+    # instead of to nearest would move about half of them).
+    follow_the_peer(engines, random_prompt(20, 3), 8, tol=6e-2)
+    written = 20 + 8   # the prompt and the 8 decode steps, in row 0
+    for name in ("k", "v"):
+        codes = [torch.stack([c[0, :, :written] for c in getattr(e.cache, name)]).view(torch.uint8).int()
+                 for e in (engines["kilnx"], engines["torch"])]
+        ordered = [torch.where(c >= 128, 128 - c, c) for c in codes]   # sign-magnitude -> monotone integers
+        apart = (ordered[0] - ordered[1]).abs()
+        assert int(apart.max()) <= 1, f"{name}: kilnx's fp8 {name} is {int(apart.max())} codes from the peer's"
+        assert float((apart > 0).float().mean()) < 0.25, f"{name}: {float((apart > 0).float().mean()):.0%} of codes differ"
 
 
 @pytest.mark.parametrize("arch", ["llama"])

@@ -106,6 +106,40 @@ def kv_dtypes(path: str):
     write_csv(path, ["ctx", "cache", "kv", "path", "us", "kv_GBps"], rows)
 
 
+def long_contexts(path: str):
+    """The split kernel's configs at long contexts (8k and 32k keys) on a bf16 and an fp8 cache: whether the
+    default (ranges sized so the programs number about the SMs) streams K and V near the copy ceiling."""
+    kw = A._kernel_kwargs(q=torch.empty(1, 1, 32, 128), k_cache=torch.empty(1, 8, 1, 128), scale=128 ** -0.5,
+                          softcap=None, window=None)
+    sweeps = {(8193, 8256): ((128, 256, 512, 1024), (32, 64, 128), (4, 8), (2, 3, 4)),
+              (32769, 32832): ((512, 1024, 2048), (64, 128), (4, 8), (2, 3))}
+    rows = []
+    for (ctx, S), grid in sweeps.items():
+        q, k, v, pos = inputs(ctx, S)
+        for kv in ("bf16", "fp8"):
+            kc, vc = (k, v) if kv == "bf16" else (k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn))
+            default = AS.attention_split_kernel.default_config(q, kc, vc, pos, **kw)
+            trials = [("default", None)] + [("sweep", {"BLOCK_M": 16, "BLOCK_N": bn, "KEYS_PER_SPLIT": ks,
+                                                       "num_warps": w, "num_stages": st})
+                                            for ks, bn, w, st in itertools.product(*grid) if bn <= ks]
+            for name, cfg in trials:
+                try:
+                    split(q, kc, vc, pos, kw, cfg)
+                    us = benchmark(lambda: split(q, kc, vc, pos, kw, cfg), "cuda") * 1e6
+                except Exception as e:   # a config the compiler refuses: recorded
+                    rows.append([ctx, S, kv, name, cfg or default, "", "", f"{type(e).__name__}: {str(e)[:80]}"])
+                    continue
+                gbps = 2 * 8 * ctx * 128 * kc.element_size() / us / 1e3
+                rows.append([ctx, S, kv, name, cfg or default, f"{us:.2f}", f"{gbps:.0f}", ""])
+            ok = [r for r in rows if r[0] == ctx and r[2] == kv and r[5]]
+            best = min(ok, key=lambda r: float(r[5]))
+            dflt = next(r for r in ok if r[3] == "default")
+            print(f"ctx {ctx} {kv}: default {dflt[5]} us {dflt[6]} GB/s {dflt[4]}; best {best[5]} us {best[6]} GB/s {best[4]}",
+                  flush=True)
+    write_csv(path, ["ctx", "cache", "kv", "trial", "config", "us", "kv_GBps", "error"], rows)
+
+
 if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else "attention_decode.csv"
-    kv_dtypes(out) if sys.argv[2:] == ["kv"] else main(out)
+    mode = sys.argv[2:]
+    kv_dtypes(out) if mode == ["kv"] else long_contexts(out) if mode == ["long"] else main(out)

@@ -107,13 +107,18 @@ def attend(q_tile, pos, k_cache, v_cache, b, kv_head, d, key_start, key_stop, ke
     """Online softmax over keys [key_start, key_stop) (keys at or past key_limit are masked): the
     unnormalized fp32 accumulator, the running row max and the running row sum."""
     BLOCK_M = q_tile.shape[0]
+    # the products' operand dtype: the queries', or fp16 for 16-bit queries over an fp8 cache, whose codes widen
+    # to fp16 pairs in one conversion on sm_90 where bf16 takes a detour through fp32 (and fp16 holds e4m3 and
+    # a bf16 query's value more finely, up to fp16's range of 65504)
+    mma = kd.f16 if k_cache.dtype == kd.f8e4 and q_tile.dtype in (kd.bf16, kd.f16) else q_tile.dtype
+    q_tile = q_tile.to(mma)
     row_max = kd.var(kd.full((BLOCK_M,), MASKED_MAX, kd.f32))
     row_sum = kd.zeros((BLOCK_M,), kd.f32)
     acc = kd.zeros((BLOCK_M, d.shape[0]), kd.f32)
     for n0 in kd.range(key_start, key_stop, BLOCK_N):
         key = n0 + kd.arange(0, BLOCK_N)
-        # (BLOCK_D, BLOCK_N) = K^T, widened to the queries' dtype where the cache is narrower (fp8)
-        k_tile_t = kd.load(k_cache, b, kv_head, key[None, :], d[:, None]).to(q_tile.dtype)
+        # (BLOCK_D, BLOCK_N) = K^T, widened to the products' dtype where the cache is narrower (fp8)
+        k_tile_t = kd.load(k_cache, b, kv_head, key[None, :], d[:, None]).to(mma)
         scores = kd.dot(q_tile, k_tile_t) * scale
         if SOFTCAP:
             scores = cap * kd.tanh(scores / cap)
@@ -124,9 +129,9 @@ def attend(q_tile, pos, k_cache, v_cache, b, kv_head, d, key_start, key_stop, ke
         rescale = kd.exp(row_max - new_max)
         p = kd.exp(scores - new_max[:, None])
         row_sum.set(row_sum * rescale + kd.sum(p, axis=1))
-        v_tile = kd.load(v_cache, b, kv_head, key[:, None], d[None, :]).to(q_tile.dtype)
-        # p in the queries' dtype so the second product runs on tensor cores like the first
-        acc.set(acc * rescale[:, None] + kd.dot(p.to(q_tile.dtype), v_tile))
+        v_tile = kd.load(v_cache, b, kv_head, key[:, None], d[None, :]).to(mma)
+        # p in the products' dtype so the second product runs on tensor cores like the first
+        acc.set(acc * rescale[:, None] + kd.dot(p.to(mma), v_tile))
         row_max.set(new_max)
     return acc, row_max, row_sum
 

@@ -76,21 +76,21 @@ def test_graph_decode_on_an_fp8_cache_follows_the_torch_peer_on_one(arch, max_se
     engines = {ops: Engine(model(arch, ops), max_seq=max_seq, cuda_graphs=(ops == "kilnx"), kv_cache_dtype="fp8")
                for ops in ("torch", "kilnx")}
     assert all(e.cache.k[0].dtype == torch.float8_e4m3fn for e in engines.values())
-    # Where kilnx's bf16 k or v differs from the peer's by an ulp (their GEMVs sum in other orders), rounding
-    # to e4m3 (3 mantissa bits) can land on the neighbouring code: on the H100, 9% of llama's first-layer
-    # values did, which moved the logits by up to 3.65% of the largest (qwen3 2.6%) where a bf16 cache keeps 3%.
-    # The first layer's codes (its input, the embedding, the same in both) are the sharper check: the same or
-    # adjacent, and mostly the same (rounding toward zero instead of to nearest would move about half of them);
-    # deeper layers' inputs have drifted apart by then.
+    # kilnx's k and v differ from the peer's by its GEMV's error (~1e-3 of the largest output: packed fp16), and
+    # rounding to e4m3 (3 mantissa bits) can turn that into the neighbouring code, or several where the values
+    # are small and the codes dense: on the H100 9% of llama's first-layer codes differed, which moved the
+    # logits by up to 3.65% of the largest (qwen3 2.6%) where a bf16 cache keeps 3%. The first layer's cache
+    # (its input, the embedding, the same in both) is the sharper check: every value within one e4m3 step of
+    # its magnitude plus 1% of the largest, and most codes the same (rounding toward zero instead of to
+    # nearest would move about half of them); deeper layers' inputs have drifted apart by then.
     follow_the_peer(engines, random_prompt(20, 3), 8, tol=6e-2)
     written = 20 + 8   # the prompt and the 8 decode steps, in row 0
     for name in ("k", "v"):
-        codes = [getattr(e.cache, name)[0][0, :, :written].contiguous().view(torch.uint8).int()
-                 for e in (engines["kilnx"], engines["torch"])]
-        ordered = [torch.where(c >= 128, 128 - c, c) for c in codes]   # sign-magnitude -> monotone integers
-        apart = (ordered[0] - ordered[1]).abs()
-        assert int(apart.max()) <= 1, f"{name}: kilnx's fp8 {name} is {int(apart.max())} codes from the peer's"
-        assert float((apart > 0).float().mean()) < 0.25, f"{name}: {float((apart > 0).float().mean()):.0%} of codes differ"
+        got, want = (getattr(e.cache, name)[0][0, :, :written].float() for e in (engines["kilnx"], engines["torch"]))
+        step = torch.exp2(torch.floor(torch.log2(torch.maximum(got.abs(), want.abs()).clamp(min=2.0 ** -6))) - 3)
+        assert bool(((got - want).abs() <= step + 0.01 * want.abs().max()).all()), f"{name}: values apart"
+        differ = float((got != want).float().mean())
+        assert differ < 0.25, f"{name}: {differ:.0%} of the first layer's codes differ from the peer's"
 
 
 @pytest.mark.parametrize("arch", ["llama"])

@@ -93,7 +93,7 @@ def kv_dtypes(path: str):
     """ops.attention (split or not, as the decode step chooses, with the o projection's prepared input) on each
     cache dtype: what --kv-cache-dtype fp8 changes in the kernels alone, the bytes they stream halved."""
     rows = []
-    for ctx, S in ((130, 256), (2050, 2113), (8193, 8256)):
+    for ctx, S in ((130, 256), (2050, 2113), (8193, 8256), (32769, 32832)):
         q, k, v, pos = inputs(ctx, S)
         for kv in ("bf16", "fp8"):
             kc, vc = (k, v) if kv == "bf16" else (k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn))

@@ -12,6 +12,7 @@ ranges is fixed by the cache length, so one CUDA graph serves every step.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -48,8 +49,11 @@ def _split_spec(q, k_cache, v_cache, positions, *, scale, cap=0.0, window=NO_WIN
 
 
 def _split_default(q, k_cache, v_cache, positions, **_):
-    return {"BLOCK_M": max(16, pow2_at_least(q.shape[1] * q.shape[2] // k_cache.shape[1])), "BLOCK_N": 64,
-            "KEYS_PER_SPLIT": keys_per_split(q, k_cache), "num_warps": 4, "num_stages": 3}
+    # 16 KB of K a tile: 64 keys of a bf16 cache, 128 of an fp8 one (at 8k keys on the H100, 20.4 us with 128
+    # against 22.0 with 64; bench/results/2026-12-06_h100_attention_long_s29.csv)
+    keys = keys_per_split(q, k_cache)
+    return {"BLOCK_M": max(16, pow2_at_least(q.shape[1] * q.shape[2] // k_cache.shape[1])),
+            "BLOCK_N": min(128 // k_cache.element_size(), keys), "KEYS_PER_SPLIT": keys, "num_warps": 4, "num_stages": 3}
 
 
 def keys_per_split(q, k_cache, *, programs: int | None = None) -> int:
@@ -57,12 +61,15 @@ def keys_per_split(q, k_cache, *, programs: int | None = None) -> int:
     about the SMs, or `programs`. Measured on the H200 (llama-3.1-8b heads, one token, split + the
     prepared merge; bench/results/2026-12-03_h200_attention_decode_s11.csv): a 2113-slot cache took 14.7 us
     with 128 keys per range (136 programs), 15.1 with 256, 16.3 with 64; a 256-slot cache 8.7 us with
-    64 (32 programs), 9.5 with 128, against 10.4 for the one-program kernel and its prep."""
+    64 (32 programs), 9.5 with 128, against 10.4 for the one-program kernel and its prep. The power of two
+    nearest the even share, not the one below it: on the H100 (bench/results/2026-12-06_h100_attention_long_s29.csv)
+    an 8256-slot cache took 25.6 us with 512 keys a range (17 ranges) against 28.2 with 256, a 32832-slot one 63.1
+    with 2048 against 66.9 with 1024 (bf16; fp8 20.4 against 24.4 at 8k)."""
     B, Hk, S = q.shape[0], k_cache.shape[1], k_cache.shape[2]
     if programs is None:
         programs = _sm_count(q.device) if q.is_cuda else 8
-    want = max(S * B * Hk // programs, 1)
-    return min(max(64, 1 << (want.bit_length() - 1)), 8192)
+    want = max(S * B * Hk / programs, 1.0)
+    return min(max(64, 1 << round(math.log2(want))), 8192)
 
 
 _SMS: dict = {}

@@ -173,7 +173,9 @@ def test_split_attention_on_numba_and_the_split_rule():
     check(AS.attention_split(q, k_cache, v_cache, positions, kw, config=cfg, backend="numba"), want, "f32")
     assert not AS.use_split(q, k_cache)                   # the CPU keeps the one-pass kernel
     big = torch.zeros(1, 8, 4096, 128)
-    assert AS.keys_per_split(torch.zeros(1, 1, 32, 128), big, programs=132) == 128    # 8 x 32 programs
+    # the power of two nearest an even share: 4096 x 8 / 132 = 248 -> 256 keys (8 x 16 programs)
+    assert AS.keys_per_split(torch.zeros(1, 1, 32, 128), big, programs=132) == 256
+    assert AS.keys_per_split(torch.zeros(1, 1, 32, 128), torch.zeros(1, 8, 2113, 128), programs=132) == 128
     assert AS.keys_per_split(torch.zeros(1, 1, 32, 128), big, programs=16) == 2048
     short = torch.zeros(1, 8, 256, 128)                   # a short cache: 64 keys a range at the least
     assert AS.keys_per_split(torch.zeros(1, 1, 32, 128), short, programs=132) == 64

@@ -189,11 +189,14 @@ def moe(x: torch.Tensor, w_gate_up, w_down, expert_ids: torch.Tensor, routing_we
     return m.moe(x, w_gate_up, w_down, expert_ids, routing_weights, activation)
 
 
-def moe_route(logits: torch.Tensor, top_k: int, normalize: bool):
+def moe_route(logits: torch.Tensor, top_k: int, normalize: bool, *, scoring: str = "softmax",
+              bias: torch.Tensor | None = None, scale: float = 1.0):
     """An MoE router's choice: logits (T, E) -> (expert ids (T, top_k) int32, weights (T, top_k) fp32),
-    the top_k of softmax(logits) (ties to the lower expert), divided by their sum when `normalize`."""
+    the top_k of softmax(logits) (ties to the lower expert), divided by their sum when `normalize`.
+    scoring="sigmoid" (DeepSeek-V3's, nemotron-3's): the experts of the top_k sigmoid(logits) + bias (E,),
+    weighted by their sigmoid scores (divided by the scores' sum + 1e-20 when `normalize`) times `scale`."""
     from kilnx.kernels.moe_route import moe_route as route
-    return route(logits, top_k, normalize)
+    return route(logits, top_k, normalize, scoring=scoring, bias=bias, scale=scale)
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,

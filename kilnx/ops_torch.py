@@ -186,9 +186,19 @@ def moe(x: torch.Tensor, w_gate_up, w_down, expert_ids: torch.Tensor, routing_we
     return y.sum(-2).to(x.dtype)
 
 
-def moe_route(logits: torch.Tensor, top_k: int, normalize: bool):
+def moe_route(logits: torch.Tensor, top_k: int, normalize: bool, *, scoring: str = "softmax",
+              bias: torch.Tensor | None = None, scale: float = 1.0):
     """(expert ids (T, top_k) int32, weights (T, top_k) fp32): the top_k of softmax(logits) in fp32
-    (ties to the lower expert), divided by their sum when `normalize`."""
+    (ties to the lower expert), divided by their sum when `normalize`. scoring="sigmoid" (DeepSeek-V3's,
+    nemotron-3's): the top_k of sigmoid(logits) + bias, weighted by their sigmoid scores (divided by the
+    scores' sum + 1e-20 when `normalize`), times `scale`."""
+    if scoring == "sigmoid":
+        s = torch.sigmoid(logits.float())
+        choice = s if bias is None else s + bias.float()
+        ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
+        w = s.gather(1, ids)
+        w = w / (w.sum(-1, keepdim=True) + 1e-20) if normalize else w
+        return ids.to(torch.int32), w * scale
     p = torch.softmax(logits.float(), dim=-1)
     order = torch.sort(p, dim=-1, descending=True, stable=True)
     w, ids = order.values[:, :top_k], order.indices[:, :top_k]

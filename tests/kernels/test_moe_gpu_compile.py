@@ -67,9 +67,11 @@ px, ph = QH._prep_spec(x, PER=8, GROUP=32), QH._prep_spec(h, PER=4, GROUP=32)
 compile_for_target(MH.gather_qmv_h2_glu, (*px, *gu, ids), {}, aligned=True)
 compile_for_target(MH.gather_qmv_h2_combine, (*ph, *dn, ids, rw), {}, aligned=True)
 compile_for_target(MO.moe_onepass_h2, (*px, *gu, *dn, ids, rw), {"STAGES": 1, "BLOCK_F": 16}, aligned=True)
-from kilnx.kernels.moe_route import moe_topk
+from kilnx.kernels.moe_route import moe_topk, moe_topk_sigmoid
 for logits in (torch.randn(3, 128).bfloat16(), torch.randn(5, 60)):
     compile_for_target(moe_topk, (logits,), {"ROWS": 2}, kw={"TOP_K": 8, "NORM": True})
+    compile_for_target(moe_topk_sigmoid, (logits, torch.randn(logits.shape[1])), {"ROWS": 2},
+                       kw={"TOP_K": 6, "NORM": True, "SCALE": 2.5})
 print("ok")
 """
 

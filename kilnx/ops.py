@@ -183,8 +183,9 @@ def moe(x: torch.Tensor, w_gate_up, w_down, expert_ids: torch.Tensor, routing_we
     """Mixture-of-experts MLP: x (T, H); w_gate_up (E, 2F, H) laid out [gate | up]; w_down (E, H, F);
     expert_ids, routing_weights (T, top_k) -> (T, H) in x.dtype,
     y[t] = sum_k routing_weights[t, k] * down_e(act(gate_e x[t]) * up_e x[t]) with e = expert_ids[t, k].
-    activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU). Few tokens take per-slot GEMVs, more an align
-    step and two grouped GEMMs (crossover: kilnx.kernels.moe.MOE_DECODE_MAX_TOKENS)."""
+    activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU); or "relu2" for experts without a gate (nemotron-3's):
+    w_gate_up is then up alone (E, F, H) and each expert is down_e(relu(up_e x)²). Few tokens take per-slot
+    GEMVs, more an align step and two grouped GEMMs (crossover: kilnx.kernels.moe.MOE_DECODE_MAX_TOKENS)."""
     from kilnx.kernels import moe as m
     return m.moe(x, w_gate_up, w_down, expert_ids, routing_weights, activation)
 

@@ -175,11 +175,16 @@ def gather_qmatmul(x: torch.Tensor, w, expert_ids: torch.Tensor) -> torch.Tensor
 def moe(x: torch.Tensor, w_gate_up, w_down, expert_ids: torch.Tensor, routing_weights: torch.Tensor,
         activation: str = "silu") -> torch.Tensor:
     """sum_k routing_weights[.., k] * down_e(act(gate_e x) * up_e x) with e = expert_ids[.., k];
-    w_gate_up (E, 2F, H) laid out [gate | up], w_down (E, H, F). The activation product is rounded to
+    w_gate_up (E, 2F, H) laid out [gate | up], w_down (E, H, F); activation "relu2": w_gate_up is up
+    alone (E, F, H), the expert down_e(relu(up_e x)²). The activation product is rounded to
     x.dtype before the down projection (as kilnx.ops.moe does); the weighted sum is in fp32."""
-    gate, up = gather_qmatmul(x, w_gate_up, expert_ids).float().chunk(2, dim=-1)
-    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
-    h = (act * up).to(x.dtype).reshape(-1, gate.shape[-1])
+    if activation == "relu2":     # experts without a gate: w_gate_up is up alone
+        up = gather_qmatmul(x, w_gate_up, expert_ids).float()
+        h = F.relu(up).square().to(x.dtype).reshape(-1, up.shape[-1])
+    else:
+        gate, up = gather_qmatmul(x, w_gate_up, expert_ids).float().chunk(2, dim=-1)
+        act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+        h = (act * up).to(x.dtype).reshape(-1, gate.shape[-1])
     flat = expert_ids.reshape(-1)
     y = _expert_rows(h, w_down, flat, torch.arange(flat.numel(), device=x.device))
     y = y.float().reshape(*expert_ids.shape, -1) * routing_weights.float()[..., None]

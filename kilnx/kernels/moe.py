@@ -41,6 +41,8 @@ from kilnx.kernels.moe_align import align, align_block_m, align_buffers
 from kilnx.kernels.sizes import pow2_at_least, pow2_dividing
 
 ACTIVATIONS = {"silu": kd.silu, "gelu_tanh": kd.gelu_tanh}
+# activations of experts without a gate (nemotron-3's relu²): w_gate_up holds the up projection alone (E, F, H)
+UNGATED = ("relu2",)
 # decode/prefill crossovers (tokens); later the tuner will store measured ones
 GATHER_QMV_MAX_TOKENS = 4
 MOE_DECODE_MAX_TOKENS = 4
@@ -405,19 +407,24 @@ def _moe_prepared(x, w_gate_up, w_down, expert_ids, routing_weights, activation)
 
 
 def moe(x, w_gate_up, w_down, expert_ids, routing_weights, activation: str = "silu") -> torch.Tensor:
-    """kilnx.ops.moe: sum_k routing_weights[.., k] * down_e(act(gate_e x) * up_e x), e = expert_ids[.., k].
+    """kilnx.ops.moe: sum_k routing_weights[.., k] * down_e(act(gate_e x) * up_e x), e = expert_ids[.., k]; for
+    an ungated activation (UNGATED: relu2) w_gate_up is up alone (E, F, H) and the expert is down_e(act(up_e x)).
 
     x (..., H); w_gate_up (E, 2F, H) laid out [gate | up]; w_down (E, H, F); expert_ids and
     routing_weights (..., top_k). Returns (..., H) in x.dtype. Up to MOE_DECODE_MAX_TOKENS tokens: per-slot
     GEMVs, no align step (on the GPU with 4/8-bit weights the packed-fp16 ones of kernels/moe_h2.py);
     more: align, then two grouped GEMMs."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"moe: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    if activation not in ACTIVATIONS and activation not in UNGATED:
+        raise ValueError(f"moe: activation must be one of {sorted(ACTIVATIONS) + list(UNGATED)}, got {activation!r}")
+    gated = activation in ACTIVATIONS
     from kilnx.kernels.prepared import PreparedX
     if isinstance(x, PreparedX):
+        if not gated:
+            raise ValueError("moe: prepared activations serve gated experts; pass plain activations for "
+                             f"{activation!r}")
         return _moe_prepared(x, w_gate_up, w_down, expert_ids, routing_weights, activation)
     _check_weight(w_gate_up, x.shape[-1], "moe (gate_up)")
-    _check_weight(w_down, w_gate_up.shape[1] // 2, "moe (down)")
+    _check_weight(w_down, w_gate_up.shape[1] // 2 if gated else w_gate_up.shape[1], "moe (down)")
     _check_routing(x, expert_ids, "moe")
     if w_down.shape[1] != x.shape[-1] or w_down.shape[0] != w_gate_up.shape[0]:
         raise ValueError(f"moe: down weight {tuple(w_down.shape)} does not map back to width {x.shape[-1]} "
@@ -433,7 +440,9 @@ def moe(x, w_gate_up, w_down, expert_ids, routing_weights, activation: str = "si
     gu = (w_gate_up.packed, w_gate_up.scales, w_gate_up.biases)
     dn = (w_down.packed, w_down.scales, w_down.biases)
     from kilnx.kernels import moe_h2    # built on this module's helpers
-    if x2.shape[0] <= MOE_DECODE_MAX_TOKENS and moe_h2.serves(w_gate_up, w_down):
+    if not gated:
+        y = _moe_ungated(x2, gu, dn, ids, rw, E)
+    elif x2.shape[0] <= MOE_DECODE_MAX_TOKENS and moe_h2.serves(w_gate_up, w_down):
         y = moe_h2.moe_decode(x2, w_gate_up, w_down, ids, rw, activation)
     elif x2.shape[0] <= MOE_DECODE_MAX_TOKENS:
         h = gather_qmv_glu(x2, *gu, ids, ACT=activation)
@@ -443,6 +452,20 @@ def moe(x, w_gate_up, w_down, expert_ids, routing_weights, activation: str = "si
         h = gather_qmm_glu(x2, *gu, sorted_ids, block_expert, ids, ACT=activation)
         y = gather_qmm_combine(h, *dn, sorted_ids, block_expert, rw).to(x.dtype)
     return y.reshape(x.shape)
+
+
+def _moe_ungated(x2, up, dn, ids, rw, E: int):
+    """relu²(up_e x), then down_e of it weighted and summed over the slots: the up projection as gather_qmatmul
+    runs it, the activation its own launch, the down projection with the combine (a third launch against the gated
+    path's two: the GLU kernels' epilogues multiply a gate by an up half, which these experts do not have)."""
+    from kilnx.kernels.activations import relu2
+    T, top_k = ids.shape
+    if T <= MOE_DECODE_MAX_TOKENS:
+        h = relu2(gather_qmv(x2, *up, ids).reshape(T * top_k, -1))
+        return gather_qmv_combine(h, *dn, ids, rw)
+    sorted_ids, block_expert, _ = align(ids, E, align_block_m(ids.numel(), E))
+    h = relu2(gather_qmm(x2, *up, sorted_ids, block_expert, ids).reshape(T * top_k, -1))
+    return gather_qmm_combine(h, *dn, sorted_ids, block_expert, rw).to(x2.dtype)
 
 
 __all__ = ["gather_qmatmul", "moe", "gather_qmm", "gather_qmm_glu", "gather_qmm_combine", "gather_qmv",

@@ -251,6 +251,32 @@ def test_moe_equals_the_composition(T, dtype, act):
     close(y, want, H + F, rel=1e-4 if dtype == torch.float32 else 4e-3)
 
 
+def ungated_formula(x, up, dn, ids, rw):
+    """nemotron-3's experts in float64: down_e(relu(up_e x)²), weighted and summed over the slots."""
+    Wu, Wd = up.dequantize(torch.float32).double(), dn.dequantize(torch.float32).double()
+    h = torch.relu(torch.einsum("th,tkfh->tkf", x.double(), Wu[ids])).square()
+    return torch.einsum("tkf,tkhf,tk->th", h, Wd[ids], rw.double())
+
+
+@pytest.mark.parametrize("T,dtype", [(1, torch.float32), (4, torch.bfloat16), (17, torch.float32)])
+def test_ungated_relu2_experts_equal_their_composition(T, dtype):
+    """activation="relu2": w_gate_up is the up projection alone; the decode path (per-slot GEMVs, up to
+    MOE_DECODE_MAX_TOKENS tokens) and the grouped GEMMs (more) on the kernels, and the torch peer, all equal it."""
+    from kilnx import ops_torch
+    E, k, H, F = 6, 3, 64, 96
+    _, up = experts(E, F, H, 4, 32, seed=13)
+    _, dn = experts(E, H, F, 4, 32, seed=14)
+    ids, rw = routing(T, k, E, seed=T + 1)
+    x = (torch.randn(T, H, generator=torch.Generator().manual_seed(T)) * 0.5).to(dtype)
+    want = ungated_formula(x, up, dn, ids, rw)
+    for y in (M.moe(x, up, dn, ids, rw.to(dtype), activation="relu2"),
+              ops_torch.moe(x, up, dn, ids, rw.to(dtype), activation="relu2")):
+        assert y.dtype == dtype and y.shape == (T, H)
+        close(y, want, H + F, rel=1e-4 if dtype == torch.float32 else 4e-3)
+    with pytest.raises(ValueError, match="does not match"):      # a [gate | up] stack is twice as wide as down
+        M.moe(x, up, experts(E, H, 2 * F, 4, 32, seed=15)[1], ids, rw, activation="relu2")
+
+
 def test_torch_peer_ops_equal_the_composition():
     """kilnx.ops_torch's gather_qmatmul and moe (the eager peer models fall back to) mean the same."""
     from kilnx import ops_torch

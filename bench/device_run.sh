@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU-machine driver: bash bench/device_run.sh STEP...   (needs .whl carried; everything lands in $OUT)
-# Steps: gputests gpuquick (TESTS=files GPUQUICK_SECS) e2eab (AB_MODELS="8b 1b moe" AB_VAR=KILNX_PDL|KILNX_PREPARED_LAUNCH|KILNX_WG|KILNX_GEMV_PREFETCH|KILNX_FUSED_QKV_ROPE|KILNX_FUSED_ROPE|KILNX_DECODE_LOOKAHEAD|KILNX_MOE_PREPARED AB_VALUES="1 0" AB_PROMPTS=128,2048) quant qmv tc qmm ncu fusions moe e2e1b e2e8b (E2E_CSV=name) tune (TUNE_MODEL) tune8b tunewg cold8b moeprobe (MOEPROBE_ROUNDS) tcgemv tcqmm attnprobe batchdecode (BATCH_MODEL BATCH_SIZES BATCH_STEPS) batchbench (BATCH_SIZES="1 4 8 16" BATCH_MODEL) serveload (SERVE_MODEL SERVE_BATCHES SERVE_REQUESTS) serveconv (SERVE_CONVERSATIONS) speculative (SPEC_MODEL SPEC_ARGS) kvab (KV_MODEL KV_PROMPTS KV_ROUNDS) attnkv mixed (MIXED_MODEL) hybrid (HYBRID_PROMPTS) ssmmixer ncuwg mmagemv (MMA_ROUNDS) qmmrows mmprefill (MMP_ROUNDS) splitk (SPLITK_SHAPES SPLITK_TILES SPLITK_SPLITS SPLITK_STAGES)   -- each has its own time limit and log.
+# Steps: gputests gpuquick (TESTS=files GPUQUICK_SECS) e2eab (AB_MODELS="8b 1b moe" AB_VAR=KILNX_PDL|KILNX_PREPARED_LAUNCH|KILNX_WG|KILNX_GEMV_PREFETCH|KILNX_FUSED_QKV_ROPE|KILNX_FUSED_ROPE|KILNX_DECODE_LOOKAHEAD|KILNX_MOE_PREPARED AB_VALUES="1 0" AB_PROMPTS=128,2048) quant qmv tc qmm ncu fusions moe e2e1b e2e8b (E2E_CSV=name) tune (TUNE_MODEL) tune8b tunewg cold8b moeprobe (MOEPROBE_ROUNDS) tcgemv tcqmm attnprobe batchdecode (BATCH_MODEL BATCH_SIZES BATCH_STEPS) batchbench (BATCH_SIZES="1 4 8 16" BATCH_MODEL) serveload (SERVE_MODEL SERVE_BATCHES SERVE_REQUESTS) serveconv (SERVE_CONVERSATIONS) speculative (SPEC_MODEL SPEC_ARGS) kvab (KV_MODEL KV_PROMPTS KV_ROUNDS) attnkv mixed (MIXED_MODEL) hybrid (HYBRID_PROMPTS HYBRID_MODELS HYBRID_TEST_FILES) ssmmixer ncuwg mmagemv (MMA_ROUNDS) qmmrows mmprefill (MMP_ROUNDS) splitk (SPLITK_SHAPES SPLITK_TILES SPLITK_SPLITS SPLITK_STAGES)   -- each has its own time limit and log.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -75,8 +75,8 @@ for s in "$@"; do case $s in
   kvab) for r in $(seq ${KV_ROUNDS:-2}); do for kv in fp8 auto; do   # the KV cache's dtype, alternated (twice) in one process image
           step e2e_kv${kv}_$r ${KV_SECS:-200} python3 -m kilnx.cli bench --model ${KV_MODEL:-llama-3.1-8b} --random --prompt-lens ${KV_PROMPTS:-128,2048,8192} --gen 64 --repeats 2 --device cuda --kv-cache-dtype $kv --csv $OUT/e2e_kv_$kv.csv; done; done ;;
   ssmmixer) step ssmmixer ${SSM_SECS:-200} python3 bench/probes/ssm_mixer.py $OUT/ssm_mixer.csv ;;
-  hybrid) [ "${HYBRID_TESTS:-1}" = 0 ] || step hybrid_tests 150 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/models/test_hybrid.py
-          for m in nemotron-h-8b llama-3.1-8b; do   # the hybrid and a dense peer of its size, in one run
+  hybrid) [ "${HYBRID_TESTS:-1}" = 0 ] || step hybrid_tests 150 python3 -m pytest -m gpu -q -x -p no:cacheprovider ${HYBRID_TEST_FILES:-tests/models/test_hybrid.py}
+          for m in ${HYBRID_MODELS:-nemotron-h-8b llama-3.1-8b}; do   # the hybrid and a peer of its size, in one run
             step e2e_$m ${HYBRID_SECS:-200} python3 -m kilnx.cli bench --model $m --random --prompt-lens ${HYBRID_PROMPTS:-128,2048} --gen 64 --device cuda --csv $OUT/e2e_hybrid.csv; done ;;
   e2emoe) step e2emoe ${MOE_E2E_SECS:-300} python3 -m kilnx.cli bench --model ${MOE_MODEL:-qwen3-30b-a3b} --random --prompt-lens 128,2048 --gen 64 --device cuda --csv $OUT/${E2E_CSV:-e2e}_moe.csv ;;
   e2e8b) step e2e8b 240 python3 -m kilnx.cli bench --model llama-3.1-8b --random --prompt-lens 128,2048 --gen 64 --device cuda --csv $OUT/${E2E_CSV:-e2e}.csv ;;

@@ -89,11 +89,24 @@ def gather_tolerance(args, *, glu: bool):
 
 # ---- tuning --------------------------------------------------------------------------------------
 def moe_problems(E: int, top_k: int, hidden: int, width: int, *, bits: int = 4, gs: int = 64,
-                 decode=(1, 4), prefill=(512, 2048), gpu: bool = True) -> list[tuple[str, dict]]:
+                 decode=(1, 4), prefill=(512, 2048), gpu: bool = True, gated: bool = True) -> list[tuple[str, dict]]:
     """(kernel name, problem) for one MoE layer's shapes: gate_up (+ activation) and down (+ combine),
     per-slot GEMVs at decode sizes (the packed-fp16 ones where `gpu`: what kilnx.ops.moe runs there),
-    grouped GEMMs and the align step at prefill sizes."""
+    grouped GEMMs and the align step at prefill sizes. gated=False (relu² experts): up alone, then the
+    down kernels with the combine, as kernels/moe.py's ungated path runs them."""
     base = {"top_k": top_k, "E": E, "bits": bits, "gs": gs}
+    if not gated:
+        up = {**base, "N": width, "K": hidden, "x": "token"}
+        down = {**base, "N": hidden, "K": width, "x": "slot"}
+        out = []
+        for T in decode:
+            out += [("gather_qmv", {**up, "T": T}), ("gather_qmv_combine", {**down, "T": T})]
+        for T in prefill:
+            bm = align_block_m(T * top_k, E)
+            out += [("moe_align_count", {"T": T, "top_k": top_k, "E": E}),
+                    ("moe_align_scatter", {"T": T, "top_k": top_k, "E": E, "BM": bm}),
+                    ("gather_qmm", {**up, "T": T, "BM": bm}), ("gather_qmm_combine", {**down, "T": T, "BM": bm})]
+        return out
     gate_up = {**base, "N": 2 * width, "K": hidden, "x": "token"}
     down = {**base, "N": hidden, "K": width, "x": "slot"}
     glu, combine = ("gather_qmv_h2_glu", "gather_qmv_h2_combine") if gpu else ("gather_qmv_glu", "gather_qmv_combine")

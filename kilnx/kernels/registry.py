@@ -94,7 +94,7 @@ def problems_for_model(model: str, gpu: bool = True) -> list[tuple[str, dict]]:
     if cfg.is_moe:
         from kilnx.kernels.moe_specs import moe_problems
         out += moe_problems(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
-                            gpu=gpu)
+                            gpu=gpu, gated=cfg.experts_gated)
     for g in problems(cfg):
         # the GPU multiplies from 320 rows (and above 128 where the fused kernel's grid is starved) by
         # dequantizing once and running the dense `mm` (kernels/routing.py): prompts there tune `mm`

@@ -70,6 +70,8 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1          # every n-th layer is an MoE layer ...
     mlp_only_layers: tuple[int, ...] = () # ... except these, which keep a dense MLP
+    router_scoring: str = "softmax"       # or "sigmoid" with a correction bias (nemotron-3, as DeepSeek-V3)
+    routed_scaling_factor: float = 1.0    # the routed experts' weights times this (sigmoid routers)
     # hybrid (nemotron_h): per layer "mamba" | "attention" | "mlp", and the Mamba-2 mixers' sizes
     layer_kinds: tuple[str, ...] = ()
     mamba_heads: int = 0                  # H: heads of P channels, each with a P x N state
@@ -104,6 +106,11 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def experts_gated(self) -> bool:
+        """Whether each expert is a GLU over [gate | up] (qwen3-moe, mixtral, granite) or up alone (nemotron-3's relu²)."""
+        return self.hidden_act != "relu2"
 
     @property
     def moe_block(self) -> str:
@@ -244,11 +251,10 @@ def _nemotron_h_from_hf(c: ModelConfig, cfg: dict, source: str) -> ModelConfig:
     unknown = sorted({str(p) for p in pattern} - _NEMOTRON_KINDS.keys())
     if unknown:
         raise UnsupportedArchitectureError(f"{source}: nemotron_h layer types {unknown} are not known; expected "
-                                           "M, *, - (mamba, attention, mlp).")
+                                           "M, *, -, E (mamba, attention, mlp, moe).")
     kinds = tuple(_NEMOTRON_KINDS[p] for p in pattern)
-    if "moe" in kinds:
-        raise UnsupportedArchitectureError(f"{source}: this nemotron_h stack has MoE layers (E); kilnx runs its "
-                                           "Mamba-2, attention and MLP layers, not its sigmoid-routed experts yet.")
+    moe = _nemotron_moe(cfg, source) if "moe" in kinds else dict(num_experts=0, num_experts_per_tok=0,
+                                                                  moe_intermediate_size=0)
     biased = [k for k in ("attention_bias", "mlp_bias", "mamba_proj_bias", "use_bias") if cfg.get(k)]
     if biased:
         raise UnsupportedArchitectureError(f"{source}: nemotron_h with {', '.join(biased)} set; kilnx runs the "
@@ -262,8 +268,35 @@ def _nemotron_h_from_hf(c: ModelConfig, cfg: dict, source: str) -> ModelConfig:
                    mamba_heads=int(cfg["mamba_num_heads"]), mamba_head_dim=int(cfg["mamba_head_dim"]),
                    ssm_state_size=int(cfg["ssm_state_size"]), ssm_groups=int(cfg.get("n_groups", 1)),
                    conv_kernel=int(cfg.get("conv_kernel", 4)), conv_bias=bool(cfg.get("use_conv_bias", True)),
-                   dt_limit=(_json_float(limit[0]), _json_float(limit[1])), num_experts=0, num_experts_per_tok=0,
-                   moe_intermediate_size=0, ssm_norm_groups=int(cfg.get("n_groups", 1)), nope=True)
+                   dt_limit=(_json_float(limit[0]), _json_float(limit[1])), ssm_norm_groups=int(cfg.get("n_groups", 1)),
+                   nope=True, **moe)
+
+
+def _nemotron_moe(cfg: dict, source: str) -> dict:
+    """nemotron-3's MoE layers (E): ungated relu² experts chosen by a sigmoid router with a correction bias
+    (DeepSeek-V3's routing, one expert group), beside one shared relu² expert."""
+    sizes = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "moe_shared_expert_intermediate_size")
+    missing = [k for k in sizes if not cfg.get(k)]
+    if missing:
+        raise UnsupportedArchitectureError(f"{source}: nemotron_h MoE layers (E) without {', '.join(missing)} in "
+                                           "its config; the experts' sizes cannot be known.")
+    if int(cfg.get("n_group") or 1) != 1 or int(cfg.get("topk_group") or 1) != 1:
+        raise UnsupportedArchitectureError(f"{source}: nemotron_h MoE with n_group {cfg.get('n_group')} / topk_group "
+                                           f"{cfg.get('topk_group')}; kilnx routes over one expert group (the "
+                                           "released Nemotron-3 configs: 1 / 1).")
+    if cfg.get("moe_latent_size"):
+        raise UnsupportedArchitectureError(f"{source}: nemotron_h MoE with a latent projection (moe_latent_size "
+                                           f"{cfg['moe_latent_size']}) is not supported yet; kilnx runs experts on "
+                                           "the hidden size (Nemotron-3 Nano).")
+    if int(cfg.get("n_shared_experts") or 0) != 1:
+        raise UnsupportedArchitectureError(f"{source}: nemotron_h MoE with n_shared_experts "
+                                           f"{cfg.get('n_shared_experts')}; kilnx runs one shared expert beside the "
+                                           "routed ones (the released configs).")
+    return dict(num_experts=int(cfg["n_routed_experts"]), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+                shared_intermediate_size=int(cfg["moe_shared_expert_intermediate_size"]),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), router_scoring="sigmoid",
+                routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0))
 
 
 def _granite_hybrid_from_hf(c: ModelConfig, cfg: dict, source: str) -> ModelConfig:

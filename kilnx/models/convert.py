@@ -40,7 +40,8 @@ def quantizable(name: str, t: torch.Tensor, fmt) -> bool:
     """Whether mlx-lm's default would quantize tensor `name`: a float `.weight` of a linear or an embedding (2-D),
     or an MoE layer's expert stack (3-D), whose rows split into groups."""
     return (name.endswith(".weight") and (t.dim() == 2 or (t.dim() == 3 and ".switch_mlp." in name))
-            and t.is_floating_point() and t.shape[-1] % fmt.group_size == 0)
+            and t.is_floating_point() and t.shape[-1] % fmt.group_size == 0
+            and not name.endswith(".mixer.gate.weight"))    # nemotron-3's router: mlx-lm's is a bare parameter
 
 
 def quantize(t: torch.Tensor, fmt):
@@ -52,8 +53,9 @@ def quantize(t: torch.Tensor, fmt):
 # HF stores an MoE layer's experts one by one; mlx-lm (and kilnx's MoE kernels) take them stacked (E, N, K) under
 # `switch_mlp`: (HF projection name, stacked name) by block
 _EXPERT_NAMES = {"mlp": (("gate_proj", "gate_proj"), ("up_proj", "up_proj"), ("down_proj", "down_proj")),
-                 "block_sparse_moe": (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))}
-_EXPERT = re.compile(r"^(model\.layers\.\d+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+                 "block_sparse_moe": (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")),
+                 "mixer": (("up_proj", "fc1"), ("down_proj", "fc2"))}     # nemotron-3's ungated experts
+_EXPERT = re.compile(r"^((?:model|backbone)\.layers\.\d+)\.(mlp|block_sparse_moe|mixer)\.experts\.(\d+)\.(\w+)\.weight$")
 # granite 4.0 h stores each MoE layer's experts already stacked, gate and up fused: input_linear (E, 2F, H) [gate |
 # up] and output_linear (E, H, F), which mlx-lm's sanitize splits into the same switch_mlp stacks
 _FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe)\.(input|output)_linear\.weight$")

@@ -6,7 +6,8 @@ A Mamba-2 layer projects x once into [z | x B C | dt]; x B C goes through a caus
 x is scanned with its heads' states (decay exp(-exp(A_log) * dt), input dt * x ⊗ B, output state · C + D * x), and
 the result is normalized per group gated by silu(z) before the out projection (kernels/ssm.py). Attention without
 positions (nemotron-h's; granite's "nope") runs the llama path's rope with zero frequencies, an exact identity;
-nemotron-h's MLP layers are up -> relu² -> down without a gate. Weights: models/hybrid_weights.py.
+nemotron-h's MLP layers are up -> relu² -> down without a gate; nemotron-3's MoE layers route each token to the top-k
+of such experts by sigmoid scores (DeepSeek-V3's router) beside a shared one. Weights: models/hybrid_weights.py.
 
 State is per cache row (runtime/kv_cache.py's HybridCache), so the engine runs a hybrid model only with each row's
 tokens in order: see `recurrent`.
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from kilnx.models.config import ModelConfig
-from kilnx.models.hybrid_weights import FeedForward, MambaWeights
+from kilnx.models.hybrid_weights import FeedForward, MambaWeights, RoutedExperts
 from kilnx.models.llama import LlamaModel, _linear
 from kilnx.models.weights import ModelWeights
 
@@ -53,6 +54,8 @@ class HybridModel(LlamaModel):
                 h = self._mamba(i, layer.mamba, x, flat_pos, cache)
             elif layer.kind == "attention":
                 h = self._attention(i, layer, x, positions, rows_flat, cache, B, T)
+            elif layer.kind == "moe":
+                h = self._routed_experts(layer.moe, x)
             else:
                 h = _linear(ops, ops.relu2(_linear(ops, x, layer.up)), [layer.down])
             if layer.ffn is not None:
@@ -82,6 +85,16 @@ class HybridModel(LlamaModel):
             return out
         ids, weights = ops.moe_route(_linear(ops, x, [f.router]), cfg.num_experts_per_tok, True)
         return ops.scaled_add(ops.moe(x, f.experts_gate_up, f.experts_down, ids, weights, "silu"), out, 1.0)
+
+    def _routed_experts(self, e: RoutedExperts, x):
+        """nemotron-3's MoE layer: the experts of the top-k sigmoid scores (their correction bias steering the choice),
+        each down(relu²(up x)), weighted by the renormalized scores times routed_scaling_factor; plus the shared
+        expert's down(relu²(up x))."""
+        ops, cfg = self.ops, self.config
+        ids, weights = ops.moe_route(_linear(ops, x, [e.router]), cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                                     scoring="sigmoid", bias=e.router_bias, scale=cfg.routed_scaling_factor)
+        shared = _linear(ops, ops.relu2(_linear(ops, x, e.shared_up)), [e.shared_down])
+        return ops.scaled_add(ops.moe(x, e.up, e.down, ids, weights, "relu2"), shared, 1.0)
 
     def _mamba(self, i: int, m: MambaWeights, x, positions, cache):
         cfg, ops = self.config, self.ops

@@ -1,6 +1,8 @@
 """The weights of the hybrid decoders (models/hybrid.py), read by their HF / mlx-lm names.
 
-nemotron-h: `backbone.layers.{i}.norm` then `.mixer.*` (a Mamba-2 mixer, attention, or an up / relu² / down MLP).
+nemotron-h: `backbone.layers.{i}.norm` then `.mixer.*` (a Mamba-2 mixer, attention, an up / relu² / down MLP, or
+nemotron-3's MoE: `gate.weight` and `gate.e_score_correction_bias`, mlx-lm's expert stacks `switch_mlp.fc1` (up) and
+`switch_mlp.fc2` (down), and `shared_experts.{up,down}_proj`).
 granite 4.0 h (granitemoehybrid): `model.layers.{i}.input_layernorm` then `.mamba.*` or `.self_attn.*`, then
 `.post_attention_layernorm` and an MLP: dense (mlx-lm's `mlp.{gate,up,down}_proj`, or HF's `shared_mlp.input_linear`
 [gate | up] and `output_linear`), or routed experts (`block_sparse_moe.router.layer`, mlx-lm's `switch_mlp` stacks)
@@ -43,6 +45,18 @@ class FeedForward:
 
 
 @dataclass
+class RoutedExperts:
+    """nemotron-3's MoE layer: ungated relu² experts (up (E, F, H), down (E, H, F)) chosen by a sigmoid router whose
+    correction bias steers the choice, beside one shared relu² expert."""
+    router: object                 # (E, hidden), kept dense
+    router_bias: torch.Tensor      # (E,) fp32
+    up: object                     # QWeight (E, F, hidden)
+    down: object                   # QWeight (E, hidden, F)
+    shared_up: list
+    shared_down: object
+
+
+@dataclass
 class HybridLayer:
     kind: str                      # "mamba" | "attention" | "mlp"
     norm: torch.Tensor
@@ -52,32 +66,38 @@ class HybridLayer:
     up: list | None = None         # nemotron-h's MLP layer: up, relu², down
     down: object = None
     ffn: FeedForward | None = None # granite: the MLP after the mixer
+    moe: RoutedExperts | None = None  # nemotron-3's MoE layer
     qkv_bias = None
     q_norm = None
     k_norm = None
 
     @property
     def experts_gate_up(self):
-        return self.ffn.experts_gate_up if self.ffn is not None else None
+        """The layer's expert stack read before the activation ([gate | up], or nemotron-3's up)."""
+        return self.moe.up if self.moe is not None else self.ffn.experts_gate_up if self.ffn is not None else None
 
     @property
     def experts_down(self):
-        return self.ffn.experts_down if self.ffn is not None else None
+        return self.moe.down if self.moe is not None else self.ffn.experts_down if self.ffn is not None else None
 
     def linears(self) -> list:
         """Every 2-D linear (an MoE's expert stacks are counted apart, ModelWeights.nbytes)."""
-        m, f = self.mamba, self.ffn
+        m, f, e = self.mamba, self.ffn, self.moe
         parts = [*(self.qkv or ()), self.o, *(self.up or ()), self.down]
         if m is not None:
             parts += [*m.in_proj, m.out_proj]
         if f is not None:
             parts += [*f.gate_up, f.down, f.router]
+        if e is not None:
+            parts += [e.router, *e.shared_up, e.shared_down]
         return [p for p in parts if p is not None]
 
     def small_tensors(self) -> list:
         """Norms and the mixer's small parameters."""
         m = self.mamba
         rest = [] if m is None else [m.conv_weight, m.conv_bias, m.dt_bias, m.A_log, m.D, m.norm]
+        if self.moe is not None:
+            rest.append(self.moe.router_bias)
         return [t for t in (self.norm, *rest, self.ffn.norm if self.ffn else None) if t is not None]
 
 
@@ -117,6 +137,8 @@ def build_hybrid_weights(cfg: ModelConfig, src, *, device="cpu", dtype=torch.flo
         elif kind == "attention":
             layer.qkv = lin([at + attn_at + f"{x}_proj.weight" for x in "qkv"])
             layer.o = lin([at + attn_at + "o_proj.weight"])[0]
+        elif kind == "moe":
+            layer.moe = _nemotron_moe(cfg, src, at + "mixer.", dense, lin)
         else:
             layer.up = lin([at + "mixer.up_proj.weight"])
             layer.down = lin([at + "mixer.down_proj.weight"])[0]
@@ -141,6 +163,24 @@ def _mamba(cfg: ModelConfig, src, at: str, dense, lin) -> MambaWeights:
                         dt_bias=dense(at + "dt_bias", torch.float32), A_log=dense(at + "A_log", torch.float32),
                         D=dense(at + "D", torch.float32), norm=dense(at + "norm.weight"),
                         out_proj=lin([at + "out_proj.weight"])[0])
+
+
+def _nemotron_moe(cfg: ModelConfig, src, at: str, dense, lin) -> RoutedExperts:
+    up, down = (at + "switch_mlp.fc1.weight", at + "switch_mlp.fc2.weight")
+    if not src.has(up) and (src.has(at + "experts.0.up_proj.weight") or src.has(at + "experts.up_proj")):
+        raise CheckpointError(f"{src.path}: the experts of this nemotron_h checkpoint are in HF's layout; kilnx runs "
+                              "MoE experts as quantized stacks: load it with --quantize q4, or convert it once with "
+                              "`kilnx convert <dir> <out>` and load that directory.")
+    experts = lin([up]) + lin([down])
+    from kilnx.quant import QWeight
+    for w in experts:
+        if not isinstance(w, QWeight) or w.packed.dim() != 3:
+            raise CheckpointError(f"{src.path}: {at}switch_mlp's experts are not quantized (E, N, K) stacks; the MoE "
+                                  f"kernels take MLX affine 2/4/8-bit experts (mlx_lm.convert -q).")
+    # the router stays dense (HF keeps it in fp32; mlx-lm's is not a Linear, so never quantized)
+    return RoutedExperts(router=dense(at + "gate.weight"), router_bias=dense(at + "gate.e_score_correction_bias", torch.float32),
+                         up=experts[0], down=experts[1], shared_up=lin([at + "shared_experts.up_proj.weight"]),
+                         shared_down=lin([at + "shared_experts.down_proj.weight"])[0])
 
 
 def _granite_ffn(cfg: ModelConfig, src, at: str, dense, lin) -> FeedForward:
@@ -168,13 +208,19 @@ def random_hybrid_tensor(cfg: ModelConfig, name: str, randn) -> torch.Tensor | t
               "mlp.gate_proj.weight": (S, hidden), "mlp.up_proj.weight": (S, hidden), "mlp.down_proj.weight": (hidden, S),
               "shared_mlp.input_linear.weight": (2 * S, hidden), "shared_mlp.output_linear.weight": (hidden, S),
               "router.layer.weight": (E, hidden), "switch_mlp.gate_proj.weight": (E, Fe, hidden),
-              "switch_mlp.up_proj.weight": (E, Fe, hidden), "switch_mlp.down_proj.weight": (E, hidden, Fe)}
+              "switch_mlp.up_proj.weight": (E, Fe, hidden), "switch_mlp.down_proj.weight": (E, hidden, Fe),
+              "switch_mlp.fc1.weight": (E, Fe, hidden), "switch_mlp.fc2.weight": (E, hidden, Fe),
+              "shared_experts.up_proj.weight": (S, hidden), "shared_experts.down_proj.weight": (hidden, S)}
     if name.endswith("embeddings.weight") or name.endswith("embed_tokens.weight") or name == "lm_head.weight":
         return (cfg.vocab_size, hidden)
     for suffix, shape in shapes.items():
         if name.endswith("." + suffix):
             return shape
     last = name.rsplit(".", 1)[-1]
+    if name.endswith("mixer.gate.weight"):           # nemotron-3's router, read dense
+        return randn((E, hidden), hidden ** -0.5)
+    if last == "e_score_correction_bias":
+        return randn((E,), 0.01)
     if name.endswith("conv1d.weight"):
         return randn((C, 1, cfg.conv_kernel), 0.5)
     if name.endswith("conv1d.bias"):

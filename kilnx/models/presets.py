@@ -67,6 +67,16 @@ PRESETS: dict[str, ModelConfig] = {
         intermediate_size=21504, num_attention_heads=32, num_key_value_heads=8, head_dim=128, mamba_num_heads=128,
         mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4, use_conv_bias=True, layer_norm_epsilon=1e-5,
         max_position_embeddings=8192, hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-")),
+    # nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16: 23 Mamba-2, 23 MoE (128 relu² experts, top 6, sigmoid routing),
+    # 6 attention layers
+    "nemotron-3-nano-30b-a3b": from_hf(dict(
+        model_type="nemotron_h", _name_or_path="nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16", vocab_size=131072,
+        hidden_size=2688, intermediate_size=1856, num_attention_heads=32, num_key_value_heads=2, head_dim=128,
+        mamba_num_heads=64, mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4, use_conv_bias=True,
+        layer_norm_epsilon=1e-5, max_position_embeddings=262144, n_routed_experts=128, num_experts_per_tok=6,
+        moe_intermediate_size=1856, moe_shared_expert_intermediate_size=3712, n_shared_experts=1,
+        routed_scaling_factor=2.5, n_group=1, topk_group=1, norm_topk_prob=True,
+        hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME")),
 }
 
 
@@ -110,7 +120,7 @@ def problems(cfg: ModelConfig) -> list[dict]:
 
 
 def _hybrid_problems(cfg: ModelConfig) -> list[dict]:
-    count = {k: cfg.layer_kinds.count(k) for k in ("mamba", "attention", "mlp")}
+    count = {k: cfg.layer_kinds.count(k) for k in ("mamba", "attention", "mlp", "moe")}
     H, I, F = cfg.hidden_size, cfg.mamba_inner, cfg.intermediate_size
     out = [{"name": "in_proj", "N": I + cfg.conv_dim + cfg.mamba_heads, "K": H, "count": count["mamba"]},
            {"name": "out_proj", "N": H, "K": I, "count": count["mamba"]},
@@ -119,4 +129,9 @@ def _hybrid_problems(cfg: ModelConfig) -> list[dict]:
            {"name": "up", "N": F, "K": H, "count": count["mlp"]},
            {"name": "down", "N": H, "K": F, "count": count["mlp"]},
            {"name": "lm_head", "N": cfg.vocab_size, "K": H, "count": 1}]
+    if count["moe"]:      # nemotron-3: the router, the shared relu² expert (the routed ones: kernels/moe_specs.py)
+        S, E = cfg.shared_intermediate_size, cfg.num_experts
+        out += [{"name": "router", "N": E, "K": H, "count": count["moe"]},
+                {"name": "shared_up", "N": S, "K": H, "count": count["moe"]},
+                {"name": "shared_down", "N": H, "K": S, "count": count["moe"]}]
     return [p for p in out if p["count"]]

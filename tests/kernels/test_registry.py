@@ -26,6 +26,13 @@ def test_an_moe_preset_tunes_the_decode_moe_the_runtime_runs():
     assert {"gather_qmv_glu", "gather_qmv_combine"} <= cpu and not {"gather_qmv_h2_glu"} & cpu
 
 
+def test_nemotron_3_tunes_the_kernels_of_its_ungated_experts():
+    """relu² experts run up, then down with the combine (kernels/moe.py's ungated path), not the GLU kernels."""
+    names = {name for name, _ in registry.problems_for_model("nemotron-3-nano-30b-a3b", gpu=True)}
+    assert {"gather_qmv", "gather_qmv_combine", "gather_qmm", "gather_qmm_combine"} <= names
+    assert not {"gather_qmv_h2_glu", "gather_qmm_glu", "gather_qmv_glu"} & names
+
+
 def test_a_gpu_tune_times_the_gemm_each_prompt_size_runs():
     """From 320 rows (above 128 on starved grids) the GPU dequantizes once and runs the dense `mm`
     (kernels/routing.py): a GPU tune times `mm` at the prefill sizes and the fused qmm below them; the CPU, which has no two-kernel path,

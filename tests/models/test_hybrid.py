@@ -5,7 +5,7 @@ and on the torch peer; one written by HF transformers gives transformers' logits
 a 4-bit directory mlx-lm runs to kilnx's logits. The engine over its recurrent state: chunked prefill then decode equals one full forward;
 rows decoded together equal rows decoded alone, a parked row's state untouched; the CPU's recorded step equals
 eager steps; the serving scheduler's text equals generate's. What cannot work on rows with state is refused by
-name: speculative decoding, MoE layers.
+name: speculative decoding. (nemotron-3's MoE layers: tests/models/test_nemotron_moe.py.)
 """
 
 from __future__ import annotations
@@ -280,8 +280,8 @@ def test_speculative_decoding_is_refused_by_name():
 
 
 def test_configs_it_cannot_run_are_refused_by_name():
-    with pytest.raises(UnsupportedArchitectureError, match="MoE layers"):
-        from_hf(dict(HF, hybrid_override_pattern="ME*"))
+    with pytest.raises(UnsupportedArchitectureError, match=r"MoE layers \(E\) without n_routed_experts"):
+        from_hf(dict(HF, hybrid_override_pattern="ME*"))      # nemotron-3's MoE: tests/models/test_nemotron_moe.py
     with pytest.raises(UnsupportedArchitectureError, match="hybrid_override_pattern"):
         from_hf({k: v for k, v in HF.items() if k != "hybrid_override_pattern"})
     with pytest.raises(UnsupportedArchitectureError, match="mlp_bias"):

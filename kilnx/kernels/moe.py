@@ -42,7 +42,7 @@ from kilnx.kernels.sizes import pow2_at_least, pow2_dividing
 
 ACTIVATIONS = {"silu": kd.silu, "gelu_tanh": kd.gelu_tanh}
 # activations of experts without a gate (nemotron-3's relu²): w_gate_up holds the up projection alone (E, F, H)
-UNGATED = ("relu2",)
+UNGATED = {"relu2": lambda u: kd.maximum(u, 0.0) * kd.maximum(u, 0.0)}
 # decode/prefill crossovers (tokens); later the tuner will store measured ones
 GATHER_QMV_MAX_TOKENS = 4
 MOE_DECODE_MAX_TOKENS = 4
@@ -441,7 +441,7 @@ def moe(x, w_gate_up, w_down, expert_ids, routing_weights, activation: str = "si
     dn = (w_down.packed, w_down.scales, w_down.biases)
     from kilnx.kernels import moe_h2    # built on this module's helpers
     if not gated:
-        y = _moe_ungated(x2, gu, dn, ids, rw, E)
+        y = _moe_ungated(x2, w_gate_up, w_down, ids, rw, E)
     elif x2.shape[0] <= MOE_DECODE_MAX_TOKENS and moe_h2.serves(w_gate_up, w_down):
         y = moe_h2.moe_decode(x2, w_gate_up, w_down, ids, rw, activation)
     elif x2.shape[0] <= MOE_DECODE_MAX_TOKENS:
@@ -454,12 +454,16 @@ def moe(x, w_gate_up, w_down, expert_ids, routing_weights, activation: str = "si
     return y.reshape(x.shape)
 
 
-def _moe_ungated(x2, up, dn, ids, rw, E: int):
-    """relu²(up_e x), then down_e of it weighted and summed over the slots: the up projection as gather_qmatmul
-    runs it, the activation its own launch, the down projection with the combine (a third launch against the gated
-    path's two: the GLU kernels' epilogues multiply a gate by an up half, which these experts do not have)."""
+def _moe_ungated(x2, w_up, w_down, ids, rw, E: int):
+    """relu²(up_e x), then down_e of it weighted and summed over the slots. At decode on the GPU the packed-fp16
+    kernels (moe_h2.ungated_decode); elsewhere up as gather_qmatmul runs it, the activation its own launch, then down
+    with the combine (the GLU kernels' epilogues multiply a gate by an up half, which these experts do not have)."""
+    from kilnx.kernels import moe_h2
     from kilnx.kernels.activations import relu2
     T, top_k = ids.shape
+    up, dn = (w_up.packed, w_up.scales, w_up.biases), (w_down.packed, w_down.scales, w_down.biases)
+    if T <= MOE_DECODE_MAX_TOKENS and moe_h2.serves(w_up, w_down):
+        return moe_h2.ungated_decode(x2, w_up, w_down, ids, rw, "relu2")
     if T <= MOE_DECODE_MAX_TOKENS:
         h = relu2(gather_qmv(x2, *up, ids).reshape(T * top_k, -1))
         return gather_qmv_combine(h, *dn, ids, rw)

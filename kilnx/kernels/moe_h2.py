@@ -9,6 +9,8 @@ gathered from the expert stacks:
 - gate_up (`gather_qmv_h2_glu`): a program owns BLOCK_N / 2 gate rows and the matching up rows of one
   (token, slot)'s expert, a (2, BLOCK_N / 2) tile of rows loaded from that expert's stack; it applies
   the activation and stores (T * top_k, F).
+- up alone + activation (`gather_qmv_h2_act`), for experts without a gate (nemotron-3's relu²): a program owns
+  BLOCK_N up rows of one (token, slot)'s expert.
 - down (`gather_qmv_h2_combine`): a program owns BLOCK_N / SLOTS output rows of one token for all of its
   top_k slots (tile row r: slot r // (BLOCK_N / SLOTS)), each slot's rows multiplied by that slot's
   prepared activations, then weighted by the routing weights and summed inside the program (no atomics).
@@ -21,7 +23,7 @@ import os
 import kilnx.dsl as kd
 from kilnx.kernels import _gemv as gemv
 from kilnx.kernels import qmv_h2 as H
-from kilnx.kernels.moe import ACTIVATIONS
+from kilnx.kernels.moe import ACTIVATIONS, UNGATED
 from kilnx.kernels.sizes import pow2_at_least, pow2_dividing
 
 BITS_SERVED = H.BITS_SERVED
@@ -72,6 +74,10 @@ def _spec(planes, sums, xs, wq, scales, biases, expert_ids, *rest, BITS, GROUP, 
                            GROUP=GROUP, X_BY_TOKEN=False)
     return gather_spec(x, wq, scales, biases, expert_ids, gemm=False, act=ACT, combine=False, BITS=BITS, GROUP=GROUP,
                        X_BY_TOKEN=True)
+
+
+def _act_spec(planes, sums, xs, wq, scales, biases, expert_ids, *, BITS, GROUP, ACT="relu2", **_):
+    return _spec(planes, sums, xs, wq, scales, biases, expert_ids, BITS=BITS, GROUP=GROUP, ACT=ACT)
 
 
 def _gather_accumulate(f, planes, sums, xs, wq, scales, biases, expert, rows, x_row, *, BITS: int, CHAIN: int):
@@ -129,6 +135,28 @@ def gather_qmv_h2_glu(planes, sums, xs, wq, scales, biases, expert_ids, *, BITS:
     gate, up = kd.halves(acc, axis=0)
     out = kd.output((T * TOP_K, F), scales.dtype)
     kd.store(out, slot, blk * HB + kd.arange(0, HB), ACTIVATIONS[ACT](gate) * up)
+    return out
+
+
+@kd.kernel(tune=TUNE, key=_key, spec=_act_spec, default=_default, specialize=_specialize)
+def gather_qmv_h2_act(planes, sums, xs, wq, scales, biases, expert_ids, *, BITS: kd.constexpr, GROUP: kd.constexpr,
+                      SLOTS: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr, ACT: kd.constexpr = "relu2",
+                      BLOCK_N, BLOCK_KW, STAGES, CHAIN):
+    """Prepared x (T rows) and an up stack wq (E, F, K) -> (T * top_k, F) in scales' dtype: act(x W_up^T) per
+    (token, slot), for an activation of moe.UNGATED."""
+    T, TOP_K = expert_ids.shape
+    E, F, KW = wq.shape
+    if N_DIV % BLOCK_N:
+        raise kd.DSLError(f"gather_qmv_h2_act: BLOCK_N {BLOCK_N} must divide F (here a multiple of {N_DIV})")
+    blocks = F // BLOCK_N                            # programs per slot
+    f = _frame(wq, T * TOP_K * F, BLOCK_N, BLOCK_KW, STAGES, BITS, GROUP, KW_DIV)
+    slot, blk = kd.program_id(0) // blocks, kd.program_id(0) % blocks
+    cols = blk * BLOCK_N + kd.arange(0, BLOCK_N)[None, :]
+    expert = kd.load(expert_ids, slot // TOP_K, slot % TOP_K)
+    acc = _gather_accumulate(f, planes, sums, xs, wq, scales, biases, expert, cols, slot // TOP_K,
+                             BITS=BITS, CHAIN=CHAIN)
+    out = kd.output((T * TOP_K, F), scales.dtype)
+    kd.store(out, slot, cols, UNGATED[ACT](acc))
     return out
 
 
@@ -210,6 +238,18 @@ def two_kernels(planes, sums, xs, wq, scales, biases, d_packed, d_scales, d_bias
                                  backend=backend)
 
 
+def ungated_decode(x, w_up, w_down, expert_ids, routing_weights, activation: str = "relu2", backend=None):
+    """x (T, H) plain -> (T, H) in x.dtype for experts without a gate: prep x, up + activation, prep h, down +
+    the weighted sum (four launches, as two_kernels runs a gated layer)."""
+    planes, sums, xs = H.qmv_h2_prep(x, PER=32 // w_up.bits, GROUP=w_up.group_size, backend=backend)
+    h = gather_qmv_h2_act(planes, sums, xs, w_up.packed, w_up.scales, w_up.biases, expert_ids, ACT=activation,
+                          backend=backend)
+    hp = H.qmv_h2_prep(h, PER=32 // w_down.bits, GROUP=w_down.group_size, backend=backend)
+    y = gather_qmv_h2_combine(*hp, w_down.packed, w_down.scales, w_down.biases, expert_ids, routing_weights,
+                              backend=backend)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
 def make_args(problem: dict, device: str):
     """{T, top_k, E, N, K, bits, gs, x}: the prepared activations of the gather kernels' problem."""
     from kilnx.kernels.moe_specs import make_args_for
@@ -231,7 +271,8 @@ def _tolerance(glu: bool):
 def register_tuning():
     from kilnx.kernels.moe_specs import problems_by_kernel
     problems = problems_by_kernel()
-    for kernel, glu in ((gather_qmv_h2_glu, True), (gather_qmv_h2_combine, False)):
+    # the ungated kernel's product is squared (relu²): its error scales as a GLU's does
+    for kernel, glu in ((gather_qmv_h2_glu, True), (gather_qmv_h2_combine, False), (gather_qmv_h2_act, True)):
         kernel.tuning(make_args=make_args, problems=problems[kernel.name])
         kernel.tolerance = _tolerance(glu)
         kernel.seed_configs = lambda problem: [
@@ -242,4 +283,5 @@ def register_tuning():
 
 register_tuning()
 
-__all__ = ["gather_qmv_h2_glu", "gather_qmv_h2_combine", "moe_decode", "serves", "two_kernels"]
+__all__ = ["gather_qmv_h2_glu", "gather_qmv_h2_act", "gather_qmv_h2_combine", "moe_decode", "ungated_decode", "serves",
+           "two_kernels"]

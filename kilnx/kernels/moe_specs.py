@@ -13,6 +13,8 @@ from kilnx.kernels.moe_align import (align_block_m, align_buffers, align_chunk, 
 
 TORCH_ACTIVATIONS = {"silu": torch.nn.functional.silu,
                      "gelu_tanh": lambda g: torch.nn.functional.gelu(g, approximate="tanh")}
+# experts without a gate (kernels/moe.py UNGATED): the activation of the up projection alone
+TORCH_UNGATED = {"relu2": lambda u: torch.nn.functional.relu(u).square()}
 
 
 def dequantized_expert(wq, scales, biases, expert: int, bits: int, group: int) -> torch.Tensor:
@@ -63,7 +65,9 @@ def gather_spec(*args, gemm: bool, act, combine: bool, BITS, GROUP, X_BY_TOKEN, 
         T, top_k = ids.shape
         weights = args[5] if len(args) > 5 else None
     y = gather_formula(x, wq, scales, biases, ids, BITS, GROUP, X_BY_TOKEN)
-    if act:
+    if act in TORCH_UNGATED:
+        y = TORCH_UNGATED[act](y)
+    elif act:
         gate, up = y.chunk(2, dim=-1)
         y = TORCH_ACTIVATIONS[act](gate) * up
     if weights is not None:
@@ -98,9 +102,10 @@ def moe_problems(E: int, top_k: int, hidden: int, width: int, *, bits: int = 4, 
     if not gated:
         up = {**base, "N": width, "K": hidden, "x": "token"}
         down = {**base, "N": hidden, "K": width, "x": "slot"}
+        act, combine = ("gather_qmv_h2_act", "gather_qmv_h2_combine") if gpu else ("gather_qmv", "gather_qmv_combine")
         out = []
         for T in decode:
-            out += [("gather_qmv", {**up, "T": T}), ("gather_qmv_combine", {**down, "T": T})]
+            out += [(act, {**up, "T": T}), (combine, {**down, "T": T})]
         for T in prefill:
             bm = align_block_m(T * top_k, E)
             out += [("moe_align_count", {"T": T, "top_k": top_k, "E": E}),
@@ -200,7 +205,8 @@ def gemm_seeds() -> list[dict]:
 def problems_by_kernel() -> dict[str, list[dict]]:
     """The qwen3-30b-a3b problems of every MoE kernel (the GPU's decode kernels and the CPU's)."""
     problems: dict[str, list[dict]] = {}
-    for name, problem in moe_problems(**QWEN3_30B_A3B) + moe_problems(**QWEN3_30B_A3B, gpu=False):
+    for name, problem in (moe_problems(**QWEN3_30B_A3B) + moe_problems(**QWEN3_30B_A3B, gpu=False)
+                          + moe_problems(**QWEN3_30B_A3B, gated=False)):     # the ungated decode kernel's too
         if problem not in problems.setdefault(name, []):
             problems[name].append(problem)
     return problems

@@ -69,6 +69,39 @@ def test_gate_up_glu_matches_mlx(T, k, bits, F, groups, act, cfg):
 
 
 @settings(max_examples=6, deadline=None, derandomize=True)
+@given(T=st.sampled_from([1, 2, 4]), k=st.sampled_from([1, 3, 6]), bits=st.sampled_from([4, 8]),
+       F=st.sampled_from([32, 96]), groups=st.sampled_from([1, 3]),
+       cfg=st.sampled_from([{"BLOCK_N": 8, "BLOCK_KW": 8, "STAGES": 1}, {"BLOCK_N": 32, "BLOCK_KW": 16, "STAGES": 2},
+                            {"BLOCK_N": 4, "BLOCK_KW": 64, "STAGES": 1, "CHAIN": 2}]))
+def test_ungated_up_and_relu2_match_mlx(T, k, bits, F, groups, cfg):
+    """Experts without a gate (nemotron-3's): relu²(x W_up^T) per (token, slot), up rows alone in the tile."""
+    K = 64 * groups
+    x = torch.randn(T, K).bfloat16()
+    ids, _ = routing(T, k, 7, seed=T + k)
+    mw, qw = experts(7, F, K, bits, 64, seed=F + k)
+    y = mlx_gather(x, mw, ids, bits, 64)
+    want = torch.relu(y).square()
+    planes, sums, xs = H.qmv_h2_prep(x, PER=32 // bits, GROUP=64, backend="reference")
+    got = MH.gather_qmv_h2_act(planes, sums, xs, qw.packed, qw.scales, qw.biases, ids, ACT="relu2", backend="triton",
+                               config=cfg)
+    check(got, want, bound(x, qw, K) * (2 * y.abs().max().item() + 1))     # (u + e)² - u² ~ 2 |u| e
+
+
+def test_the_ungated_decode_is_the_composition_of_its_kernels():
+    """ungated_decode: prep, up + relu², prep, down + combine; the float64 formula over MLX's products."""
+    T, k, E, H_, F = 2, 3, 5, 64, 64
+    x = torch.randn(T, H_).bfloat16()
+    ids, weights = routing(T, k, E, seed=5)
+    mu, up = experts(E, F, H_, 4, 64, seed=6)
+    md, dn = experts(E, H_, F, 4, 64, seed=7)
+    h = torch.relu(mlx_gather(x, mu, ids, 4, 64)).square()
+    want = (mlx_gather(h.bfloat16(), md, ids, 4, 64).reshape(T, k, H_) * weights.double()[..., None]).sum(1)
+    got = MH.ungated_decode(x, up, dn, ids, weights.bfloat16(), backend="triton")
+    assert got.dtype == torch.bfloat16
+    check(got, want, 4e-2 * want.abs().max().item())
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
 @given(T=st.sampled_from([1, 3]), k=st.sampled_from([1, 3, 4]), bits=st.sampled_from([4, 8]),
        N=st.sampled_from([24, 64]), groups=st.sampled_from([1, 2]),
        cfg=st.sampled_from([{"BLOCK_N": 8, "BLOCK_KW": 8, "STAGES": 1}, {"BLOCK_N": 16, "BLOCK_KW": 16, "STAGES": 3},
@@ -120,9 +153,9 @@ def test_row_blocks_that_split_a_glu_half_or_the_slots_are_refused():
 def test_tuning_inputs_pass_the_kernels_own_gate():
     """What the tuner builds for the qwen3-30b-a3b problems, scaled down: spec and tolerance accept the
     kernel's output (a tune's correctness gate)."""
-    for kernel in (MH.gather_qmv_h2_glu, MH.gather_qmv_h2_combine):
+    for kernel in (MH.gather_qmv_h2_glu, MH.gather_qmv_h2_combine, MH.gather_qmv_h2_act):
         problem = {**kernel.sample_problems()[0], "E": 6, "top_k": 3}
-        problem.update({"N": 64, "K": 128} if kernel is MH.gather_qmv_h2_glu else {"N": 32, "K": 64})
+        problem.update({"N": 32, "K": 64} if kernel is MH.gather_qmv_h2_combine else {"N": 64, "K": 128})
         args = MH.make_args(problem, "cpu")
         got = kernel(*args, backend="triton", config={"BLOCK_N": 4, "BLOCK_KW": 8, "STAGES": 1})
         want = kernel.reference(*args)

@@ -160,6 +160,14 @@ class KernelBase:
         self._problems: list[dict] = []
         self.peer: Callable | None = None
 
+    def hashes_helpers(self, *helpers: Callable) -> "KernelBase":
+        """Count the sources of traced helpers the kernel calls in its source hash: a tuned config outlives a change
+        to a helper otherwise (the hash covers the kernel's own function)."""
+        import inspect
+        text = "".join(inspect.getsource(f) for f in helpers)
+        self.source_hash = hashlib.sha256((self.source_hash + text).encode()).hexdigest()
+        return self
+
     def _with_specialization(self, args, kw) -> dict:
         """Compile-time values derived from the arguments (e.g. bit width from packed shapes)."""
         if self._specialize is None:

@@ -30,9 +30,6 @@ gate_up + activation per (token, slot), then gather_qmv_combine for down + the w
 
 from __future__ import annotations
 
-import hashlib
-import inspect
-
 import torch
 
 import kilnx.dsl as kd
@@ -337,18 +334,11 @@ def gather_qmv_combine(x, wq, scales, biases, expert_ids, routing_weights, *, BI
                         MAGIC=MAGIC, STAGES=STAGES)
 
 
-def _hash_with_helpers(kernel, *helpers):
-    """A kernel's source hash covers its function only; these kernels are thin wrappers, so the
-    traced helpers they call must count too (else tuned configs outlive a change to them)."""
-    from kilnx.dsl.kernel import CODEGEN_VERSION
-    text = CODEGEN_VERSION + "".join(inspect.getsource(f) for f in (kernel.fn, *helpers))
-    kernel.source_hash = hashlib.sha256(text.encode()).hexdigest()
-
-
+# these kernels are thin wrappers: the traced helpers they call count in their source hashes
 for _k in (gather_qmm, gather_qmm_glu, gather_qmm_combine):
-    _hash_with_helpers(_k, _gather_gemm, _dequantized_tile_t, _code_f32)
+    _k.hashes_helpers(_gather_gemm, _dequantized_tile_t, _code_f32)
 for _k in (gather_qmv, gather_qmv_glu, gather_qmv_combine):
-    _hash_with_helpers(_k, _gather_gemv, _slot_rows_dot, _gemv_checks, _code_f32)
+    _k.hashes_helpers(_gather_gemv, _slot_rows_dot, _gemv_checks, _code_f32)
 
 
 # ---- public ops -----------------------------------------------------------------------------------

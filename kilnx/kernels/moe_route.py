@@ -40,20 +40,32 @@ def moe_topk(logits, *, TOP_K: kd.constexpr, NORM: kd.constexpr, BLOCK_E: kd.con
     left = kd.where(live, p, -1.0)                  # padding lanes are never picked
     ids = kd.output((T, TOP_K), kd.i32, name="expert_ids")
     weights = kd.output((T, TOP_K), kd.f32, name="routing_weights")
+    picked = _choose(left, e, r, ids, TOP_K, BLOCK_E, knocked=-1.0)
+    norm = _total(picked) if NORM else total
+    for j in kd.static_range(TOP_K):
+        kd.store(weights, r, j, picked[j] / norm, check=(True, False))
+    return ids, weights
+
+
+def _choose(left, e, r, ids, TOP_K: int, BLOCK_E: int, *, knocked: float, weigh=None) -> list:
+    """The TOP_K largest lanes of `left` per row, ties to the lower expert (each taken lane set to `knocked`): their
+    ids stored into ids[r, j]; returned, each one's value of `left`, or of `weigh` where given."""
     picked = []
     for j in kd.static_range(TOP_K):
         best = kd.max(left, axis=1)
         idx = kd.min(kd.where(left == best[:, None], e, BLOCK_E), axis=1)
         kd.store(ids, r, j, idx, check=(True, False))
-        picked.append(best)
-        left = kd.where(e == idx[:, None], -1.0, left)
-    chosen = picked[0]
-    for j in kd.static_range(1, TOP_K):
-        chosen = chosen + picked[j]
-    norm = chosen if NORM else total
-    for j in kd.static_range(TOP_K):
-        kd.store(weights, r, j, picked[j] / norm, check=(True, False))
-    return ids, weights
+        chosen = e == idx[:, None]
+        picked.append(best if weigh is None else kd.sum(kd.where(chosen, weigh, 0.0), axis=1))
+        left = kd.where(chosen, knocked, left)
+    return picked
+
+
+def _total(picked: list):
+    total = picked[0]
+    for j in kd.static_range(1, len(picked)):
+        total = total + picked[j]
+    return total
 
 
 def _sigmoid_spec(logits, bias, *, TOP_K, NORM, SCALE, **_):
@@ -82,21 +94,15 @@ def moe_topk_sigmoid(logits, bias, *, TOP_K: kd.constexpr, NORM: kd.constexpr, S
     left = kd.where(live, score + kd.load(bias, e, check=True).f32(), _NEVER)
     ids = kd.output((T, TOP_K), kd.i32, name="expert_ids")
     weights = kd.output((T, TOP_K), kd.f32, name="routing_weights")
-    picked = []
-    for j in kd.static_range(TOP_K):
-        best = kd.max(left, axis=1)
-        idx = kd.min(kd.where(left == best[:, None], e, BLOCK_E), axis=1)
-        kd.store(ids, r, j, idx, check=(True, False))
-        chosen = e == idx[:, None]
-        picked.append(kd.sum(kd.where(chosen, score, 0.0), axis=1))
-        left = kd.where(chosen, _NEVER, left)
-    total = picked[0]
-    for j in kd.static_range(1, TOP_K):
-        total = total + picked[j]
-    norm = (total + 1e-20) / SCALE if NORM else 1.0 / SCALE
+    picked = _choose(left, e, r, ids, TOP_K, BLOCK_E, knocked=_NEVER, weigh=score)
+    norm = (_total(picked) + 1e-20) / SCALE if NORM else 1.0 / SCALE
     for j in kd.static_range(TOP_K):
         kd.store(weights, r, j, picked[j] / norm, check=(True, False))
     return ids, weights
+
+
+for _k in (moe_topk, moe_topk_sigmoid):
+    _k.hashes_helpers(_choose, _total)
 
 
 def moe_route(logits: torch.Tensor, top_k: int, normalize: bool, *, scoring: str = "softmax",

@@ -43,13 +43,15 @@ def full_logits(model, ids):
     return model.forward(torch.tensor([ids], device=dev), torch.arange(len(ids), device=dev)[None], cache)[0]
 
 
-def _write_mlx_checkpoint(path, quant: bool):
+def _write_mlx_checkpoint(path, quant: bool, hf: dict = HF):
+    """A tiny nemotron-h of mlx-lm's with random weights in trained ranges, saved as mlx-lm saves it (4-bit when
+    `quant`); its logits of IDS. hf: the config (test_nemotron_moe.py's has MoE layers)."""
     mx = pytest.importorskip("mlx.core")
     pytest.importorskip("mlx_lm")
     from mlx.utils import tree_flatten, tree_unflatten
     from mlx_lm.utils import quantize_model, save_config, save_model
     module = importlib.import_module("mlx_lm.models.nemotron_h")
-    config = dict(HF)
+    config = dict(hf)
     model = module.Model(module.ModelArgs.from_dict(config))
     mx.random.seed(0)
     params = {}
@@ -62,10 +64,12 @@ def _write_mlx_checkpoint(path, quant: bool):
             params[name] = mx.random.uniform(-4, -2, p.shape)
         elif "conv1d" in name:
             params[name] = 0.5 * mx.random.normal(p.shape)
+        elif name.endswith("e_score_correction_bias"):    # as large as the scores' spread: it moves the choice
+            params[name] = 0.2 * mx.random.normal(p.shape)
         else:
             params[name] = mx.random.normal(p.shape) * p.shape[-1] ** -0.5
-    params["backbone.embeddings.weight"] = mx.random.normal((HF["vocab_size"], HF["hidden_size"]))
-    params["lm_head.weight"] = mx.random.normal((HF["vocab_size"], HF["hidden_size"])) * 2.0   # logits of O(5)
+    params["backbone.embeddings.weight"] = mx.random.normal((hf["vocab_size"], hf["hidden_size"]))
+    params["lm_head.weight"] = mx.random.normal((hf["vocab_size"], hf["hidden_size"])) * 2.0   # logits of O(5)
     model.update(tree_unflatten(list(params.items())))
     if quant:
         model, config = quantize_model(model, config, group_size=64, bits=4)

@@ -11,8 +11,6 @@ paths: per-slot GEMVs and grouped GEMMs) equals one forward. What kilnx does not
 
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 import pytest
 import torch
@@ -20,62 +18,19 @@ import torch
 from kilnx.models.config import from_hf
 from kilnx.models.errors import CheckpointError, UnsupportedArchitectureError
 from kilnx.runtime.engine import Engine
+from test_hybrid import HF as DENSE_HF, IDS, _write_mlx_checkpoint, full_logits  # noqa: E402  (this folder is on sys.path)
 
-HF = dict(model_type="nemotron_h", vocab_size=320, hidden_size=128, intermediate_size=256, max_position_embeddings=128,
-          num_attention_heads=4, num_key_value_heads=2, head_dim=32, attention_bias=False, mamba_num_heads=8,
-          mamba_head_dim=16, mamba_proj_bias=False, ssm_state_size=16, conv_kernel=4, n_groups=2, mlp_bias=False,
-          layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True, hybrid_override_pattern="ME*E",
-          tie_word_embeddings=False, eos_token_id=2, n_routed_experts=8, num_experts_per_tok=3,
-          moe_intermediate_size=64, moe_shared_expert_intermediate_size=128, n_shared_experts=1,
-          routed_scaling_factor=2.5, n_group=1, topk_group=1, norm_topk_prob=True)
-IDS = [3, 17, 99, 250, 5, 61, 7, 128, 300, 42, 11]
-
-
-def full_logits(model, ids):
-    cache = model.new_cache(1, 64, dtype=torch.float32, device=model.device)
-    dev = model.device
-    with torch.no_grad():
-        return model.forward(torch.tensor([ids], device=dev), torch.arange(len(ids), device=dev)[None], cache)[0]
-
-
-def _write_mlx_checkpoint(path):
-    mx = pytest.importorskip("mlx.core")
-    pytest.importorskip("mlx_lm")
-    from mlx.utils import tree_flatten, tree_unflatten
-    from mlx_lm.utils import quantize_model, save_config, save_model
-    module = importlib.import_module("mlx_lm.models.nemotron_h")
-    config = dict(HF)
-    model = module.Model(module.ModelArgs.from_dict(config))
-    mx.random.seed(0)
-    params = {}
-    for name, p in tree_flatten(model.parameters()):
-        if name.endswith("norm.weight") or name.endswith(".D"):
-            params[name] = 1.0 + 0.1 * mx.random.normal(p.shape)
-        elif name.endswith("A_log"):
-            params[name] = mx.log(mx.random.uniform(1, 16, p.shape))
-        elif name.endswith("dt_bias"):
-            params[name] = mx.random.uniform(-4, -2, p.shape)
-        elif "conv1d" in name:
-            params[name] = 0.5 * mx.random.normal(p.shape)
-        elif name.endswith("e_score_correction_bias"):    # as large as the scores' spread: it moves the choice
-            params[name] = 0.2 * mx.random.normal(p.shape)
-        else:
-            params[name] = mx.random.normal(p.shape) * p.shape[-1] ** -0.5
-    params["backbone.embeddings.weight"] = mx.random.normal((HF["vocab_size"], HF["hidden_size"]))
-    params["lm_head.weight"] = mx.random.normal((HF["vocab_size"], HF["hidden_size"])) * 2.0
-    model.update(tree_unflatten(list(params.items())))
-    model, config = quantize_model(model, config, group_size=64, bits=4)
-    mx.eval(model.parameters())
-    save_model(path, model)
-    save_config(dict(config), path / "config.json")
-    return np.array(model(mx.array([IDS])).astype(mx.float32))[0]
+# test_hybrid's tiny nemotron-h with two of its layers MoE
+HF = dict(DENSE_HF, hybrid_override_pattern="ME*E", n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=64,
+          moe_shared_expert_intermediate_size=128, n_shared_experts=1, routed_scaling_factor=2.5, n_group=1,
+          topk_group=1, norm_topk_prob=True)
 
 
 def test_logits_match_mlx_lm(tmp_path, backend):
     from kilnx.models.hybrid import HybridModel
     from kilnx.models.loaders import load_model
     from kilnx.quant import QWeight
-    want = _write_mlx_checkpoint(tmp_path)
+    want = _write_mlx_checkpoint(tmp_path, True, HF)
     lm = load_model(str(tmp_path), device=backend.device, dtype=torch.float32, ops=backend.ops)
     assert isinstance(lm.model, HybridModel)
     layers = lm.model.weights.layers

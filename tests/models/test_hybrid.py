@@ -79,15 +79,17 @@ def _write_mlx_checkpoint(path, quant: bool, hf: dict = HF):
     return np.array(model(mx.array([IDS])).astype(mx.float32))[0]
 
 
-def _write_hf_checkpoint(path):
+def _write_hf_checkpoint(path, hf: dict = HF, linear=None, head_scale: float = 20.0):
     """A tiny NemotronHForCausalLM of HF transformers (its reference torch mixer), random weights in trained ranges,
-    saved as HF saves it (conv1d (C, 1, K), infinity spelled {"__float__": "Infinity"}); its logits of IDS."""
+    saved as HF saves it (conv1d (C, 1, K), infinity spelled {"__float__": "Infinity"}); its logits of IDS.
+    linear(shape): the values of every weight of 2+ dims but the router's (default: randn / sqrt(K))."""
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "NemotronHForCausalLM"):
         pytest.skip(f"transformers {transformers.__version__} has no NemotronH")
-    cfg = transformers.NemotronHConfig(**{k: v for k, v in HF.items() if k != "model_type"})
+    cfg = transformers.NemotronHConfig(**{k: v for k, v in hf.items() if k != "model_type"})
     torch.manual_seed(0)
     model = transformers.NemotronHForCausalLM(cfg).eval()
+    linear = linear or (lambda shape: torch.randn(shape) * shape[-1] ** -0.5)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("A_log"):
@@ -98,11 +100,16 @@ def _write_hf_checkpoint(path):
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             elif "conv1d.weight" in name:
                 p.copy_(0.5 * torch.randn_like(p))
-            elif p.dim() == 2:
+            elif name.endswith("mixer.gate.weight"):      # an MoE layer's router (kept dense by kilnx)
                 p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+            elif p.dim() >= 2:
+                p.copy_(linear(p.shape))
             else:
                 p.copy_(0.05 * torch.randn_like(p))
-        model.lm_head.weight.mul_(20)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # as large as the scores' spread: it moves the choice
+                b.copy_(0.2 * torch.randn_like(b))
+        model.lm_head.weight.mul_(head_scale)
         model.save_pretrained(path)
         return model(torch.tensor([IDS])).logits[0].float()
 

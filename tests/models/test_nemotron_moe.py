@@ -18,7 +18,7 @@ import torch
 from kilnx.models.config import from_hf
 from kilnx.models.errors import CheckpointError, UnsupportedArchitectureError
 from kilnx.runtime.engine import Engine
-from test_hybrid import HF as DENSE_HF, IDS, _write_mlx_checkpoint, full_logits  # noqa: E402  (this folder is on sys.path)
+from test_hybrid import HF as DENSE_HF, IDS, _write_hf_checkpoint, _write_mlx_checkpoint, full_logits  # noqa: E402  (this folder is on sys.path)
 
 # test_hybrid's tiny nemotron-h with two of its layers MoE
 HF = dict(DENSE_HF, hybrid_override_pattern="ME*E", n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=64,
@@ -53,45 +53,14 @@ def _representable(shape, g: torch.Generator, group: int = 64) -> torch.Tensor:
     return (s * (q - 8)).reshape(shape)
 
 
-def _write_hf_checkpoint(path):
-    transformers = pytest.importorskip("transformers")
-    if not hasattr(transformers, "NemotronHForCausalLM"):
-        pytest.skip(f"transformers {transformers.__version__} has no NemotronH")
-    cfg = transformers.NemotronHConfig(**{k: v for k, v in HF.items() if k != "model_type"})
-    torch.manual_seed(0)
-    model = transformers.NemotronHForCausalLM(cfg).eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.log(torch.rand_like(p) * 15 + 1))
-            elif name.endswith("dt_bias"):
-                p.copy_(torch.rand_like(p) * 2 - 4)
-            elif "norm" in name or name.endswith(".D"):
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            elif "conv1d" in name:
-                p.copy_(0.5 * torch.randn_like(p))
-            elif name.endswith("gate.weight"):           # the router: kept dense by kilnx
-                p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
-            elif p.dim() >= 2:
-                p.copy_(_representable(p.shape, g))
-            else:
-                p.copy_(0.05 * torch.randn_like(p))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.2 * torch.randn(b.shape, generator=g))
-        model.lm_head.weight.mul_(8)
-        model.save_pretrained(path)
-        return model(torch.tensor([IDS])).logits[0].float()
-
-
 def test_logits_match_hf_transformers_and_the_conversion_runs_in_mlx_lm(tmp_path):
     """HF's per-expert checkpoint: refused as it is (kilnx runs experts as quantized stacks), loaded with
     --quantize q4 (lossless on these weights) it gives transformers' logits; `kilnx convert` writes the stacks
     (switch_mlp.fc1 / fc2) and leaves the router dense, and mlx-lm runs that directory to kilnx's logits."""
     from kilnx.models.convert import convert, quant_format
     from kilnx.models.loaders import load_model
-    want = _write_hf_checkpoint(tmp_path / "hf")
+    g = torch.Generator().manual_seed(1)
+    want = _write_hf_checkpoint(tmp_path / "hf", HF, lambda shape: _representable(shape, g), head_scale=8.0)
     with pytest.raises(CheckpointError, match="HF's layout.*--quantize q4"):
         load_model(str(tmp_path / "hf"), device="cpu", dtype=torch.float32)
     for ops in ("torch", "kilnx"):

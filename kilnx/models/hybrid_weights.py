@@ -48,7 +48,7 @@ class FeedForward:
 class RoutedExperts:
     """nemotron-3's MoE layer: ungated relu² experts (up (E, F, H), down (E, H, F)) chosen by a sigmoid router whose
     correction bias steers the choice, beside one shared relu² expert."""
-    router: object                 # (E, hidden), kept dense
+    router: torch.Tensor           # (E, hidden), dense fp32
     router_bias: torch.Tensor      # (E,) fp32
     up: object                     # QWeight (E, F, hidden)
     down: object                   # QWeight (E, hidden, F)
@@ -177,8 +177,9 @@ def _nemotron_moe(cfg: ModelConfig, src, at: str, dense, lin) -> RoutedExperts:
         if not isinstance(w, QWeight) or w.packed.dim() != 3:
             raise CheckpointError(f"{src.path}: {at}switch_mlp's experts are not quantized (E, N, K) stacks; the MoE "
                                   f"kernels take MLX affine 2/4/8-bit experts (mlx_lm.convert -q).")
-    # the router stays dense (HF keeps it in fp32; mlx-lm's is not a Linear, so never quantized)
-    return RoutedExperts(router=dense(at + "gate.weight"), router_bias=dense(at + "gate.e_score_correction_bias", torch.float32),
+    # the router stays dense and fp32, as HF keeps it (mlx-lm's is not a Linear, so never quantized): bf16 logits
+    # would decide near-ties between experts on 8 bits
+    return RoutedExperts(router=dense(at + "gate.weight", torch.float32), router_bias=dense(at + "gate.e_score_correction_bias", torch.float32),
                          up=experts[0], down=experts[1], shared_up=lin([at + "shared_experts.up_proj.weight"]),
                          shared_down=lin([at + "shared_experts.down_proj.weight"])[0])
 

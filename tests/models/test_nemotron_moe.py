@@ -85,6 +85,24 @@ def tiny_moe(ops="torch", seed=0):
     return HybridModel(cfg, build_weights(cfg, src, dtype=torch.float32), ops=ops)
 
 
+def test_the_router_runs_in_fp32_in_a_bf16_model(monkeypatch):
+    """HF keeps nemotron-3's router in fp32: its weight stays fp32 in a bf16 model, and the logits it routes on are fp32
+    products of the bf16 activations (the experts' choice is not decided on 8-bit mantissas)."""
+    from kilnx.models.hybrid import HybridModel
+    from kilnx.models.loaders.random_init import RandomSource
+    from kilnx.models.weights import build_weights
+    cfg = from_hf(HF)
+    model = HybridModel(cfg, build_weights(cfg, RandomSource(cfg, fmt="q4", dtype=torch.bfloat16, seed=0),
+                                           dtype=torch.bfloat16), ops="torch")
+    e = model.weights.layers[1].moe
+    assert e.router.dtype == torch.float32 and e.router_bias.dtype == torch.float32
+    seen = []
+    real = model.ops.moe_route
+    monkeypatch.setattr(model.ops, "moe_route", lambda logits, *a, **k: seen.append(logits.dtype) or real(logits, *a, **k))
+    full_logits(model, IDS[:4])
+    assert seen == [torch.float32, torch.float32]
+
+
 def test_chunked_prefill_then_decode_equals_one_forward(backend):
     """A 9-token chunk runs the experts as grouped GEMMs, the 2-token one and the decode steps as per-slot GEMVs."""
     model = tiny_moe(backend.ops)

@@ -72,7 +72,7 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = () # ... except these, which keep a dense MLP
     router_scoring: str = "softmax"       # or "sigmoid" with a correction bias (nemotron-3, as DeepSeek-V3)
     routed_scaling_factor: float = 1.0    # the routed experts' weights times this (sigmoid routers)
-    # hybrid (nemotron_h): per layer "mamba" | "attention" | "mlp", and the Mamba-2 mixers' sizes
+    # hybrid (nemotron_h): per layer "mamba" | "attention" | "mlp" | "moe", and the Mamba-2 mixers' sizes
     layer_kinds: tuple[str, ...] = ()
     mamba_heads: int = 0                  # H: heads of P channels, each with a P x N state
     mamba_head_dim: int = 0               # P

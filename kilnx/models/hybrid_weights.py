@@ -58,7 +58,7 @@ class RoutedExperts:
 
 @dataclass
 class HybridLayer:
-    kind: str                      # "mamba" | "attention" | "mlp"
+    kind: str                      # "mamba" | "attention" | "mlp" | "moe"
     norm: torch.Tensor
     mamba: MambaWeights | None = None
     qkv: list | None = None        # attention: as LlamaModel._attention reads a layer

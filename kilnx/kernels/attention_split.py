@@ -49,11 +49,12 @@ def _split_spec(q, k_cache, v_cache, positions, *, scale, cap=0.0, window=NO_WIN
 
 
 def _split_default(q, k_cache, v_cache, positions, **_):
-    # 16 KB of K a tile: 64 keys of a bf16 cache, 128 of an fp8 one (at 8k keys on the H100, 20.4 us with 128
-    # against 22.0 with 64; bench/results/2026-12-06_h100_attention_long_s29.csv)
+    # 128 keys a tile of an fp8 cache (the bytes of 64 bf16 ones; at 8k keys on the H100 20.4 us against 22.0 with
+    # 64: bench/results/2026-12-06_h100_attention_long_s29.csv), 64 of any other
     keys = keys_per_split(q, k_cache)
     return {"BLOCK_M": max(16, pow2_at_least(q.shape[1] * q.shape[2] // k_cache.shape[1])),
-            "BLOCK_N": min(128 // k_cache.element_size(), keys), "KEYS_PER_SPLIT": keys, "num_warps": 4, "num_stages": 3}
+            "BLOCK_N": min(128 if k_cache.element_size() == 1 else 64, keys), "KEYS_PER_SPLIT": keys,
+            "num_warps": 4, "num_stages": 3}
 
 
 def keys_per_split(q, k_cache, *, programs: int | None = None) -> int:

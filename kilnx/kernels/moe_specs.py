@@ -99,37 +99,29 @@ def moe_problems(E: int, top_k: int, hidden: int, width: int, *, bits: int = 4, 
     grouped GEMMs and the align step at prefill sizes. gated=False (relu² experts): up alone, then the
     down kernels with the combine, as kernels/moe.py's ungated path runs them."""
     base = {"top_k": top_k, "E": E, "bits": bits, "gs": gs}
-    if not gated:
-        up = {**base, "N": width, "K": hidden, "x": "token"}
-        down = {**base, "N": hidden, "K": width, "x": "slot"}
-        act, combine = ("gather_qmv_h2_act", "gather_qmv_h2_combine") if gpu else ("gather_qmv", "gather_qmv_combine")
-        out = []
-        for T in decode:
-            out += [(act, {**up, "T": T}), (combine, {**down, "T": T})]
-        for T in prefill:
-            bm = align_block_m(T * top_k, E)
-            out += [("moe_align_count", {"T": T, "top_k": top_k, "E": E}),
-                    ("moe_align_scatter", {"T": T, "top_k": top_k, "E": E, "BM": bm}),
-                    ("gather_qmm", {**up, "T": T, "BM": bm}), ("gather_qmm_combine", {**down, "T": T, "BM": bm})]
-        return out
-    gate_up = {**base, "N": 2 * width, "K": hidden, "x": "token"}
+    first = {**base, "N": 2 * width if gated else width, "K": hidden, "x": "token"}     # [gate | up], or up
     down = {**base, "N": hidden, "K": width, "x": "slot"}
-    glu, combine = ("gather_qmv_h2_glu", "gather_qmv_h2_combine") if gpu else ("gather_qmv_glu", "gather_qmv_combine")
+    if gated:
+        gemv, gemm = "gather_qmv_h2_glu" if gpu else "gather_qmv_glu", "gather_qmm_glu"
+    else:
+        gemv, gemm = "gather_qmv_h2_act" if gpu else "gather_qmv", "gather_qmm"
+    combine = "gather_qmv_h2_combine" if gpu else "gather_qmv_combine"
     out = []
     for T in decode:
-        out += [(glu, {**gate_up, "T": T}), (combine, {**down, "T": T})]
-    out.append(("gather_qmv", {**gate_up, "T": decode[0]}))
-    if gpu:   # the one pass against the two GEMVs (kernels/moe_decode_route.py): two trials
-        out.append(("moe_decode_path", {**gate_up, "T": decode[0]}))
+        out += [(gemv, {**first, "T": T}), (combine, {**down, "T": T})]
+    if gated:
+        out.append(("gather_qmv", {**first, "T": decode[0]}))
+        if gpu:   # the one pass against the two GEMVs (kernels/moe_decode_route.py): two trials
+            out.append(("moe_decode_path", {**first, "T": decode[0]}))
     for T in prefill:
         bm = align_block_m(T * top_k, E)
         out += [("moe_align_count", {"T": T, "top_k": top_k, "E": E}),
                 ("moe_align_scatter", {"T": T, "top_k": top_k, "E": E, "BM": bm}),
-                ("gather_qmm_glu", {**gate_up, "T": T, "BM": bm}),
-                ("gather_qmm_combine", {**down, "T": T, "BM": bm})]
-    out.append(("gather_qmm", {**gate_up, "T": prefill[-1], "BM": align_block_m(prefill[-1] * top_k, E)}))
-    if gpu:   # the one pass's own configs last: on the H200 the route above kept the two kernels
-        out.append(("moe_onepass_h2", {**gate_up, "T": decode[0]}))
+                (gemm, {**first, "T": T, "BM": bm}), ("gather_qmm_combine", {**down, "T": T, "BM": bm})]
+    if gated:
+        out.append(("gather_qmm", {**first, "T": prefill[-1], "BM": align_block_m(prefill[-1] * top_k, E)}))
+        if gpu:   # the one pass's own configs last: on the H200 the route above kept the two kernels
+            out.append(("moe_onepass_h2", {**first, "T": decode[0]}))
     return out
 
 

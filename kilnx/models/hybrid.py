@@ -92,7 +92,7 @@ class HybridModel(LlamaModel):
         expert's down(relu²(up x))."""
         ops, cfg = self.ops, self.config
         # fp32 operands, as HF routes (the GPU's tile GEMM multiplies them as TF32: 10 mantissa bits, not bf16's 7)
-        logits = _linear(ops, x if x.dtype == torch.float32 else x.float(), [e.router])
+        logits = _linear(ops, x.float(), [e.router])
         ids, weights = ops.moe_route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob,
                                      scoring="sigmoid", bias=e.router_bias, scale=cfg.routed_scaling_factor)
         shared = _linear(ops, ops.relu2(_linear(ops, x, e.shared_up)), [e.shared_down])

@@ -167,7 +167,7 @@ def _mamba(cfg: ModelConfig, src, at: str, dense, lin) -> MambaWeights:
 
 def _nemotron_moe(cfg: ModelConfig, src, at: str, dense, lin) -> RoutedExperts:
     up, down = (at + "switch_mlp.fc1.weight", at + "switch_mlp.fc2.weight")
-    if not src.has(up) and (src.has(at + "experts.0.up_proj.weight") or src.has(at + "experts.up_proj")):
+    if not src.has(up) and src.has(at + "experts.0.up_proj.weight"):
         raise CheckpointError(f"{src.path}: the experts of this nemotron_h checkpoint are in HF's layout; kilnx runs "
                               "MoE experts as quantized stacks: load it with --quantize q4, or convert it once with "
                               "`kilnx convert <dir> <out>` and load that directory.")

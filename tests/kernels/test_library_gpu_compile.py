@@ -57,6 +57,12 @@ for bits in (3, 4, 8):
                 assert ("cp.async" in ck.asm["ptx"]) == (cfg.get("STAGES", 1) > 1), "STAGES is not what pipelines"
             ptx = compile_for_target(H.qmv_h2, pargs, {"STAGES": 3}, kw={"PREFETCH": True}).asm["ptx"]
             assert "prefetch.global.L2" in ptx, "qmv_h2 PREFETCH emitted no L2 prefetch"
+from kilnx.kernels.dense_mm import _mm_default
+for dt in (torch.bfloat16, torch.float32):   # the dense GEMM's GPU defaults fit an H100's / H200's shared memory
+    for rows in (512, 4096):
+        xm, wm = torch.randn(rows, 256).to(dt), torch.randn(128, 256).to(dt)
+        ck = compile_for_target(Q.mm, (xm, wm), _mm_default(xm, wm), aligned=True)
+        assert ck.metadata.shared <= 232448, f"mm's default at {rows} rows of {dt} asks {ck.metadata.shared} B"
 from kilnx.kernels import qmv_tc as T
 for bits in (4, 8):
     w = QWeight.quantize(torch.randn(256, 512), bits=bits, group_size=64)

@@ -82,13 +82,22 @@ def _dequantized_tile_t(wq, scales, biases, expert, cols, k0, BITS, GROUP, BLOCK
     return kd.trans(w)
 
 
+def _epilogue(act, acc, acc_up):
+    """A product's activation: act(gate) * up for a GLU (acc the gate half), act(acc) for an ungated one
+    (nemotron-3's relu²), acc itself for none."""
+    if act in ACTIVATIONS:
+        return ACTIVATIONS[act](acc) * acc_up
+    return UNGATED[act](acc) if act else acc
+
+
 def _gather_gemm(x, wq, scales, biases, sorted_ids, block_expert, routing, *, act, combine, BITS, GROUP,
                  BLOCK_M, X_BY_TOKEN, DIVS, BLOCK_N, BLOCK_K, MAGIC, PACKED=False):
     K = x.shape[1]
     packed = PACKED and bf16_decode.serves(BITS, x.dtype, scales.dtype)
     T, TOP_K = routing.shape
     numel = T * TOP_K
-    n_out = wq.shape[1] // 2 if act else wq.shape[1]
+    glu = act in ACTIVATIONS       # else `act` is None or an ungated activation of the product itself
+    n_out = wq.shape[1] // 2 if glu else wq.shape[1]
     # no bounds masks along N or K where the blocks divide them (the compiler can then vectorize)
     check = (DIVS[0] % BLOCK_N != 0, DIVS[1] % BLOCK_K != 0)
     pid_m, pid_n = kd.grid(block_expert.shape[0], kd.cdiv(n_out, BLOCK_N))
@@ -99,17 +108,17 @@ def _gather_gemm(x, wq, scales, biases, sorted_ids, block_expert, routing, *, ac
     cols = pid_n * BLOCK_N + kd.arange(0, BLOCK_N)
     k_stop = kd.where(expert >= 0, K, 0)    # a block past the last run (expert -1) does nothing
     acc = kd.zeros((BLOCK_M, BLOCK_N), kd.f32)
-    acc_up = kd.zeros((BLOCK_M, BLOCK_N), kd.f32) if act else None
+    acc_up = kd.zeros((BLOCK_M, BLOCK_N), kd.f32) if glu else None
     for k0 in kd.range(0, k_stop, BLOCK_K):
         a = kd.load(x, x_row[:, None], (k0 + kd.arange(0, BLOCK_K))[None, :], check=(True, check[1]))
         w = _dequantized_tile_t(wq, scales, biases, expert, cols, k0, BITS, GROUP, BLOCK_K, MAGIC, check, packed)
         acc += kd.dot(a, w.to(x.dtype))
-        if act:
+        if glu:
             # the up half shares the activations tile: one x load feeds both products
             w_up = _dequantized_tile_t(wq, scales, biases, expert, cols + n_out, k0, BITS, GROUP, BLOCK_K,
                                        MAGIC, check, packed)
             acc_up += kd.dot(a, w_up.to(x.dtype))
-    y = ACTIVATIONS[act](acc) * acc_up if act else acc
+    y = _epilogue(act, acc, acc_up)
     if routing.dtype in (kd.f16, kd.bf16, kd.f32, kd.f64):
         y = y * kd.load(routing, slot // TOP_K, slot % TOP_K).f32()[:, None]
     if combine:
@@ -174,7 +183,8 @@ def _gather_gemv(x, wq, scales, biases, expert_ids, routing_weights, *, act, BIT
     r // BLOCK_N and output row r % BLOCK_N: every slot's expert is read in the same pass (no serial
     loop over slots), and when x is per token all rows share its loads."""
     T, TOP_K = expert_ids.shape
-    n_out = wq.shape[1] // 2 if act else wq.shape[1]
+    glu = act in ACTIVATIONS
+    n_out = wq.shape[1] // 2 if glu else wq.shape[1]
     check = _gemv_checks(DIVS, BITS, GROUP, BLOCK_N, BLOCK_KW)
     token, pid_n = kd.grid(T, kd.cdiv(n_out, BLOCK_N))
     r = kd.arange(0, SLOTS * BLOCK_N)
@@ -183,10 +193,10 @@ def _gather_gemv(x, wq, scales, biases, expert_ids, routing_weights, *, act, BIT
     valid = k < TOP_K
     expert = kd.load(expert_ids, token, k)
     x_row = token if X_BY_TOKEN else (token * TOP_K + k)[:, None]
-    tiles = [n, n + n_out] if act else [n]
+    tiles = [n, n + n_out] if glu else [n]
     accs = _slot_rows_dot(x, x_row, wq, scales, biases, expert, tiles, valid, BITS, GROUP, BLOCK_KW, MAGIC, check,
                           STAGES)
-    y = ACTIVATIONS[act](accs[0]) * accs[1] if act else accs[0]
+    y = _epilogue(act, accs[0], accs[1] if glu else None)
     if routing_weights is None:
         out = kd.output((T * TOP_K, n_out), x.dtype)
         kd.store(out, token * TOP_K + k, n, y, mask=valid, check=(False, check[0]))
@@ -258,25 +268,34 @@ def _hooks(*, gemm: bool, glu: bool = False, combine: bool = False) -> dict:
             k["BM"] = kw["BLOCK_M"]
         if glu:
             k["act"] = kw.get("ACT", "silu")
+        elif kw.get("ACT", "none") != "none":
+            k["act"] = kw["ACT"]
         return k
 
     def spec(*args, **kw):
         from kilnx.kernels.moe_specs import gather_spec
-        act = kw.pop("ACT", "silu") if glu else None
-        return gather_spec(*args, gemm=gemm, act=act, combine=combine, **kw)
+        act = kw.pop("ACT", "silu" if glu else "none")
+        return gather_spec(*args, gemm=gemm, act=None if act == "none" else act, combine=combine, **kw)
 
     return dict(tune=GEMM_TUNE if gemm else GEMV_TUNE, key=key, spec=spec,
                 default=_gemm_default if gemm else _gemv_default,
                 specialize=_gemm_specialize if gemm else _gemv_specialize)
 
 
+def _act(ACT: str):
+    """A plain product's ACT constexpr as the helpers take it: None, or an ungated activation."""
+    if ACT != "none" and ACT not in UNGATED:
+        raise ValueError(f"ACT must be 'none' or one of {list(UNGATED)}, got {ACT!r}")
+    return None if ACT == "none" else ACT
+
+
 @kd.kernel(**_hooks(gemm=True))
 def gather_qmm(x, wq, scales, biases, sorted_ids, block_expert, routing, *, BITS: kd.constexpr,
                GROUP: kd.constexpr, BLOCK_M: kd.constexpr, X_BY_TOKEN: kd.constexpr, DIVS: kd.constexpr,
-               BLOCK_N, BLOCK_K, MAGIC, PACKED):
-    """(T * top_k, N): slot i = x[row of i] @ W[its expert]^T. `routing` (T, top_k) is the expert ids
-    (read for their shape only) or the routing weights (each row then scaled by its weight)."""
-    return _gather_gemm(x, wq, scales, biases, sorted_ids, block_expert, routing, act=None, combine=False,
+               ACT: kd.constexpr = "none", BLOCK_N, BLOCK_K, MAGIC, PACKED):
+    """(T * top_k, N): slot i = x[row of i] @ W[its expert]^T, or an UNGATED ACT of it. `routing` (T, top_k) is
+    the expert ids (read for their shape only) or the routing weights (each row then scaled by its weight)."""
+    return _gather_gemm(x, wq, scales, biases, sorted_ids, block_expert, routing, act=_act(ACT), combine=False,
                         BITS=BITS, GROUP=GROUP, BLOCK_M=BLOCK_M, X_BY_TOKEN=X_BY_TOKEN, DIVS=DIVS,
                         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, MAGIC=MAGIC,
                         PACKED=PACKED)
@@ -306,9 +325,10 @@ def gather_qmm_combine(x, wq, scales, biases, sorted_ids, block_expert, routing_
 
 @kd.kernel(**_hooks(gemm=False))
 def gather_qmv(x, wq, scales, biases, expert_ids, *, BITS: kd.constexpr, GROUP: kd.constexpr,
-               X_BY_TOKEN: kd.constexpr, DIVS: kd.constexpr, SLOTS: kd.constexpr, BLOCK_N, BLOCK_KW, MAGIC, STAGES):
-    """(T * top_k, N): slot i = x[row of i] @ W[expert_ids.flat[i]]^T, a GEMV per slot."""
-    return _gather_gemv(x, wq, scales, biases, expert_ids, None, act=None, BITS=BITS, GROUP=GROUP,
+               X_BY_TOKEN: kd.constexpr, DIVS: kd.constexpr, SLOTS: kd.constexpr, ACT: kd.constexpr = "none",
+               BLOCK_N, BLOCK_KW, MAGIC, STAGES):
+    """(T * top_k, N): slot i = x[row of i] @ W[expert_ids.flat[i]]^T (or an UNGATED ACT of it), a GEMV per slot."""
+    return _gather_gemv(x, wq, scales, biases, expert_ids, None, act=_act(ACT), BITS=BITS, GROUP=GROUP,
                         X_BY_TOKEN=X_BY_TOKEN, DIVS=DIVS, SLOTS=SLOTS, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW,
                         MAGIC=MAGIC, STAGES=STAGES)
 
@@ -431,7 +451,7 @@ def moe(x, w_gate_up, w_down, expert_ids, routing_weights, activation: str = "si
     dn = (w_down.packed, w_down.scales, w_down.biases)
     from kilnx.kernels import moe_h2    # built on this module's helpers
     if not gated:
-        y = _moe_ungated(x2, w_gate_up, w_down, ids, rw, E)
+        y = _moe_ungated(x2, w_gate_up, w_down, ids, rw, E, activation)
     elif x2.shape[0] <= MOE_DECODE_MAX_TOKENS and moe_h2.serves(w_gate_up, w_down):
         y = moe_h2.moe_decode(x2, w_gate_up, w_down, ids, rw, activation)
     elif x2.shape[0] <= MOE_DECODE_MAX_TOKENS:
@@ -444,21 +464,19 @@ def moe(x, w_gate_up, w_down, expert_ids, routing_weights, activation: str = "si
     return y.reshape(x.shape)
 
 
-def _moe_ungated(x2, w_up, w_down, ids, rw, E: int):
-    """relu²(up_e x), then down_e of it weighted and summed over the slots. At decode on the GPU the packed-fp16
-    kernels (moe_h2.ungated_decode); elsewhere up as gather_qmatmul runs it, the activation its own launch, then down
-    with the combine (the GLU kernels' epilogues multiply a gate by an up half, which these experts do not have)."""
+def _moe_ungated(x2, w_up, w_down, ids, rw, E: int, activation: str):
+    """act(up_e x) (act in UNGATED), then down_e of it weighted and summed over the slots. At decode on the GPU the
+    packed-fp16 kernels (moe_h2.ungated_decode); elsewhere up with the activation in its epilogue (the GEMV per slot,
+    or the grouped GEMM after the align step), then down with the combine."""
     from kilnx.kernels import moe_h2
-    from kilnx.kernels.activations import relu2
-    T, top_k = ids.shape
     up, dn = (w_up.packed, w_up.scales, w_up.biases), (w_down.packed, w_down.scales, w_down.biases)
+    T = ids.shape[0]
     if T <= MOE_DECODE_MAX_TOKENS and moe_h2.serves(w_up, w_down):
-        return moe_h2.ungated_decode(x2, w_up, w_down, ids, rw, "relu2")
+        return moe_h2.ungated_decode(x2, w_up, w_down, ids, rw, activation)
     if T <= MOE_DECODE_MAX_TOKENS:
-        h = relu2(gather_qmv(x2, *up, ids).reshape(T * top_k, -1))
-        return gather_qmv_combine(h, *dn, ids, rw)
+        return gather_qmv_combine(gather_qmv(x2, *up, ids, ACT=activation), *dn, ids, rw)
     sorted_ids, block_expert, _ = align(ids, E, align_block_m(ids.numel(), E))
-    h = relu2(gather_qmm(x2, *up, sorted_ids, block_expert, ids).reshape(T * top_k, -1))
+    h = gather_qmm(x2, *up, sorted_ids, block_expert, ids, ACT=activation)
     return gather_qmm_combine(h, *dn, sorted_ids, block_expert, rw).to(x2.dtype)
 
 

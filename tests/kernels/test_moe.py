@@ -184,7 +184,9 @@ def test_public_gather_qmatmul_is_mlx_gather_qmm_squeezed():
 def epilogue(products, ids, weights, act, combine):
     """numpy applied to MLX's per-slot products: GLU, routing weight, sum over top_k."""
     y = products.numpy()
-    if act:
+    if act == "relu2":      # an ungated expert's activation of the product itself (nemotron-3)
+        y = np.maximum(y, 0.0) ** 2
+    elif act:
         gate, up = np.split(y, 2, axis=-1)
         y = ACTS[act](gate) * up
     if weights is not None:
@@ -196,17 +198,19 @@ def epilogue(products, ids, weights, act, combine):
 
 @pytest.mark.parametrize("act,weighted,combine,x_rows", [
     ("silu", False, False, "token"), ("gelu_tanh", True, False, "token"),
-    (None, True, False, "slot"), (None, True, True, "slot"), (None, True, True, "token")])
+    (None, True, False, "slot"), (None, True, True, "slot"), (None, True, True, "token"),
+    ("relu2", False, False, "token")])
 def test_epilogues_match_numpy_on_mlx_products(act, weighted, combine, x_rows):
     E, T, k, K, bits, gs = 5, 17, 2, 96, 4, 32
-    N = 2 * 24 if act else 40
+    glu = act in ("silu", "gelu_tanh")
+    N = 2 * 24 if glu else 40
     mw, w = experts(E, N, K, bits, gs, seed=3)
     ids, rw = routing(T, k, E, seed=5)
     x = torch.randn(T if x_rows == "token" else T * k, K, generator=torch.Generator().manual_seed(2))
     want = epilogue(mlx_gather(x, mw, ids, bits, gs), ids, rw if weighted else None, act, combine)
     wargs = (x, w.packed, w.scales, w.biases)
     sorted_ids, block_expert, _ = align_formula(ids, E, 16)
-    gemm = M.gather_qmm_combine if combine else M.gather_qmm_glu if act else M.gather_qmm
+    gemm = M.gather_qmm_combine if combine else M.gather_qmm_glu if glu else M.gather_qmm
     extra = {"ACT": act} if act else {}
     for backend in ("triton", "reference"):
         got = gemm(*wargs, sorted_ids, block_expert, rw if weighted else ids, backend=backend, config=GEMM_CFG,
@@ -222,7 +226,8 @@ def test_epilogues_match_numpy_on_mlx_products(act, weighted, combine, x_rows):
             if combine:
                 got = M.gather_qmv_combine(xq, *wargs[1:], ids[:Tq], rw[:Tq], backend=backend, config=GEMV_CFG)
             else:
-                got = M.gather_qmv_glu(xq, *wargs[1:], ids[:Tq], backend=backend, config=GEMV_CFG, ACT=act)
+                gemv = M.gather_qmv_glu if glu else M.gather_qmv
+                got = gemv(xq, *wargs[1:], ids[:Tq], backend=backend, config=GEMV_CFG, ACT=act)
             close(got, want, K, rel=3e-4)
 
 

@@ -93,8 +93,10 @@ def problems_for_model(model: str, gpu: bool = True) -> list[tuple[str, dict]]:
     out += [("qmm_wg_direct", {"M": 16, "N": g["N"], "K": g["K"]}) for g in problems(cfg) if wgmma(g)]
     if cfg.is_moe:
         from kilnx.kernels.moe_specs import moe_problems
+        # prefill from 128 tokens: their grouped GEMMs run 16-row blocks (a few tokens an expert), a bucket 512 tokens'
+        # 32-row blocks do not stand for (nemotron-3's 128-token prefill: 0.75 ms a layer in them, H100, session 30)
         out += moe_problems(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
-                            gpu=gpu, gated=cfg.experts_gated)
+                            prefill=(128, 512, 2048), gpu=gpu, gated=cfg.experts_gated)
     for g in problems(cfg):
         # the GPU multiplies from 320 rows (and above 128 where the fused kernel's grid is starved) by
         # dequantizing once and running the dense `mm` (kernels/routing.py): prompts there tune `mm`

@@ -18,29 +18,30 @@ TORCH_UNGATED = {"relu2": lambda u: torch.nn.functional.relu(u).square()}
 
 
 def dequantized_expert(wq, scales, biases, expert: int, bits: int, group: int) -> torch.Tensor:
-    """W[expert] (N, K) in float64 on the CPU: codes LSB-first in 32-bit words, w = scale * q + bias."""
-    words = wq[expert].cpu().long() & 0xFFFFFFFF
-    shifts = torch.arange(0, 32, bits)
+    """W[expert] (N, K) in float64 on the weight's device: codes LSB-first in 32-bit words, w = scale * q + bias."""
+    words = wq[expert].long() & 0xFFFFFFFF
+    shifts = torch.arange(0, 32, bits, device=wq.device)
     codes = ((words[:, :, None] >> shifts) & ((1 << bits) - 1)).reshape(words.shape[0], -1)
-    s = scales[expert].cpu().double().repeat_interleave(group, dim=1)
-    b = biases[expert].cpu().double().repeat_interleave(group, dim=1)
+    s = scales[expert].double().repeat_interleave(group, dim=1)
+    b = biases[expert].double().repeat_interleave(group, dim=1)
     return codes.double() * s + b
 
 
 def gather_formula(x, wq, scales, biases, expert_ids, bits: int, group: int, x_by_token: bool) -> torch.Tensor:
     """(T * top_k, N) float64 on the CPU: slot i = t * top_k + k is x[t or i] @ W[expert_ids[t, k]]^T.
-    Slots with expert -1 (never placed by the align step) stay zero."""
-    top_k = expert_ids.shape[1]
-    ids = expert_ids.reshape(-1).cpu().long()
-    xd = x.detach().cpu().double()
-    rows = torch.arange(ids.numel()) // top_k if x_by_token else torch.arange(ids.numel())
-    out = torch.zeros(ids.numel(), wq.shape[1], dtype=torch.float64)
+    Slots with expert -1 (never placed by the align step) stay zero. Computed where the weights are: the
+    tuner's correctness gate runs this on every draw, and a 128-expert layer took ~9 s on two CPU cores."""
+    top_k, dev = expert_ids.shape[1], wq.device
+    ids = expert_ids.reshape(-1).long().to(dev)
+    xd = x.detach().to(dev).double()
+    rows = torch.arange(ids.numel(), device=dev) // top_k if x_by_token else torch.arange(ids.numel(), device=dev)
+    out = torch.zeros(ids.numel(), wq.shape[1], dtype=torch.float64, device=dev)
     for e in ids.unique().tolist():
         if e < 0:
             continue
         sel = (ids == e).nonzero().flatten()
         out[sel] = xd[rows[sel]] @ dequantized_expert(wq, scales, biases, e, bits, group).T
-    return out
+    return out.cpu()
 
 
 def slot_experts(sorted_ids, block_expert, num_slots: int, block_m: int) -> torch.Tensor:

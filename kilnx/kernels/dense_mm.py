@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import kilnx.dsl as kd
-from kilnx.kernels.sizes import pow2_dividing
+from kilnx.kernels.sizes import pow2_at_least, pow2_dividing
 
 
 def _mm_default(x, w, **_):
@@ -103,3 +103,61 @@ mm.seed_configs = lambda problem: [
     {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "num_warps": nw, "num_stages": ns, "TMA": True, "PERSISTENT": p}
     for bm, bn, nw, ns, p in [(128, 256, 8, 3, True), (128, 128, 4, 4, True), (128, 256, 8, 4, True),
                               (256, 128, 8, 3, False), (128, 128, 8, 4, True)]]
+
+
+# ---- dense_gemv: a few rows against an unquantized weight ----------------------------------------------
+def _gemv_default(x, w, *, ROWS, **_):
+    """A program per weight row where the rows are few (nemotron-3's router: 128 of them), 4 rows otherwise, and
+    K chunks as long as ~4k products a program keep in registers. mm's tiles at one row gave a router GEMV
+    (1 x 2688 @ 2688 x 128, fp32) 2 programs, each walking K alone: 21 us a call, 0.49 ms of a 3.3 ms nemotron-3
+    decode step on the H100 (session 30)."""
+    bn = 1 if w.shape[0] < 1024 else 4
+    return {"BLOCK_N": bn, "BLOCK_K": max(32, min(1024, pow2_at_least(x.shape[1]), 4096 // (ROWS * bn))),
+            "num_warps": 4}
+
+
+@kd.kernel(
+    tune={"BLOCK_N": kd.pow2(1, 32, default=4), "BLOCK_K": kd.pow2(32, 2048, default=256),
+          "num_warps": kd.choice(1, 2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, default=2)},
+    key=lambda x, w, **_: {"M": x.shape[0], "N": w.shape[0], "K": x.shape[1]}, default=_gemv_default,
+    spec=lambda x, w, **_: (x.double() @ w.double().T).to(x.dtype),
+    specialize=lambda x, w: {"ROWS": pow2_at_least(x.shape[0]), "K_DIV": pow2_dividing(x.shape[1])})
+def dense_gemv(x, w, *, ROWS: kd.constexpr, K_DIV: kd.constexpr, BLOCK_N, BLOCK_K):
+    """x (M, K) @ w (N, K).T for M up to DENSE_GEMV_MAX_ROWS, in x.dtype: BLOCK_N weight rows a program, each
+    K chunk multiplied by all of x's rows (a broadcast product summed over K: tl.dot wants 16 rows)."""
+    M, K = x.shape
+    N = w.shape[0]
+    n = kd.grid(kd.cdiv(N, BLOCK_N)) * BLOCK_N + kd.arange(0, BLOCK_N)
+    m = kd.arange(0, ROWS)
+    k_masked = K_DIV % BLOCK_K != 0
+    acc = kd.zeros((ROWS, BLOCK_N), kd.f32)
+    for k0 in kd.range(0, K, BLOCK_K):
+        k = k0 + kd.arange(0, BLOCK_K)
+        wt = kd.load(w, n[:, None], k[None, :], check=(True, k_masked)).f32()
+        xt = kd.load(x, m[:, None], k[None, :], check=(True, k_masked)).f32()
+        acc += kd.sum(xt[:, None, :] * wt[None, :, :], axis=2)
+    out = kd.output((M, N), x.dtype)
+    kd.store(out, m[:, None], n[None, :], acc)
+    return out
+
+
+DENSE_GEMV_MAX_ROWS = 16
+
+
+def takes_dense_gemv(x) -> bool:
+    """Whether qmatmul multiplies x (rows, K) by a dense weight with `dense_gemv` rather than `mm`: few rows, on the GPU
+    (on the CPU numba's mm serves them as before: not measured against this there)."""
+    return x.is_cuda and 0 < x.shape[0] <= DENSE_GEMV_MAX_ROWS
+
+
+def make_gemv_args(problem: dict, device: str):
+    m, n, k = problem["M"], problem["N"], problem["K"]
+    g = torch.Generator(device="cpu").manual_seed(m * 7919 + n * 31 + k)
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[problem.get("dtype", "bf16")]
+    x = torch.randn(m, k, generator=g).to(dtype).to(device)
+    return x, (torch.randn(n, k, generator=g) * 0.02).to(dtype).to(device)
+
+
+dense_gemv.tuning(make_args=make_gemv_args, problems=[{"M": 1, "N": 128, "K": 2688, "dtype": "f32"}],
+            peer=lambda x, w: x @ w.T)
+dense_gemv.tolerance = lambda args: dot_tolerance(args[0], args[1].float().abs().max().item())

@@ -26,7 +26,7 @@ import kilnx.dsl as kd
 from kilnx.dsl.kernel import PerObjectMemo
 from kilnx.kernels import _gemv as gemv
 from kilnx.kernels import bf16_decode
-from kilnx.kernels.dense_mm import dot_tolerance, mm, sm_count
+from kilnx.kernels.dense_mm import dense_gemv, dot_tolerance, mm, sm_count, takes_dense_gemv
 from kilnx.kernels.sizes import pow2_at_least, pow2_dividing
 
 
@@ -347,7 +347,7 @@ def qmatmul(x: torch.Tensor, w) -> torch.Tensor:
     if not isinstance(w, QWeight):
         if w.dim() != 2 or w.shape[1] != k:
             raise ValueError(f"qmatmul: weight shape {tuple(w.shape)} does not match x's last dim {k}")
-        return mm(x2, w).reshape(*lead, w.shape[0])
+        return (dense_gemv(x2, w) if takes_dense_gemv(x2) else mm(x2, w)).reshape(*lead, w.shape[0])
     if w.mode in ("mxfp4", "nvfp4"):
         from kilnx.kernels.qmatmul_fp4 import fp4_qmatmul
         return fp4_qmatmul(x, w)

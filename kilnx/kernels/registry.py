@@ -97,6 +97,9 @@ def problems_for_model(model: str, gpu: bool = True) -> list[tuple[str, dict]]:
         # 32-row blocks do not stand for (nemotron-3's 128-token prefill: 0.75 ms a layer in them, H100, session 30)
         out += moe_problems(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
                             prefill=(128, 512, 2048), gpu=gpu, gated=cfg.experts_gated)
+        if cfg.router_scoring == "sigmoid":   # nemotron-3's router stays dense fp32: a GEMV of its own at decode
+            out += [("dense_gemv", {"M": m, "N": cfg.num_experts, "K": cfg.hidden_size, "dtype": "f32"})
+                    for m in ((1, 4) if gpu else ())]
     for g in problems(cfg):
         # the GPU multiplies from 320 rows (and above 128 where the fused kernel's grid is starved) by
         # dequantizing once and running the dense `mm` (kernels/routing.py): prompts there tune `mm`

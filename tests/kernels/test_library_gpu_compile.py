@@ -63,6 +63,11 @@ for dt in (torch.bfloat16, torch.float32):   # the dense GEMM's GPU defaults fit
         xm, wm = torch.randn(rows, 256).to(dt), torch.randn(128, 256).to(dt)
         ck = compile_for_target(Q.mm, (xm, wm), _mm_default(xm, wm), aligned=True)
         assert ck.metadata.shared <= 232448, f"mm's default at {rows} rows of {dt} asks {ck.metadata.shared} B"
+from kilnx.kernels.dense_mm import dense_gemv
+for dt in (torch.float32, torch.bfloat16):   # the dense GEMV's defaults: nemotron-3's router, a wide weight at 16 rows
+    for rows, n, k in ((1, 128, 2688), (16, 4096, 4096)):
+        xm, wm = torch.randn(rows, k).to(dt), torch.randn(n, k).to(dt)
+        compile_for_target(dense_gemv, (xm, wm), dense_gemv.default_config(xm, wm), aligned=True)
 from kilnx.kernels import qmv_tc as T
 for bits in (4, 8):
     w = QWeight.quantize(torch.randn(256, 512), bits=bits, group_size=64)

@@ -108,11 +108,12 @@ mm.seed_configs = lambda problem: [
 # ---- dense_gemv: a few rows against an unquantized weight ----------------------------------------------
 def _gemv_default(x, w, *, ROWS, **_):
     """A program per weight row where the rows are few (nemotron-3's router: 128 of them), 4 rows otherwise, and
-    K chunks as long as ~4k products a program keep in registers. mm's tiles at one row gave a router GEMV
+    K chunks up to 2048 and ~8k products a program (the tuner's best for the router at one and four rows on the
+    H100: 2048-long chunks, 6.5 / 7.3 us against 7.1 / 8.0 with 1024; 2026-12-06_h100_tune_nemotron3_decode_s30.csv). mm's tiles at one row gave a router GEMV
     (1 x 2688 @ 2688 x 128, fp32) 2 programs, each walking K alone: 21 us a call, 0.49 ms of a 3.3 ms nemotron-3
     decode step on the H100 (session 30)."""
     bn = 1 if w.shape[0] < 1024 else 4
-    return {"BLOCK_N": bn, "BLOCK_K": max(32, min(1024, pow2_at_least(x.shape[1]), 4096 // (ROWS * bn))),
+    return {"BLOCK_N": bn, "BLOCK_K": max(32, min(2048, pow2_at_least(x.shape[1]), 8192 // (ROWS * bn))),
             "num_warps": 4}
 
 

@@ -44,7 +44,7 @@ def _key(planes, sums, xs, wq, scales, biases, expert_ids, *_, **kw):
             "bits": kw["BITS"], "gs": kw["GROUP"]}
 
 
-def _default(planes, sums, xs, wq, scales, biases, expert_ids, *rest, SLOTS, N_DIV, **__):
+def _default(planes, sums, xs, wq, scales, biases, expert_ids, *rest, SLOTS, N_DIV, KW_DIV, **__):
     """The best of a 14-config sweep on the H200 for qwen3-30b-a3b's experts (every config's time in
     bench/results/profiles/2026-12-03_h200_moe_s9.log): gate_up 32 rows (16 gate + 16 up) x 64 words,
     4 warps; down 4 output rows x the slots at one token, 16 at four (more tokens: more programs), 32
@@ -55,6 +55,12 @@ def _default(planes, sums, xs, wq, scales, biases, expert_ids, *rest, SLOTS, N_D
         return {"BLOCK_N": min(8, N_DIV) if not rest else SLOTS, "BLOCK_KW": 32, "num_warps": 4, "STAGES": 1}
     if not rest:    # the GLU
         return {"BLOCK_N": min(32, N_DIV), "BLOCK_KW": 64, "num_warps": 4, "STAGES": 3}
+    if KW_DIV % 32:
+        # rows of words in no multiple of 32 (nemotron-3's down: 1856 codes, 232 words) take masked chunks; there one
+        # output row a program, 4 words an fp16 sum, loads unpipelined was the tuner's best at one and four tokens on
+        # the H100: 28.3 / 79.1 us against 57.5 / 206.5 for the rule below
+        # (bench/results/2026-12-06_h100_tune_nemotron3_decode_s30.csv)
+        return {"BLOCK_N": SLOTS, "BLOCK_KW": 64, "CHAIN": 4, "num_warps": 2, "STAGES": 1}
     ob = 4 if expert_ids.shape[0] == 1 else 16
     while ob > 1 and N_DIV % ob:
         ob //= 2

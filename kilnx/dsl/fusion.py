@@ -111,7 +111,7 @@ class FusionKernel(KernelBase):
     def __init__(self, fn):
         space = Space({"ROWS": pow2(1, 64, default=1), "BLOCK_D": pow2(64, 16384, default=1024),
                        "num_warps": choice(1, 2, 4, 8, 16, default=4)})
-        super().__init__(fn.__name__, space, _fusion_key, None, None, traced_source(fn))
+        super().__init__(fn.__name__, space, _fusion_key, None, None, lambda: traced_source(fn))
         self.fn = fn
         sig = inspect.signature(fn)
         self.positional = [p.name for p in sig.parameters.values()

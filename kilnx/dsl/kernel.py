@@ -139,6 +139,10 @@ def traced_source(fn) -> str:
                 used = obj.__globals__.get(name)
                 if inspect.isfunction(used) or inspect.isclass(used) or inspect.ismodule(used):
                     visit(used)
+                elif isinstance(used, dict):    # a table of helpers by name (the MoE epilogues' activations)
+                    for value in used.values():
+                        if inspect.isfunction(value):
+                            visit(value)
     visit(fn)
     return "\n".join(parts)
 
@@ -149,24 +153,26 @@ class KernelBase:
     name: str
     space: Space
 
-    def __init__(self, name, space, key_fn, default_fn, spec_fn, source, specialize=None):
+    def __init__(self, name, space, key_fn, default_fn, spec_fn, source: Callable[[], str], specialize=None):
         self.name, self.space = name, space
         self._specialize = specialize
         self._key_fn, self._default_fn, self._spec_fn = key_fn, default_fn, spec_fn
-        self.source_hash = hashlib.sha256((CODEGEN_VERSION + source).encode()).hexdigest()
+        # read when first asked, not at decoration: helpers defined below the kernel in its module (a common
+        # order) are not in its globals yet when the decorator runs, and their text would be missed
+        self._source, self._source_hash = source, None
         self._compiled: dict = {}
         self._calls: dict = {}
         self.make_args: Callable | None = None
         self._problems: list[dict] = []
         self.peer: Callable | None = None
 
-    def hashes_helpers(self, *helpers: Callable) -> "KernelBase":
-        """Count the sources of traced helpers the kernel calls in its source hash: a tuned config outlives a change
-        to a helper otherwise (the hash covers the kernel's own function)."""
-        import inspect
-        text = "".join(inspect.getsource(f) for f in helpers)
-        self.source_hash = hashlib.sha256((self.source_hash + text).encode()).hexdigest()
-        return self
+    @property
+    def source_hash(self) -> str:
+        """sha256 of the codegen version and the kernel's traced source (traced_source: its function and the
+        helpers it reaches). Tuned configs are keyed by it."""
+        if self._source_hash is None:
+            self._source_hash = hashlib.sha256((CODEGEN_VERSION + self._source()).encode()).hexdigest()
+        return self._source_hash
 
     def _with_specialization(self, args, kw) -> dict:
         """Compile-time values derived from the arguments (e.g. bit width from packed shapes)."""
@@ -275,7 +281,7 @@ class KernelBase:
 
 class TileKernel(KernelBase):
     def __init__(self, fn, space: Space, key_fn, default_fn, spec_fn, specialize=None):
-        super().__init__(fn.__name__, space, key_fn, default_fn, spec_fn, traced_source(fn), specialize)
+        super().__init__(fn.__name__, space, key_fn, default_fn, spec_fn, lambda: traced_source(fn), specialize)
         self.fn = fn
         self.sig = inspect.signature(fn)
         self.positional = [p.name for p in self.sig.parameters.values()

@@ -354,11 +354,6 @@ def gather_qmv_combine(x, wq, scales, biases, expert_ids, routing_weights, *, BI
                         MAGIC=MAGIC, STAGES=STAGES)
 
 
-# these kernels are thin wrappers: the traced helpers they call count in their source hashes
-for _k in (gather_qmm, gather_qmm_glu, gather_qmm_combine):
-    _k.hashes_helpers(_gather_gemm, _dequantized_tile_t, _code_f32)
-for _k in (gather_qmv, gather_qmv_glu, gather_qmv_combine):
-    _k.hashes_helpers(_gather_gemv, _slot_rows_dot, _gemv_checks, _code_f32)
 
 
 # ---- public ops -----------------------------------------------------------------------------------

@@ -31,11 +31,18 @@ class MoeDecodeRoute:
         from kilnx.kernels import moe_h2, moe_onepass
         self._h2, self._one = moe_h2, moe_onepass
         self.space = Space({"PATH": choice(*PATHS, default="two_kernels")})
-        parts = (ROUTE_VERSION + moe_h2.gather_qmv_h2_glu.source_hash + moe_h2.gather_qmv_h2_combine.source_hash
-                 + moe_onepass.moe_onepass_h2.source_hash)
-        self.source_hash = hashlib.sha256(parts.encode()).hexdigest()
         self.peer = None
         self._chosen: dict = {}
+        self._hash: str | None = None
+
+    @property
+    def source_hash(self) -> str:
+        """The route's version and its kernels' hashes, when first asked (as theirs are: kilnx/dsl/kernel.py)."""
+        if self._hash is None:
+            parts = (ROUTE_VERSION + self._h2.gather_qmv_h2_glu.source_hash
+                     + self._h2.gather_qmv_h2_combine.source_hash + self._one.moe_onepass_h2.source_hash)
+            self._hash = hashlib.sha256(parts.encode()).hexdigest()
+        return self._hash
 
     # -- protocol -------------------------------------------------------------------------------------
     def key(self, planes, sums, xs, wq, scales, biases, d_packed, d_scales, *_, **__) -> str:

@@ -244,8 +244,6 @@ def two_kernels(planes, sums, xs, wq, scales, biases, d_packed, d_scales, d_bias
                                  backend=backend)
 
 
-for _k in (gather_qmv_h2_glu, gather_qmv_h2_act, gather_qmv_h2_combine):   # their shared main loop counts in their hashes
-    _k.hashes_helpers(_gather_accumulate, _frame)
 
 
 def ungated_decode(x, w_up, w_down, expert_ids, routing_weights, activation: str = "relu2", backend=None):

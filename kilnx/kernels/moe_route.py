@@ -101,8 +101,6 @@ def moe_topk_sigmoid(logits, bias, *, TOP_K: kd.constexpr, NORM: kd.constexpr, S
     return ids, weights
 
 
-for _k in (moe_topk, moe_topk_sigmoid):
-    _k.hashes_helpers(_choose, _total)
 
 
 def moe_route(logits: torch.Tensor, top_k: int, normalize: bool, *, scoring: str = "softmax",

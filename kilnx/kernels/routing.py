@@ -110,12 +110,19 @@ class QmatmulRowsRoute:
                             # where memory allows; the default is per weight (qmv_wg.repack_pays)
                             "WG_REPACKED": choice(False, True, default=False)})
         self._chosen: dict = {}
-        parts = (ROUTING_VERSION + qm.qmv.source_hash + qm.qmm.source_hash + qm.qmv_prep.source_hash
-                 + qmv_h2.qmv_h2.source_hash + qmv_h2.qmv_h2_prep.source_hash + qmv_tc.qmv_tc.source_hash
-                 + qmv_cpu.qmv_il.source_hash + wg_direct.qmm_wg_direct.source_hash + qmv_wg.qmm_wg.source_hash)
-        self.source_hash = hashlib.sha256(parts.encode()).hexdigest()
+        # the kernels it chooses between, hashed when first asked (as theirs are: kilnx/dsl/kernel.py)
+        self._hashed = (qm.qmv, qm.qmm, qm.qmv_prep, qmv_h2.qmv_h2, qmv_h2.qmv_h2_prep, qmv_tc.qmv_tc, qmv_cpu.qmv_il,
+                        wg_direct.qmm_wg_direct, qmv_wg.qmm_wg)
+        self._hash: str | None = None
         self.tolerance = qm._matmul_tolerance
         self.peer = None
+
+    @property
+    def source_hash(self) -> str:
+        if self._hash is None:
+            self._hash = hashlib.sha256((ROUTING_VERSION + "".join(k.source_hash for k in self._hashed)).encode()
+                                        ).hexdigest()
+        return self._hash
 
     # -- protocol -------------------------------------------------------------------------------------
     def key(self, x, wq, scales, biases, **_) -> str:

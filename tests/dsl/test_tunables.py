@@ -199,6 +199,46 @@ def test_a_change_in_a_traced_helper_changes_the_source_hash(tmp_path):
     assert a.source_hash == a2.source_hash
 
 
+KERNEL_ABOVE_ITS_HELPERS = """
+import kilnx.dsl as kd
+
+
+@kd.kernel(tune={{"BLOCK": kd.choice(16)}})
+def scaled(x, *, BLOCK):
+    r = kd.arange(0, BLOCK)
+    out = kd.output((16,), kd.f32)
+    kd.store(out, r, EPILOGUES["twice"](decode(kd.load(x, r).f32())))
+    return out
+
+
+def decode(v):
+    return v * {factor}
+
+
+EPILOGUES = {{"twice": lambda v: v * {twice}}}
+"""
+
+
+@pytest.mark.parametrize("edit", ["helper", "table"])
+def test_helpers_defined_below_the_kernel_count_in_its_hash(tmp_path, edit):
+    """The common order (the kernel first, its helpers below it, tables of helpers by name) is hashed as the
+    module ends up, not as it stood when the decorator ran: editing `decode` or a lambda of `EPILOGUES` makes the
+    stored configs stale."""
+    import importlib.util
+
+    def load(name, factor, twice):
+        path = tmp_path / f"{name}.py"
+        path.write_text(KERNEL_ABOVE_ITS_HELPERS.format(factor=factor, twice=twice))
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod.scaled
+    a, a2 = load("below_a", 2.0, 2.0), load("below_a2", 2.0, 2.0)
+    b = load("below_b", 3.0, 2.0) if edit == "helper" else load("below_b", 2.0, 3.0)
+    assert a.source_hash == a2.source_hash
+    assert a.source_hash != b.source_hash
+
+
 def test_the_source_hash_covers_helper_modules_and_classes():
     """The GEMVs trace `gemv.Frame` methods through a module attribute: the text hashed for them must
     hold that class, or editing the shared frame would leave their tuned configs looking current."""

@@ -354,8 +354,6 @@ def gather_qmv_combine(x, wq, scales, biases, expert_ids, routing_weights, *, BI
                         MAGIC=MAGIC, STAGES=STAGES)
 
 
-
-
 # ---- public ops -----------------------------------------------------------------------------------
 def _check_weight(w, k: int, what: str):
     from kilnx.quant import QWeight

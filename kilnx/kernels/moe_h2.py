@@ -244,8 +244,6 @@ def two_kernels(planes, sums, xs, wq, scales, biases, d_packed, d_scales, d_bias
                                  backend=backend)
 
 
-
-
 def ungated_decode(x, w_up, w_down, expert_ids, routing_weights, activation: str = "relu2", backend=None):
     """x (T, H) plain -> (T, H) in x.dtype for experts without a gate: prep x, up + activation, prep h, down +
     the weighted sum (four launches, as two_kernels runs a gated layer)."""

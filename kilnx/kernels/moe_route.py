@@ -101,8 +101,6 @@ def moe_topk_sigmoid(logits, bias, *, TOP_K: kd.constexpr, NORM: kd.constexpr, S
     return ids, weights
 
 
-
-
 def moe_route(logits: torch.Tensor, top_k: int, normalize: bool, *, scoring: str = "softmax",
               bias: torch.Tensor | None = None, scale: float = 1.0):
     """kilnx.ops.moe_route: router logits (T, E) -> (expert ids (T, top_k) int32, weights (T, top_k) fp32)."""

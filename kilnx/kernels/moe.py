@@ -453,7 +453,7 @@ def moe(x, w_gate_up, w_down, expert_ids, routing_weights, activation: str = "si
     else:
         sorted_ids, block_expert, _ = align(ids, E, align_block_m(ids.numel(), E))
         h = gather_qmm_glu(x2, *gu, sorted_ids, block_expert, ids, ACT=activation)
-        y = gather_qmm_combine(h, *dn, sorted_ids, block_expert, rw).to(x.dtype)
+        y = _down_combined(h, dn, sorted_ids, block_expert, rw).to(x.dtype)
     return y.reshape(x.shape)
 
 
@@ -470,7 +470,17 @@ def _moe_ungated(x2, w_up, w_down, ids, rw, E: int, activation: str):
         return gather_qmv_combine(gather_qmv(x2, *up, ids, ACT=activation), *dn, ids, rw)
     sorted_ids, block_expert, _ = align(ids, E, align_block_m(ids.numel(), E))
     h = gather_qmm(x2, *up, sorted_ids, block_expert, ids, ACT=activation)
-    return gather_qmm_combine(h, *dn, sorted_ids, block_expert, rw).to(x2.dtype)
+    return _down_combined(h, dn, sorted_ids, block_expert, rw).to(x2.dtype)
+
+
+def _down_combined(h, dn, sorted_ids, block_expert, rw):
+    """(T, H) fp32: the slots' down products (dn: packed, scales, biases) weighted and summed per token. On the GPU the grouped GEMM adds them
+    atomically (gather_qmm_combine); elsewhere atomics run serially (the numba backend), so the GEMM writes each
+    slot's weighted row in parallel and moe_sum_slots sums them (kernels/moe_combine.py)."""
+    if h.is_cuda:
+        return gather_qmm_combine(h, *dn, sorted_ids, block_expert, rw)
+    from kilnx.kernels.moe_combine import moe_sum_slots
+    return moe_sum_slots(gather_qmm(h, *dn, sorted_ids, block_expert, rw), TOP_K=rw.shape[1])
 
 
 __all__ = ["gather_qmatmul", "moe", "gather_qmm", "gather_qmm_glu", "gather_qmm_combine", "gather_qmv",

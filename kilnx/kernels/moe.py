@@ -474,9 +474,9 @@ def _moe_ungated(x2, w_up, w_down, ids, rw, E: int, activation: str):
 
 
 def _down_combined(h, dn, sorted_ids, block_expert, rw):
-    """(T, H) fp32: the slots' down products (dn: packed, scales, biases) weighted and summed per token. On the GPU the grouped GEMM adds them
-    atomically (gather_qmm_combine); elsewhere atomics run serially (the numba backend), so the GEMM writes each
-    slot's weighted row in parallel and moe_sum_slots sums them (kernels/moe_combine.py)."""
+    """(T, H) fp32: the slots' down products (dn: packed, scales, biases) weighted and summed per token. On the GPU
+    the grouped GEMM adds them atomically (gather_qmm_combine); elsewhere atomics run serially (the numba backend),
+    so the GEMM writes each slot's weighted row in parallel and moe_sum_slots sums them (kernels/moe_combine.py)."""
     if h.is_cuda:
         return gather_qmm_combine(h, *dn, sorted_ids, block_expert, rw)
     from kilnx.kernels.moe_combine import moe_sum_slots

@@ -108,9 +108,10 @@ mm.seed_configs = lambda problem: [
 # ---- dense_gemv: a few rows against an unquantized weight ----------------------------------------------
 def _gemv_default(x, w, *, ROWS, **_):
     """A program per weight row where the rows are few (nemotron-3's router: 128 of them), 4 rows otherwise, and
-    K chunks up to 2048 and ~8k products a program (the tuner's best for the router at one and four rows on the
-    H100: 2048-long chunks, 6.5 / 7.3 us against 7.1 / 8.0 with 1024; 2026-12-06_h100_tune_nemotron3_decode_s30.csv). mm's tiles at one row gave a router GEMV
-    (1 x 2688 @ 2688 x 128, fp32) 2 programs, each walking K alone: 21 us a call, 0.49 ms of a 3.3 ms nemotron-3
+    K chunks up to 2048 and ~8k products a program: the tuner's best for the router at one and four rows on the
+    H100 took 2048-long chunks, 6.5 / 7.3 us against 7.1 / 8.0 with 1024
+    (bench/results/2026-12-06_h100_tune_nemotron3_decode_s30.csv). mm's tiles at one row gave that GEMV
+    (1 x 2688 @ 2688 x 128, fp32) 2 programs, each walking K alone: 21 us a call, 0.49 ms of a 3.5 ms nemotron-3
     decode step on the H100 (session 30)."""
     bn = 1 if w.shape[0] < 1024 else 4
     return {"BLOCK_N": bn, "BLOCK_K": max(32, min(2048, pow2_at_least(x.shape[1]), 8192 // (ROWS * bn))),
@@ -146,8 +147,8 @@ DENSE_GEMV_MAX_ROWS = 16
 
 
 def takes_dense_gemv(x) -> bool:
-    """Whether qmatmul multiplies x (rows, K) by a dense weight with `dense_gemv` rather than `mm`: few rows, on the GPU
-    (on the CPU numba's mm serves them as before: not measured against this there)."""
+    """Whether qmatmul multiplies x (rows, K) by a dense weight with `dense_gemv` rather than `mm`: few rows, on the
+    GPU (on the CPU numba's mm serves them as before: not measured against this there)."""
     return x.is_cuda and 0 < x.shape[0] <= DENSE_GEMV_MAX_ROWS
 
 
@@ -160,5 +161,5 @@ def make_gemv_args(problem: dict, device: str):
 
 
 dense_gemv.tuning(make_args=make_gemv_args, problems=[{"M": 1, "N": 128, "K": 2688, "dtype": "f32"}],
-            peer=lambda x, w: x @ w.T)
+                  peer=lambda x, w: x @ w.T)
 dense_gemv.tolerance = lambda args: dot_tolerance(args[0], args[1].float().abs().max().item())

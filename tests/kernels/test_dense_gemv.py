@@ -1,5 +1,5 @@
-"""kernels/dense_mm.dense_gemv: a few activation rows against an unquantized weight (nemotron-3's fp32 router at decode),
-x @ w.T with fp32 sums, equal to the float64 product on every backend, over shapes and configs."""
+"""kernels/dense_mm.dense_gemv: a few activation rows against an unquantized weight (nemotron-3's fp32 router at
+decode), x @ w.T with fp32 sums, equal to the float64 product on every backend, over shapes and configs."""
 
 from __future__ import annotations
 

@@ -10,6 +10,8 @@ weights), in parallel, and this kernel sums a token's rows: a (T * top_k, N) fp3
 
 from __future__ import annotations
 
+import torch
+
 import kilnx.dsl as kd
 from kilnx.kernels.sizes import pow2_at_least
 
@@ -35,8 +37,7 @@ def moe_sum_slots(y, *, TOP_K: kd.constexpr, BLOCK_N):
 
 
 def make_sum_args(problem: dict, device: str):
-    import torch
     return (torch.randn(problem["T"] * problem["top_k"], problem["N"]).to(device),)
 
 
-moe_sum_slots.tuning(make_args=lambda p, d: make_sum_args(p, d), problems=[{"T": 128, "top_k": 8, "N": 2048}])
+moe_sum_slots.tuning(make_args=make_sum_args, problems=[{"T": 128, "top_k": 8, "N": 2048}])

@@ -118,7 +118,11 @@ def moe_problems(E: int, top_k: int, hidden: int, width: int, *, bits: int = 4, 
         bm = align_block_m(T * top_k, E)
         out += [("moe_align_count", {"T": T, "top_k": top_k, "E": E}),
                 ("moe_align_scatter", {"T": T, "top_k": top_k, "E": E, "BM": bm}),
-                (gemm, {**first, "T": T, "BM": bm}), ("gather_qmm_combine", {**down, "T": T, "BM": bm})]
+                (gemm, {**first, "T": T, "BM": bm})]
+        # the down GEMM with its combine: atomic adds on the GPU; elsewhere weighted slot rows, then their sum
+        # (kernels/moe.py _down_combined)
+        out += [("gather_qmm_combine", {**down, "T": T, "BM": bm})] if gpu else \
+            [("gather_qmm", {**down, "T": T, "BM": bm}), ("moe_sum_slots", {"T": T, "top_k": top_k, "N": hidden})]
     if gated:
         out.append(("gather_qmm", {**first, "T": prefill[-1], "BM": align_block_m(prefill[-1] * top_k, E)}))
         if gpu:   # the one pass's own configs last: on the H200 the route above kept the two kernels

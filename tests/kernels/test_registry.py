@@ -28,11 +28,13 @@ def test_an_moe_preset_tunes_the_decode_moe_the_runtime_runs():
 
 def test_nemotron_3_tunes_the_kernels_of_its_ungated_experts():
     """relu² experts run up, then down with the combine (kernels/moe.py's ungated path), not the GLU kernels: at
-    decode the packed-fp16 ones on the GPU, the per-slot GEMVs on the CPU; grouped GEMMs at prefill."""
+    decode the packed-fp16 ones on the GPU, the per-slot GEMVs on the CPU; grouped GEMMs at prefill, whose combine is
+    atomic on the GPU and, on the CPU, weighted slot rows summed by moe_sum_slots (what each runs)."""
     gpu = {name for name, _ in registry.problems_for_model("nemotron-3-nano-30b-a3b", gpu=True)}
     cpu = {name for name, _ in registry.problems_for_model("nemotron-3-nano-30b-a3b", gpu=False)}
     assert {"gather_qmv_h2_act", "gather_qmv_h2_combine", "gather_qmm", "gather_qmm_combine"} <= gpu
-    assert {"gather_qmv", "gather_qmv_combine", "gather_qmm", "gather_qmm_combine"} <= cpu
+    assert {"gather_qmv", "gather_qmv_combine", "gather_qmm", "moe_sum_slots"} <= cpu
+    assert "gather_qmm_combine" not in cpu and "moe_sum_slots" not in gpu
     assert not {"gather_qmv_h2_glu", "gather_qmm_glu", "gather_qmv_glu"} & (gpu | cpu)
 
 

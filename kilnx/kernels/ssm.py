@@ -6,10 +6,13 @@ last K-1 inputs of each channel, and ssm (rows, H, P, N) fp32. Both kernels take
 rules the engine relies on:
 - a sequence whose first token is at position 0 starts from a zero state (a new prompt in a reused row needs no
   separate reset launch);
-- a sequence whose last token is at `limit` (the cache's last position, where the scheduler parks rows that are
+- a sequence whose first token is at `limit` (the cache's last position, where the scheduler parks rows that are
   free or still prefilling inside a batched decode step) leaves its state unwritten: the parked row's junk token
   must not advance the state of a prompt half prefilled. A real token there is the context's last; the state after
-  it is never read.
+  it is never read;
+- tokens at `limit` after a sequence's first are padding (a prompt padded to a prefill graph's length, the padding
+  parked): they leave the state as the tokens before them made it — the scans treat their step dt as 0 (no decay,
+  no input) and the conv's window keeps the last K-1 inputs before them. Their outputs are junk, never read.
 
 Tokens come as `nseq` sequences of T each, flattened (n = nseq * T): a prefill chunk (one sequence) or a decode
 step (nseq rows, one token each). Sequence b's state is row b of the state tensors.
@@ -53,8 +56,10 @@ def conv1d_silu_kernel(x, weight, bias, state, positions, *, limit: int = NO_LIM
     first = b * T
     fresh = kd.load(positions, first) == 0                              # a sequence at position 0 starts afresh
     out = kd.output((n, C), x.dtype)
+    live_n = kd.zeros((BLOCK_T,), kd.i32)                               # tokens before the padding, per lane
     for t0 in kd.range(0, T, BLOCK_T):
         t = t0 + kd.arange(0, BLOCK_T)
+        live_n += kd.where(_before_padding(positions, first, t, T, limit), 1, 0)
         acc = kd.zeros((BLOCK_T, BLOCK_C), kd.f32)
         if HAS_BIAS:
             acc = acc + kd.load(bias, c).f32()[None, :]
@@ -65,17 +70,24 @@ def conv1d_silu_kernel(x, weight, bias, state, positions, *, limit: int = NO_LIM
                                                       mask=((src < 0) & (t < T))[:, None]).f32())
             acc = acc + kd.load(weight, c, k).f32()[None, :] * (from_x + from_state)
         kd.store(out, (first + t)[:, None], c[None, :], kd.silu(acc).astype(x.dtype), mask=(t < T)[:, None])
-    # the new window: input T-(K-1)+j, from x, or (a sequence shorter than the window) from the old state
+    # the new window: input L-(K-1)+j of the L tokens before the padding, from x, or (fewer than the window) from
+    # the old state
     j = kd.arange(0, pow2_at_least(K - 1))
-    src = T - (K - 1) + j
+    src = kd.sum(live_n) - (K - 1) + j
     live = j < K - 1
     window = (kd.load(x, (first + src)[:, None], c[None, :], mask=((src >= 0) & live)[:, None]).f32()
               + kd.where(fresh, 0.0, kd.load(state, b, (src + (K - 1))[:, None], c[None, :],
                                              mask=((src < 0) & live)[:, None]).f32()))
     kd.barrier()                                                         # every old-state read before the write
-    keep_state = kd.load(positions, first + T - 1) < limit
+    keep_state = kd.load(positions, first) < limit
     kd.store(state, b, j[:, None], c[None, :], window.astype(state.dtype), mask=(live[:, None] & keep_state))
     return out
+
+
+def _before_padding(positions, first, t, T, limit):
+    """Which of a sequence's tokens t (a tile of sequence-relative indices) count: inside it and not padding (at
+    `limit` after its first token)."""
+    return (t < T) & ((t == 0) | (kd.load(positions, first + t, mask=t < T) < limit))
 
 
 def conv1d_silu_(x: torch.Tensor, weight: torch.Tensor, bias, state: torch.Tensor, positions: torch.Tensor, *,
@@ -123,8 +135,8 @@ def _step_size(dt, bias, dt_min, dt_max):
 
 
 def _scan_end(state, positions, first, T, limit, b, h, p, s, inside, st):
-    """The state written back, unless the sequence is parked (its last token at `limit`)."""
-    keep_state = kd.load(positions, first + T - 1) < limit
+    """The state written back, unless the sequence is parked (its first token at `limit`)."""
+    keep_state = kd.load(positions, first) < limit
     kd.store(state, b, h, p[:, None], s[None, :], st, mask=inside & keep_state)
 
 
@@ -151,6 +163,7 @@ def ssm_scan_kernel(x, dt, Bm, Cm, A_log, dt_bias, D, state, positions, *, limit
         i = first + t
         xt = kd.load(x, i, h, p, mask=p < P).f32()
         step = _step_size(kd.load(dt, i, h).f32(), bias, dt_min, dt_max)
+        step = kd.where((t == 0) | (kd.load(positions, i) < limit), step, 0.0)     # padding: no decay, no input
         bt = kd.load(Bm, i, g, s, mask=s < N).f32()
         ct = kd.load(Cm, i, g, s, mask=s < N).f32()
         st.set(st * kd.exp(step * a) + (step * xt)[:, None] * bt[None, :])
@@ -176,7 +189,7 @@ def ssm_chunk_scan_kernel(x, dt, Bm, Cm, A_log, dt_bias, D, state, positions, *,
     s_t the running sum of dt * a over the chunk, token t's output is sum over u <= t of exp(s_t - s_u) (C_t . B_u)
     dt_u x_u, plus exp(s_t) C_t . state, plus D x_t; the state then becomes exp(s_last) state + sum over u of
     exp(s_last - s_u) dt_u x_u B_u. Four tensor-core products a chunk, where the scan is a chain of T dependent
-    steps: the form for a prompt. Tokens past T are masked to dt = 0 (no decay, no input)."""
+    steps: the form for a prompt. Tokens past T and padding take dt = 0 (no decay, no input)."""
     n, H, P = x.shape
     T, b, h, g, p, s, N, first, inside, a, bias, skip, st = _scan_start(x, Bm, A_log, dt_bias, D, state, positions,
                                                                       BLOCK_P, BLOCK_N)
@@ -189,7 +202,7 @@ def ssm_chunk_scan_kernel(x, dt, Bm, Cm, A_log, dt_bias, D, state, positions, *,
         i = first + t
         xt = kd.load(x, i[:, None], h, p[None, :], mask=live[:, None] & (p < P)[None, :]).f32()          # (L, P)
         step = _step_size(kd.load(dt, i, h, mask=live).f32(), bias, dt_min, dt_max)
-        step = kd.where(live, step, 0.0)
+        step = kd.where(_before_padding(positions, first, t, T, limit), step, 0.0)   # past T or padding: 0
         bt = kd.load(Bm, i[:, None], g, s[None, :], mask=live[:, None] & (s < N)[None, :]).f32()       # (L, N)
         ct = kd.load(Cm, i[:, None], g, s[None, :], mask=live[:, None] & (s < N)[None, :]).f32()
         decay = step * a
@@ -270,8 +283,9 @@ def conv1d_silu_formula(x, weight, bias, state, positions, *, limit: int):
         taps = torch.stack([seq[k:k + T] for k in range(K)], -1)              # (T, C, K)
         pre = (taps * weight.double()).sum(-1) + (bias.double() if bias is not None else 0.0)
         outs.append(torch.nn.functional.silu(pre).to(x.dtype))
-        keep = int(positions[b * T + T - 1]) < limit
-        states.append(seq[T:].to(state.dtype) if keep else state[b].clone())
+        live = _tokens_before_padding(positions[b * T:(b + 1) * T], limit)
+        keep = int(positions[b * T]) < limit
+        states.append(seq[live:live + K - 1].to(state.dtype) if keep else state[b].clone())
     return torch.cat(outs), torch.stack(states)
 
 
@@ -285,16 +299,24 @@ def ssm_scan_formula(x, dt, B, C, A_log, dt_bias, D, state, positions, *, limit:
     ys, states = [], []
     for b in range(nseq):
         st = state[b].double() * (0.0 if int(positions[b * T]) == 0 else 1.0)   # (H, P, N)
+        live = _tokens_before_padding(positions[b * T:(b + 1) * T], limit)
         for t in range(b * T, (b + 1) * T):
             step = torch.nn.functional.softplus(dt[t].double() + dt_bias.double()).clamp(dt_min, dt_max)  # (H,)
+            step = step * (1.0 if t - b * T < live else 0.0)                   # padding: no decay, no input
             bt = B[t].double().repeat_interleave(rep, 0)                       # (H, N)
             ct = C[t].double().repeat_interleave(rep, 0)
             xt = x[t].double()                                                 # (H, P)
             st = st * torch.exp(step * a)[:, None, None] + (step[:, None] * xt)[:, :, None] * bt[:, None, :]
             ys.append(((st * ct[:, None, :]).sum(-1) + D.double()[:, None] * xt).to(x.dtype))
-        keep = int(positions[b * T + T - 1]) < limit
+        keep = int(positions[b * T]) < limit
         states.append(st.to(state.dtype) if keep else state[b].clone())
     return torch.stack(ys), torch.stack(states)
+
+
+def _tokens_before_padding(positions, limit: int) -> int:
+    """How many of one sequence's tokens come before its padding (its tokens at `limit` after the first)."""
+    at_limit = (positions[1:] == limit).nonzero()
+    return 1 + (int(at_limit[0]) if at_limit.numel() else positions.numel() - 1)
 
 
 def gated_rms_norm_formula(y, z, w, group: int, eps: float):

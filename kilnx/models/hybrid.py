@@ -27,7 +27,8 @@ class HybridModel(LlamaModel):
     """forward(input_ids (B, T), positions (B, T), cache: HybridCache) -> logits, as LlamaModel's."""
 
     # The engine's contract for a model whose rows carry recurrent state: every token a forward runs into a row
-    # must be that row's next one (no padding past a prompt, no speculative tokens to take back).
+    # must be that row's next one (no speculative tokens to take back), but for padding at the cache's last
+    # position, which leaves the state as it was (kernels/ssm.py).
     recurrent = True
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, *, ops=None):

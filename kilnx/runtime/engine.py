@@ -13,7 +13,9 @@ for that (row, length) at its first use: such a prefill is a few hundred launche
 the host's launch loop, not the GPU, set its time to first token. The padding tokens sit at the positions
 after the prompt, those past the cache's end all at its last position; what they write into the cache
 there is overwritten by the decode steps before any step reads it (a step writes its own K/V before
-attending, and attends only up to its position).
+attending, and attends only up to its position). A model with recurrent state (models/hybrid.py) takes its
+padding all at the cache's last position, where its mixer kernels leave the state as the prompt made it
+(kernels/ssm.py's padding rule).
 
 Sequences occupy cache rows; prefill runs one sequence at a time into its row (prompts differ in
 length), decode runs all active rows together with per-row positions.
@@ -77,8 +79,8 @@ class Engine:
         new_cache = getattr(model, "new_cache", None)     # a hybrid model's cache holds its recurrent state too
         self.cache = (new_cache(max_batch, self.max_seq, dtype=kv_dtype, device=self.device) if new_cache is not None
                       else KVCache.for_model(cfg, max_batch, self.max_seq, dtype=kv_dtype, device=self.device))
-        # rows carrying recurrent state (models/hybrid.py) take only their next tokens: no prompt padded to a
-        # prefill graph's length, no speculative tokens to take back, no prefixes copied between rows
+        # rows carrying recurrent state (models/hybrid.py) take only their next tokens (a prompt's padding parked):
+        # no speculative tokens to take back, no prefixes copied between rows
         self.recurrent = bool(getattr(model, "recurrent", False))
         self._rows_run: dict[int, int] = {}    # a decode graph's id -> the rows B of its last step
         if cuda_graphs is None:
@@ -86,8 +88,7 @@ class Engine:
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self._graphs: dict[int, _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
-        self.prefill_graph_max = (int(os.environ.get("KILNX_PREFILL_GRAPH_MAX", "512"))
-                                  if self.cuda_graphs and not self.recurrent else 0)
+        self.prefill_graph_max = int(os.environ.get("KILNX_PREFILL_GRAPH_MAX", "512")) if self.cuda_graphs else 0
         self._prefill_graphs: dict[tuple[int, int], _Graph] = {}   # (row, padded length) -> graph
         self.prefill_graph_refused: dict[tuple[int, int], str] = {}  # (row, padded length) -> why it stays eager
         self._aranged = torch.arange(0, device=self.device)           # 0, 1, ...: a prefill graph's positions
@@ -282,7 +283,9 @@ class Engine:
             g = _Graph(None, torch.zeros(1, t, **z), torch.zeros(1, t, **z), None, torch.zeros(1, **z))
         g.last.fill_(n - 1)
         torch.add(self._arange(t), start, out=g.positions[0])
-        if start + t > self.max_seq:   # padding past the cache's end all sits at its last position
+        if self.recurrent:             # parked padding: the state stays the prompt's
+            g.positions[0, n:].fill_(self.max_seq - 1)
+        elif start + t > self.max_seq:   # padding past the cache's end all sits at its last position
             g.positions.clamp_(max=self.max_seq - 1)
         g.ids[0, n:].zero_()
         g.ids[0, :n].copy_(ids)

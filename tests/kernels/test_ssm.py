@@ -3,8 +3,9 @@
 Over random shapes (sequences of 1-9 tokens, several at once; channel and head counts off the blocks; K of 2-4
 taps; P and N not powers of two) and configs (blocks smaller than the sizes, so tiles are masked and loops run):
 the causal conv's output and its new window, the scan's output and its new state, and the gated group norm.
-The position rules: a sequence at position 0 ignores its row's old state, one ending at `limit` (a parked row)
-leaves its state exactly as it was. Operands are the strided column slices a model passes (one projection's
+The position rules: a sequence at position 0 ignores its row's old state, one starting at `limit` (a parked row)
+leaves its state exactly as it was, and tokens at `limit` after a sequence's first (padding) leave the state as the
+tokens before them made it. Operands are the strided column slices a model passes (one projection's
 [z | xBC | dt]).
 """
 
@@ -25,14 +26,18 @@ BACKENDS = ["reference", "triton"]
 LIMIT = 99
 
 
-def _positions(nseq: int, T: int, starts: list[int]) -> torch.Tensor:
-    """Sequence b's tokens at starts[b].. (LIMIT - T + 1: the sequence ends parked)."""
-    return torch.cat([torch.arange(s, s + T) for s in starts[:nseq]])
-
-
-def _starts(g, nseq, T):
-    choice = [0, 5, LIMIT - T + 1]
-    return [choice[int(torch.randint(0, 3, (1,), generator=g))] for _ in range(nseq)]
+def _positions(g, nseq: int, T: int) -> torch.Tensor:
+    """Each sequence's positions, one of: from 0 (a fresh start), from 5 (continuing its row's state), up to
+    LIMIT (its last token is padding), from 5 with a random number of padding tokens at LIMIT after the first (a
+    prompt padded to a graph's length), all at LIMIT (a parked row)."""
+    out = []
+    for _ in range(nseq):
+        kind = int(torch.randint(0, 5, (1,), generator=g))
+        pos = torch.arange(T) + [0, 5, LIMIT - T + 1, 5, LIMIT][kind]
+        if kind == 3:
+            pos[int(torch.randint(1, T + 1, (1,), generator=g)):] = LIMIT
+        out.append(pos.clamp(max=LIMIT))
+    return torch.cat(out)
 
 
 @settings(max_examples=12, deadline=None)
@@ -45,7 +50,7 @@ def test_conv1d_silu_is_its_formula_and_updates_the_window(nseq, T, C, K, bias, 
     x = proj[:, 3:3 + C]                                           # a column slice, as the model passes it
     w, b = torch.randn(C, K, generator=g), torch.randn(C, generator=g) if bias else None
     state = torch.randn(nseq, K - 1, C, generator=g)
-    pos = _positions(nseq, T, _starts(g, nseq, T))
+    pos = _positions(g, nseq, T)
     want, want_state = ssm.conv1d_silu_formula(x, w, b, state, pos, limit=LIMIT)
     got = ssm.conv1d_silu_(x, w, b, state, pos, limit=LIMIT, backend=backend,
                            config={"BLOCK_T": block_t, "BLOCK_C": block_c})
@@ -70,13 +75,43 @@ def test_ssm_scan_is_the_recurrence_and_carries_the_state(nseq, T, heads, P, N, 
     dt = torch.randn(n, H + 3, generator=g)[:, 3:]                 # dt is the projection's last columns
     A_log, dt_bias, D = torch.rand(H, generator=g) * 2, torch.randn(H, generator=g) - 2, torch.randn(H, generator=g)
     state = torch.randn(nseq, H, P, N, generator=g)
-    pos = _positions(nseq, T, _starts(g, nseq, T))
+    pos = _positions(g, nseq, T)
     want, want_state = ssm.ssm_scan_formula(x, dt, B, C, A_log, dt_bias, D, state, pos, limit=LIMIT, dt_max=dt_max)
     config = {"BLOCK_P": max(block_p, 16), "CHUNK": 16} if chunked else {"BLOCK_P": block_p}
     got = ssm.ssm_scan_(x, dt, B, C, A_log, dt_bias, D, state, pos, limit=LIMIT, dt_max=dt_max, backend=backend,
                         config=config, chunked=chunked)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(state, want_state, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=10, deadline=None)
+@given(n=st.integers(1, 6), pad=st.integers(1, 12), start=st.sampled_from([0, 7]), chunked=st.booleans(),
+       backend=st.sampled_from(BACKENDS), seed=st.integers(0, 99))
+def test_padding_at_the_limit_leaves_the_state_the_prompt_alone_leaves(n, pad, start, chunked, backend, seed):
+    """A prompt of n tokens padded with tokens at LIMIT (a prefill graph's fixed length): the conv's window, the
+    scan's state and the prompt's outputs are those of the n tokens run alone."""
+    g = torch.Generator().manual_seed(seed)
+    H, G, P, N, K = 4, 2, 8, 8, 4
+    C = H * P + 2 * G * N
+    xbc, dt = torch.randn(n + pad, C, generator=g), torch.randn(n + pad, H, generator=g)
+    w, b = torch.randn(C, K, generator=g), torch.randn(C, generator=g)
+    A_log, dt_bias, D = torch.rand(H, generator=g) * 2, torch.randn(H, generator=g) - 2, torch.randn(H, generator=g)
+    conv0, ssm0 = torch.randn(1, K - 1, C, generator=g), torch.randn(1, H, P, N, generator=g)
+    pos = torch.cat([torch.arange(start, start + n), torch.full((pad,), LIMIT)])
+    results = []
+    for m in (n, n + pad):
+        conv, state = conv0.clone(), ssm0.clone()
+        u = ssm.conv1d_silu_(xbc[:m], w, b, conv, pos[:m], limit=LIMIT, backend=backend)
+        xs, Bm, Cm = u[:, :H * P].view(m, H, P), u[:, H * P:H * P + G * N].view(m, G, N), u[:, H * P + G * N:].view(m, G, N)
+        config = {"BLOCK_P": 16, "CHUNK": 16} if chunked else None
+        y = ssm.ssm_scan_(xs, dt[:m], Bm, Cm, A_log, dt_bias, D, state, pos[:m], limit=LIMIT, backend=backend,
+                          config=config, chunked=chunked)
+        results.append((u[:n], y[:n], conv, state))
+    alone, padded = results
+    torch.testing.assert_close(padded[2], alone[2], rtol=0, atol=0)
+    for got, want in zip(padded[:2] + padded[3:], alone[:2] + alone[3:]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(alone[3], ssm0)                       # the prompt did move the state
 
 
 @settings(max_examples=8, deadline=None)

@@ -172,6 +172,32 @@ def test_chunked_prefill_then_decode_equals_one_forward(backend, n, chunk):
     torch.testing.assert_close(eng.prefill(ids[:5]), full[4], rtol=1e-4, atol=1e-4)
 
 
+def test_a_prompt_padded_at_the_last_position_leaves_the_state_and_logits_of_the_prompt_alone(backend):
+    """What a prefill graph runs (engine.py): the prompt padded to a fixed length with tokens at the cache's last
+    position. The prompt's last logits, the Mamba layers' states and the attention layers' keys of the prompt are
+    those of the prompt alone, and the next decode step continues from them alike."""
+    model = tiny_hybrid(backend.ops, backend.device)
+    dev, n, pad, max_seq = model.device, 7, 9, 32
+    runs = []
+    for padded in (False, True):
+        cache = model.new_cache(1, max_seq, dtype=torch.float32, device=dev)
+        ids, pos = torch.tensor([IDS[:n]], device=dev), torch.arange(n, device=dev)[None]
+        if padded:
+            ids = torch.cat([ids, torch.full((1, pad), 5, device=dev)], 1)
+            pos = torch.cat([pos, torch.full((1, pad), max_seq - 1, device=dev)], 1)
+        with torch.no_grad():
+            last = model.forward(ids, pos, cache, last=torch.tensor([n - 1], device=dev))[0, -1].clone()
+            step = model.forward(torch.tensor([[IDS[n]]], device=dev), torch.tensor([[n]], device=dev), cache)[0, -1]
+        states = [t.clone() for t in cache.conv + cache.ssm if t is not None]
+        keys = [k[:, :, :n + 1].clone() for k in cache.k if k is not None]   # (B, heads, slots, dim)
+        runs.append((last, step.clone(), states, keys))
+    (last_a, step_a, states_a, keys_a), (last_b, step_b, states_b, keys_b) = runs
+    torch.testing.assert_close(last_b, last_a, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(step_b, step_a, rtol=1e-5, atol=1e-5)
+    for got, want in zip(states_b + keys_b, states_a + keys_a):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_rows_decoded_together_equal_rows_decoded_alone_and_a_parked_row_keeps_its_state():
     model = tiny_hybrid()
     g = torch.Generator().manual_seed(2)
@@ -329,6 +355,33 @@ def test_gpu_graph_steps_follow_the_torch_peer(batch):
         tok = want.argmax(-1).cuda()
         pos = torch.tensor([len(p) + step for p in prompts], device="cuda")
         logits = {ops: e.decode(tok, pos).float().clone() for ops, e in engines.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_gpu_prefill_graphs_pad_at_the_parking_position_and_decode_on_from_the_prompts_state():
+    """Prompts of 17 and 23 tokens replay one 32-token prefill graph (the first captures it, the second replays it
+    into a row whose state the first left), then decode steps: the logits are those of an engine prefilling eagerly,
+    to the rounding of the other kernels a 32-token forward takes (the chunked scan, 32-row GEMM tiles)."""
+    from kilnx.models.hybrid import HybridModel
+    from kilnx.models.loaders.random_init import RandomSource
+    from kilnx.models.weights import build_weights
+    cfg = from_hf(dict(HF, max_position_embeddings=512))
+    m = HybridModel(cfg, build_weights(cfg, RandomSource(cfg, fmt="q4", dtype=torch.bfloat16, seed=1),
+                                       dtype=torch.bfloat16, device="cuda"), ops="kilnx")
+    graphed, eager = Engine(m, max_seq=256), Engine(m, max_seq=256)
+    eager.prefill_graph_max = 0
+    g = torch.Generator().manual_seed(6)
+    for n in (17, 23):
+        ids = torch.randint(0, 320, (n,), generator=g).tolist()
+        got, want = [graphed.prefill(ids).float()], [eager.prefill(ids).float()]
+        for t in range(4):
+            tok, pos = want[-1].argmax().view(1), torch.tensor([n + t], device="cuda")
+            got.append(graphed.decode(tok, pos)[0].float().clone())
+            want.append(eager.decode(tok, pos)[0].float().clone())
+        want = torch.stack(want)
+        torch.testing.assert_close(torch.stack(got), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    assert (0, 32) in graphed._prefill_graphs, graphed.prefill_graph_refused
 
 
 def test_an_fp8_kv_cache_holds_only_the_attention_layers_keys_in_fp8():

@@ -119,6 +119,23 @@ def _frame(wq, rows, BLOCK_N, BLOCK_KW, STAGES, BITS, GROUP, KW_DIV):
                       SPLIT_K=1, N_DIV=BLOCK_N, KW_DIV=KW_DIV, STAGES=STAGES)
 
 
+def _slot_rows(planes, sums, xs, wq, scales, biases, expert_ids, name: str, x_by_token: bool, *, BITS, GROUP, N_DIV,
+               KW_DIV, BLOCK_N, BLOCK_KW, STAGES, CHAIN):
+    """A program's (slot, its BLOCK_N weight rows (1, BLOCK_N), their (1, BLOCK_N) fp32 dots): the kernels whose
+    program owns BLOCK_N rows of one (token, slot)'s expert, x read by token or by slot."""
+    T, TOP_K = expert_ids.shape
+    N = wq.shape[1]
+    if N_DIV % BLOCK_N:
+        raise kd.DSLError(f"{name}: BLOCK_N {BLOCK_N} must divide the rows (here a multiple of {N_DIV})")
+    blocks = N // BLOCK_N                            # programs per slot
+    f = _frame(wq, T * TOP_K * N, BLOCK_N, BLOCK_KW, STAGES, BITS, GROUP, KW_DIV)
+    slot, blk = kd.program_id(0) // blocks, kd.program_id(0) % blocks
+    cols = blk * BLOCK_N + kd.arange(0, BLOCK_N)[None, :]
+    acc = _gather_accumulate(f, planes, sums, xs, wq, scales, biases, kd.load(expert_ids, slot // TOP_K, slot % TOP_K),
+                             cols, slot // TOP_K if x_by_token else slot, BITS=BITS, CHAIN=CHAIN)
+    return slot, cols, acc
+
+
 @kd.kernel(tune=TUNE, key=_key, spec=_spec, default=_default, specialize=_specialize)
 def gather_qmv_h2_glu(planes, sums, xs, wq, scales, biases, expert_ids, *, BITS: kd.constexpr, GROUP: kd.constexpr,
                       SLOTS: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr, ACT: kd.constexpr = "silu",
@@ -151,16 +168,10 @@ def gather_qmv_h2_act(planes, sums, xs, wq, scales, biases, expert_ids, *, BITS:
     """Prepared x (T rows) and an up stack wq (E, F, K) -> (T * top_k, F) in scales' dtype: act(x W_up^T) per
     (token, slot), for an activation of moe.UNGATED."""
     T, TOP_K = expert_ids.shape
-    E, F, KW = wq.shape
-    if N_DIV % BLOCK_N:
-        raise kd.DSLError(f"gather_qmv_h2_act: BLOCK_N {BLOCK_N} must divide F (here a multiple of {N_DIV})")
-    blocks = F // BLOCK_N                            # programs per slot
-    f = _frame(wq, T * TOP_K * F, BLOCK_N, BLOCK_KW, STAGES, BITS, GROUP, KW_DIV)
-    slot, blk = kd.program_id(0) // blocks, kd.program_id(0) % blocks
-    cols = blk * BLOCK_N + kd.arange(0, BLOCK_N)[None, :]
-    expert = kd.load(expert_ids, slot // TOP_K, slot % TOP_K)
-    acc = _gather_accumulate(f, planes, sums, xs, wq, scales, biases, expert, cols, slot // TOP_K,
-                             BITS=BITS, CHAIN=CHAIN)
+    F = wq.shape[1]
+    slot, cols, acc = _slot_rows(planes, sums, xs, wq, scales, biases, expert_ids, "gather_qmv_h2_act", True,
+                                 BITS=BITS, GROUP=GROUP, N_DIV=N_DIV, KW_DIV=KW_DIV, BLOCK_N=BLOCK_N,
+                                 BLOCK_KW=BLOCK_KW, STAGES=STAGES, CHAIN=CHAIN)
     out = kd.output((T * TOP_K, F), scales.dtype)
     kd.store(out, slot, cols, UNGATED[ACT](acc))
     return out
@@ -215,15 +226,10 @@ def gather_qmv_h2_slots(planes, sums, xs, wq, scales, biases, expert_ids, routin
     (moe_combine.moe_sum_slots adds them). A program owns BLOCK_N rows of one slot, as gather_qmv_h2_act's do: where
     top_k is no power of two the combine's tiles carry its SLOTS - top_k padding slots (nemotron-3: 8 for 6)."""
     T, TOP_K = expert_ids.shape
-    E, N, KW = wq.shape
-    if N_DIV % BLOCK_N:
-        raise kd.DSLError(f"gather_qmv_h2_slots: BLOCK_N {BLOCK_N} must divide N (here a multiple of {N_DIV})")
-    blocks = N // BLOCK_N                            # programs per slot
-    f = _frame(wq, T * TOP_K * N, BLOCK_N, BLOCK_KW, STAGES, BITS, GROUP, KW_DIV)
-    slot, blk = kd.program_id(0) // blocks, kd.program_id(0) % blocks
-    cols = blk * BLOCK_N + kd.arange(0, BLOCK_N)[None, :]
-    acc = _gather_accumulate(f, planes, sums, xs, wq, scales, biases,
-                             kd.load(expert_ids, slot // TOP_K, slot % TOP_K), cols, slot, BITS=BITS, CHAIN=CHAIN)
+    N = wq.shape[1]
+    slot, cols, acc = _slot_rows(planes, sums, xs, wq, scales, biases, expert_ids, "gather_qmv_h2_slots", False,
+                                 BITS=BITS, GROUP=GROUP, N_DIV=N_DIV, KW_DIV=KW_DIV, BLOCK_N=BLOCK_N,
+                                 BLOCK_KW=BLOCK_KW, STAGES=STAGES, CHAIN=CHAIN)
     out = kd.output((T * TOP_K, N), kd.f32)
     kd.store(out, slot, cols, acc * kd.load(routing_weights, slot // TOP_K, slot % TOP_K).f32())
     return out

@@ -165,7 +165,7 @@ def test_other_backends_on_one_case(backend):
     assert torch.allclose(y.float(), ref.float(), rtol=2 ** -7, atol=1e-3)
     by_slot = [MH.gather_qmv_h2_slots(*hp, dn.packed, dn.scales, dn.biases, ids, weights.bfloat16(), backend=b,
                                       config=cfg) for b in (backend, "triton")]
-    assert torch.allclose(*by_slot, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(*by_slot, rtol=1e-5, atol=1e-5 * by_slot[1].abs().max().item())   # fp32 sums' order
 
 
 def test_row_blocks_that_split_a_glu_half_or_the_slots_are_refused():

@@ -11,8 +11,9 @@ rules the engine relies on:
   must not advance the state of a prompt half prefilled. A real token there is the context's last; the state after
   it is never read;
 - tokens at `limit` after a sequence's first are padding (a prompt padded to a prefill graph's length, the padding
-  parked): they leave the state as the tokens before them made it — the scans treat their step dt as 0 (no decay,
-  no input) and the conv's window keeps the last K-1 inputs before them. Their outputs are junk, never read.
+  parked): they leave the state as the tokens before them made it — the scans take their step dt as 0 (no decay, no
+  input) and read their x and B as 0 (a junk value, even a non-finite one, never reaches the state or the real
+  tokens' products), and the conv's window keeps the last K-1 inputs before them. Their outputs are junk, never read.
 
 Tokens come as `nseq` sequences of T each, flattened (n = nseq * T): a prefill chunk (one sequence) or a decode
 step (nseq rows, one token each). Sequence b's state is row b of the state tensors.
@@ -161,10 +162,12 @@ def ssm_scan_kernel(x, dt, Bm, Cm, A_log, dt_bias, D, state, positions, *, limit
     y = kd.output((n, H, P), x.dtype, name="y")
     for t in kd.range(0, T):
         i = first + t
-        xt = kd.load(x, i, h, p, mask=p < P).f32()
-        step = _step_size(kd.load(dt, i, h).f32(), bias, dt_min, dt_max)
-        step = kd.where((t == 0) | (kd.load(positions, i) < limit), step, 0.0)     # padding: no decay, no input
-        bt = kd.load(Bm, i, g, s, mask=s < N).f32()
+        # padding: no decay, no input, and its x and B read as 0 (a junk token's non-finite value must not reach the
+        # state as 0 * inf)
+        keep = (t == 0) | (kd.load(positions, i) < limit)
+        xt = kd.load(x, i, h, p, mask=(p < P) & keep).f32()
+        step = kd.where(keep, _step_size(kd.load(dt, i, h).f32(), bias, dt_min, dt_max), 0.0)
+        bt = kd.load(Bm, i, g, s, mask=(s < N) & keep).f32()
         ct = kd.load(Cm, i, g, s, mask=s < N).f32()
         st.set(st * kd.exp(step * a) + (step * xt)[:, None] * bt[None, :])
         kd.store(y, i, h, p, (kd.sum(st * ct[None, :], axis=1) + skip * xt).astype(x.dtype), mask=p < P)
@@ -199,11 +202,11 @@ def ssm_chunk_scan_kernel(x, dt, Bm, Cm, A_log, dt_bias, D, state, positions, *,
     for c0 in kd.range(0, T, CHUNK):
         t = c0 + u
         live = t < T
+        keep = _before_padding(positions, first, t, T, limit)      # past T or padding: dt = 0, x and B read as 0
         i = first + t
-        xt = kd.load(x, i[:, None], h, p[None, :], mask=live[:, None] & (p < P)[None, :]).f32()          # (L, P)
-        step = _step_size(kd.load(dt, i, h, mask=live).f32(), bias, dt_min, dt_max)
-        step = kd.where(_before_padding(positions, first, t, T, limit), step, 0.0)   # past T or padding: 0
-        bt = kd.load(Bm, i[:, None], g, s[None, :], mask=live[:, None] & (s < N)[None, :]).f32()       # (L, N)
+        xt = kd.load(x, i[:, None], h, p[None, :], mask=keep[:, None] & (p < P)[None, :]).f32()          # (L, P)
+        step = kd.where(keep, _step_size(kd.load(dt, i, h, mask=live).f32(), bias, dt_min, dt_max), 0.0)
+        bt = kd.load(Bm, i[:, None], g, s[None, :], mask=keep[:, None] & (s < N)[None, :]).f32()       # (L, N)
         ct = kd.load(Cm, i[:, None], g, s[None, :], mask=live[:, None] & (s < N)[None, :]).f32()
         decay = step * a
         run = kd.sum(kd.where(causal, decay[None, :], 0.0), axis=1)                                     # s_t
@@ -302,10 +305,11 @@ def ssm_scan_formula(x, dt, B, C, A_log, dt_bias, D, state, positions, *, limit:
         live = _tokens_before_padding(positions[b * T:(b + 1) * T], limit)
         for t in range(b * T, (b + 1) * T):
             step = torch.nn.functional.softplus(dt[t].double() + dt_bias.double()).clamp(dt_min, dt_max)  # (H,)
-            step = step * (1.0 if t - b * T < live else 0.0)                   # padding: no decay, no input
             bt = B[t].double().repeat_interleave(rep, 0)                       # (H, N)
             ct = C[t].double().repeat_interleave(rep, 0)
             xt = x[t].double()                                                 # (H, P)
+            if t - b * T >= live:          # padding: no decay, no input; its x and B read as 0
+                step, bt, xt = torch.zeros_like(step), torch.zeros_like(bt), torch.zeros_like(xt)
             st = st * torch.exp(step * a)[:, None, None] + (step[:, None] * xt)[:, :, None] * bt[:, None, :]
             ys.append(((st * ct[:, None, :]).sum(-1) + D.double()[:, None] * xt).to(x.dtype))
         keep = int(positions[b * T]) < limit

@@ -89,11 +89,13 @@ def test_ssm_scan_is_the_recurrence_and_carries_the_state(nseq, T, heads, P, N, 
        backend=st.sampled_from(BACKENDS), seed=st.integers(0, 99))
 def test_padding_at_the_limit_leaves_the_state_the_prompt_alone_leaves(n, pad, start, chunked, backend, seed):
     """A prompt of n tokens padded with tokens at LIMIT (a prefill graph's fixed length): the conv's window, the
-    scan's state and the prompt's outputs are those of the n tokens run alone."""
+    scan's state and the prompt's outputs are those of the n tokens run alone, even where the padding's inputs are
+    not finite (junk tokens' values)."""
     g = torch.Generator().manual_seed(seed)
     H, G, P, N, K = 4, 2, 8, 8, 4
     C = H * P + 2 * G * N
     xbc, dt = torch.randn(n + pad, C, generator=g), torch.randn(n + pad, H, generator=g)
+    xbc[n:], dt[n:] = float("nan"), float("inf")
     w, b = torch.randn(C, K, generator=g), torch.randn(C, generator=g)
     A_log, dt_bias, D = torch.rand(H, generator=g) * 2, torch.randn(H, generator=g) - 2, torch.randn(H, generator=g)
     conv0, ssm0 = torch.randn(1, K - 1, C, generator=g), torch.randn(1, H, P, N, generator=g)

@@ -101,6 +101,12 @@ def format_key(d: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in d.items())
 
 
+def combined_source_hash(version: str, kernels) -> str:
+    """A route's hash: its version and the hashes of the kernels it chooses between (ask it lazily, as a kernel's own
+    hash is: the helpers below a kernel exist only once its module has run)."""
+    return hashlib.sha256((version + "".join(k.source_hash for k in kernels)).encode()).hexdigest()
+
+
 def _names_used(code) -> set[str]:
     names = set(code.co_names)
     for c in code.co_consts:   # comprehensions and nested functions are code objects of their own

@@ -11,10 +11,9 @@ per stack shape and stores the winner like any tuned config; the default is the 
 
 from __future__ import annotations
 
-import hashlib
 import os
 
-from kilnx.dsl.kernel import _tuning_generation, format_key
+from kilnx.dsl.kernel import _tuning_generation, combined_source_hash, format_key
 from kilnx.dsl.tunables import Space, choice
 
 ROUTE_VERSION = "1"
@@ -39,9 +38,8 @@ class MoeDecodeRoute:
     def source_hash(self) -> str:
         """The route's version and its kernels' hashes, when first asked (as theirs are: kilnx/dsl/kernel.py)."""
         if self._hash is None:
-            parts = (ROUTE_VERSION + self._h2.gather_qmv_h2_glu.source_hash
-                     + self._h2.gather_qmv_h2_combine.source_hash + self._one.moe_onepass_h2.source_hash)
-            self._hash = hashlib.sha256(parts.encode()).hexdigest()
+            self._hash = combined_source_hash(ROUTE_VERSION, (self._h2.gather_qmv_h2_glu, self._h2.gather_qmv_h2_combine,
+                                                              self._one.moe_onepass_h2))
         return self._hash
 
     # -- protocol -------------------------------------------------------------------------------------

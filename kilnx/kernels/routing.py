@@ -10,12 +10,11 @@ stored choice through `kilnx.runtime.dispatch.config_for`, like a kernel reads i
 
 from __future__ import annotations
 
-import hashlib
 import os
 
 import torch
 
-from kilnx.dsl.kernel import _tuning_generation, format_key
+from kilnx.dsl.kernel import _tuning_generation, combined_source_hash, format_key
 from kilnx.dsl.tunables import Space, choice
 
 ROUTING_VERSION = "8"   # 7: qmm_wg_direct for 4-16 rows on sm_90 (session 21); 8: WG_REPACKED (session 26)
@@ -120,8 +119,7 @@ class QmatmulRowsRoute:
     @property
     def source_hash(self) -> str:
         if self._hash is None:
-            self._hash = hashlib.sha256((ROUTING_VERSION + "".join(k.source_hash for k in self._hashed)).encode()
-                                        ).hexdigest()
+            self._hash = combined_source_hash(ROUTING_VERSION, self._hashed)
         return self._hash
 
     # -- protocol -------------------------------------------------------------------------------------

@@ -201,29 +201,32 @@ def moe_route(logits: torch.Tensor, top_k: int, normalize: bool, *, scoring: str
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-              scale: float, *, softcap: float | None = None, window: int | None = None, prepared=None):
+              scale: float, *, softcap: float | None = None, window: int | None = None, limit: int | None = None,
+              prepared=None):
     """Causal attention of new queries over a KV cache.
 
     q (B, T, Hq, D); k_cache, v_cache (B, Hk, S, D) already holding the new keys at their positions;
     positions (B, T) int: query t of row b sees keys j <= positions[b, t] (and j > positions - window
-    when a sliding window is given). Hq is a multiple of Hk (grouped-query). Returns (B, T, Hq, D), or
+    when a sliding window is given); a query at `limit` or past it (the cache's parking slot) is parked: it
+    sees no key and its output is 0. Hq is a multiple of Hk (grouped-query). Returns (B, T, Hq, D), or
     with `prepared` (a format from prepared_format for the o projection) a PreparedX of (B*T, Hq*D).
     """
     from kilnx.kernels import attention as attn
-    return attn.attention(q, k_cache, v_cache, positions, scale, softcap=softcap, window=window, prepared=prepared)
+    return attn.attention(q, k_cache, v_cache, positions, scale, softcap=softcap, window=window, limit=limit,
+                          prepared=prepared)
 
 
 def attention_new_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                          rows: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          scale: float, *, softcap: float | None = None, window: int | None = None,
-                         interleaved: bool = False, prepared=None):
+                         limit: int | None = None, interleaved: bool = False, prepared=None):
     """The attention of a step's new tokens: `rope_and_cache_(q, k, v, positions.reshape(-1), rows, ...)`
     then `attention(q.view(B, T, Hq, D), k_cache, v_cache, positions, scale, ...)`, in as few launches
     as kilnx can. q (B*T, Hq, D), k and v (B*T, Hk, D) may be views of one qkv; positions (B, T)."""
     from kilnx.kernels import attention_decode
     return attention_decode.attention_new_tokens(q, k, v, positions, rows, inv_freq, k_cache, v_cache, scale,
-                                                 softcap=softcap, window=window, interleaved=interleaved,
-                                                 prepared=prepared)
+                                                 softcap=softcap, window=window, limit=limit,
+                                                 interleaved=interleaved, prepared=prepared)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -211,19 +211,23 @@ def moe_route(logits: torch.Tensor, top_k: int, normalize: bool, *, scoring: str
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-              scale: float, *, softcap: float | None = None, window: int | None = None) -> torch.Tensor:
+              scale: float, *, softcap: float | None = None, window: int | None = None,
+              limit: int | None = None) -> torch.Tensor:
     """Causal attention of new queries over a KV cache.
 
     q (B, T, Hq, D); k_cache, v_cache (B, Hk, S, D) holding the new keys at their positions;
     positions (B, T): query t of row b sees keys j <= positions[b, t] (and j > positions - window with
-    a sliding window). Hq is a multiple of Hk. Returns (B, T, Hq, D).
+    a sliding window); a query at `limit` or past it is parked: no key, output 0. Hq is a multiple of Hk.
+    Returns (B, T, Hq, D).
     """
+    from kilnx.kernels.attention import parked_formula
     B, T, Hq, D = q.shape
     Hk, S = k_cache.shape[1], k_cache.shape[2]
+    positions = parked_formula(positions, limit)
     if not _capturing(q):
         # Keys past the furthest query position are masked anyway; skipping them saves the work of a
         # mostly empty static cache. Not done under CUDA-graph capture, where .item() cannot sync.
-        S = min(S, int(positions.max().item()) + 1)
+        S = max(min(S, int(positions.max().item()) + 1), 1)
     k = k_cache[:, :, :S].float()
     v = v_cache[:, :, :S].float()
     G = Hq // Hk
@@ -238,7 +242,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos
     if window is not None:
         visible = visible & (j > pos - window)
     scores = scores.masked_fill(~visible, -math.inf)
-    probs = torch.softmax(scores, dim=-1).view(B, Hk, G * T, S)
+    probs = torch.softmax(scores, dim=-1).masked_fill(~visible.any(-1, keepdim=True), 0.0).view(B, Hk, G * T, S)
     out = torch.matmul(probs, v).view(B, Hk, G, T, D)
     return out.permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D).to(q.dtype)
 
@@ -253,8 +257,8 @@ def _capturing(t: torch.Tensor) -> bool:
 
 
 def attention_new_tokens(q, k, v, positions, rows, inv_freq, k_cache, v_cache, scale: float, *,
-                         softcap: float | None = None, window: int | None = None, interleaved: bool = False,
-                         prepared=None) -> torch.Tensor:
+                         softcap: float | None = None, window: int | None = None, limit: int | None = None,
+                         interleaved: bool = False, prepared=None) -> torch.Tensor:
     """rope_and_cache_ of the new tokens' q (B*T, Hq, D), k, v (B*T, Hk, D), then attention: (B, T, Hq, D).
     The eager peer has no prepared activations (it offers no prepared_format), so `prepared` is None."""
     if prepared is not None:
@@ -262,4 +266,4 @@ def attention_new_tokens(q, k, v, positions, rows, inv_freq, k_cache, v_cache, s
     B, T = positions.shape
     rope_and_cache_(q, k, v, positions.reshape(-1), rows, inv_freq, k_cache, v_cache, interleaved=interleaved)
     return attention(q.view(B, T, q.shape[1], q.shape[2]), k_cache, v_cache, positions, scale, softcap=softcap,
-                     window=window)
+                     window=window, limit=limit)

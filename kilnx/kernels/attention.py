@@ -14,17 +14,23 @@ the earliest query in the tile to the largest position in it + 1; both bounds ar
 `positions` inside the kernel, so the same compiled kernel serves every step of a CUDA-graph replay.
 Online softmax in fp32: a running row max, a running sum and an fp32 accumulator, rescaled by
 exp(old max - new max) whenever the max grows.
+
+A query at `limit` or past it is parked (runtime/kv_cache.py's parking slot: a row riding along in a batched step
+without a token, a prompt's padding): it attends to nothing and its output is 0. Its position does not widen the
+tile's key range, which it did when parking was only a position: a parked row walked the whole cache in every
+attention layer of every step.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
 import kilnx.dsl as kd
 from kilnx.kernels._tuning import DTYPES
-from kilnx.kernels.sizes import pow2_at_least
+from kilnx.kernels.sizes import NO_LIMIT, pow2_at_least
 
 NO_WINDOW = 1 << 40   # a window wider than any cache: every key up to the query's position is seen
 MASKED_MAX = -1e30     # running max before any key: finite, so exp(m_old - m_new) is never nan
@@ -50,8 +56,9 @@ def _attn_default(q, k_cache, v_cache, positions, **_):
     return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 
 
-def attention_formula(q, k_cache, v_cache, positions, scale, softcap=None, window=None):
-    """The meaning of the kernel in float64 eager torch: (B, T, Hq, D) in q.dtype."""
+def attention_formula(q, k_cache, v_cache, positions, scale, softcap=None, window=None, limit=None):
+    """The meaning of the kernel in float64 eager torch: (B, T, Hq, D) in q.dtype. A query at `limit` or past it
+    (parked) sees no key: its output is 0."""
     B, T, Hq, D = q.shape
     Hk, S = k_cache.shape[1], k_cache.shape[2]
     group = Hq // Hk
@@ -61,17 +68,24 @@ def attention_formula(q, k_cache, v_cache, positions, scale, softcap=None, windo
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     j = torch.arange(S, device=q.device)
-    pos = positions.to(q.device)[:, None, :, None]                       # (B, 1, T, 1)
+    pos = parked_formula(positions.to(q.device), limit)[:, None, :, None]   # (B, 1, T, 1)
     visible = j <= pos
     if window is not None:
         visible = visible & (j > pos - window)
     probs = torch.softmax(scores.masked_fill(~visible, -math.inf), dim=-1)
+    probs = torch.where(visible.any(-1, keepdim=True), probs, 0.0)      # a parked row: 0, not 0/0
     return torch.einsum("bhts,bhsd->bthd", probs, v).to(q.dtype)
 
 
-def _attn_spec(q, k_cache, v_cache, positions, *, scale, cap=0.0, window=NO_WINDOW, SOFTCAP=False, **_):
+def parked_formula(positions, limit):
+    """Positions with the parked ones (at `limit` or past it) as -1, which sees no key."""
+    return positions if limit is None or limit >= NO_LIMIT else torch.where(positions < limit, positions, -1)
+
+
+def _attn_spec(q, k_cache, v_cache, positions, *, scale, cap=0.0, window=NO_WINDOW, limit=NO_LIMIT, SOFTCAP=False,
+               **_):
     return attention_formula(q, k_cache, v_cache, positions, scale, softcap=cap if SOFTCAP else None,
-                             window=None if window >= NO_WINDOW else window)
+                             window=None if window >= NO_WINDOW else window, limit=limit)
 
 
 def _shape_derived_kwargs(q, k_cache, v_cache, positions) -> dict:
@@ -94,11 +108,18 @@ def query_tile(q, pid_m, kv_head, b, group, T, BLOCK_M: int, BLOCK_D: int):
     return kd.load(q, b, token[:, None], head[:, None], d[None, :]), token, head, token < T, d
 
 
+def parked(pos, limit):
+    """The rows' positions with the parked ones (at `limit` or past it) as -1: they see no key and do not widen
+    the tile's key range."""
+    return kd.where(pos < limit, pos, -1)
+
+
 def visible_keys(pos, row_valid, S, window, BLOCK_N: int):
     """[start, stop) of the keys any row of the tile can see: from the earliest window start (aligned
-    down to BLOCK_N, for aligned K/V tile loads) to the latest position + 1."""
+    down to BLOCK_N, for aligned K/V tile loads) to the latest position + 1. Rows at -1 (padding, parked)
+    see none; a tile of only those walks no key."""
     key_stop = kd.minimum(kd.max(pos) + 1, S)
-    earliest = kd.min(kd.where(row_valid, pos, S))
+    earliest = kd.min(kd.where(row_valid & (pos >= 0), pos, S))
     return kd.maximum(earliest - window + 1, 0) // BLOCK_N * BLOCK_N, key_stop
 
 
@@ -156,33 +177,39 @@ TUNE = {"BLOCK_M": kd.pow2(4, 128, default=16), "BLOCK_N": kd.pow2(16, 256, defa
 
 @kd.kernel(tune=TUNE, key=_attn_key, default=_attn_default, spec=_attn_spec, specialize=_shape_derived_kwargs)
 def attention_kernel(q, k_cache, v_cache, positions, *, scale: float, cap: float = 0.0, window: int = NO_WINDOW,
-                     BLOCK_D: kd.constexpr = 64, SOFTCAP: kd.constexpr = False, BLOCK_M, BLOCK_N):
+                     limit: int = NO_LIMIT, BLOCK_D: kd.constexpr = 64, SOFTCAP: kd.constexpr = False, BLOCK_M,
+                     BLOCK_N):
     B, T, Hq, D = q.shape
     group = Hq // k_cache.shape[1]
     pid_m, pid_bh = kd.grid(kd.cdiv(T * group, BLOCK_M), B * k_cache.shape[1])
     b = pid_bh // k_cache.shape[1]
     kv_head = pid_bh % k_cache.shape[1]
     q_tile, token, head, _, d = query_tile(q, pid_m, kv_head, b, group, T, BLOCK_M, BLOCK_D)
-    pos = kd.load(positions, b, token, other=-1)
+    pos = parked(kd.load(positions, b, token, other=-1), limit)
     return attend_all(q_tile, token, head, d, pos, q, k_cache, v_cache, b, kv_head, scale=scale, cap=cap,
                       window=window, SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N)
 
 
-def _kernel_kwargs(q, k_cache, scale, softcap, window) -> dict:
+def _kernel_kwargs(q, k_cache, scale, softcap, window, limit=None) -> dict:
     if q.shape[2] % k_cache.shape[1]:
         raise ValueError(f"attention: {q.shape[2]} query heads is not a multiple of {k_cache.shape[1]} KV heads")
     if window is not None and window < 1:
         raise ValueError(f"attention: window must be >= 1, got {window}")
-    return dict(scale=float(scale), cap=float(softcap or 0.0),
-                window=int(window) if window is not None else NO_WINDOW, SOFTCAP=softcap is not None)
+    if limit is not None and not 0 <= limit < NO_LIMIT:
+        raise ValueError(f"attention: the parking limit must lie in [0, {NO_LIMIT}), got {limit}")
+    if os.environ.get("KILNX_PARKED_ATTENTION") == "walk":   # for comparisons: parked rows attend as before
+        limit = None
+    return dict(scale=float(scale), cap=float(softcap or 0.0), window=int(window) if window is not None else NO_WINDOW,
+                limit=int(limit) if limit is not None else NO_LIMIT, SOFTCAP=softcap is not None)
 
 
-def attention(q, k_cache, v_cache, positions, scale, *, softcap=None, window=None, prepared=None):
-    """kilnx.ops.attention: q (B, T, Hq, D) over caches (B, Hk, S, D) -> (B, T, Hq, D) in q.dtype. A GPU
+def attention(q, k_cache, v_cache, positions, scale, *, softcap=None, window=None, limit=None, prepared=None):
+    """kilnx.ops.attention: q (B, T, Hq, D) over caches (B, Hk, S, D) -> (B, T, Hq, D) in q.dtype; queries at
+    `limit` or past it are parked (output 0, no keys read). A GPU
     decode step with fewer (row, KV head) pairs than SMs splits the keys (attention_split.py). With
     `prepared` = (PER, GROUP) from prepared_format, the result comes as a PreparedX of (B*T, Hq*D)."""
     from kilnx.kernels import attention_split
-    kw = _kernel_kwargs(q, k_cache, scale, softcap, window)
+    kw = _kernel_kwargs(q, k_cache, scale, softcap, window, limit)
     if attention_split.use_split(q, k_cache):
         return attention_split.attention_split(q, k_cache, v_cache, positions, kw, prepared=prepared)
     out = attention_kernel(q, k_cache, v_cache, positions, **kw)

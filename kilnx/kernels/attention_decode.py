@@ -19,9 +19,9 @@ import torch
 import kilnx.dsl as kd
 from kilnx.kernels import attention_split as AS
 from kilnx.kernels.attention import (NO_WINDOW, TUNE, _attn_default, _attn_key, _kernel_kwargs, attend_all, attention,
-                                     attention_formula, query_rows)
+                                     attention_formula, parked, query_rows)
 from kilnx.kernels.rope import _rope_cache_spec, rotated_tile
-from kilnx.kernels.sizes import pow2_at_least
+from kilnx.kernels.sizes import NO_LIMIT, pow2_at_least
 
 
 def enabled(device_type: str, split: bool) -> bool:
@@ -64,10 +64,10 @@ def _new_token_tiles(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cach
 
 # ---- one program per (row, KV head) ------------------------------------------------------------------
 def _spec(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, *, scale, cap=0.0, window=NO_WINDOW,
-          SOFTCAP=False, INTERLEAVED=False, **_):
+          limit=NO_LIMIT, SOFTCAP=False, INTERLEAVED=False, **_):
     qr, kc, vc = _with_new_kv(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, INTERLEAVED)
     return attention_formula(qr, kc, vc, positions, scale, softcap=cap if SOFTCAP else None,
-                             window=None if window >= NO_WINDOW else window)
+                             window=None if window >= NO_WINDOW else window, limit=limit)
 
 
 def _args_key(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, **_):
@@ -82,8 +82,9 @@ def _specialize(q, *_):
            default=lambda q, kn, vn, positions, rows, inv, k_cache, v_cache, **_: _attn_default(q, k_cache, v_cache,
                                                                                                 positions))
 def attention_new_kv_kernel(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, *, scale: float,
-                            cap: float = 0.0, window: int = NO_WINDOW, BLOCK_D: kd.constexpr = 64,
-                            SOFTCAP: kd.constexpr = False, INTERLEAVED: kd.constexpr = False, BLOCK_M, BLOCK_N):
+                            cap: float = 0.0, window: int = NO_WINDOW, limit: int = NO_LIMIT,
+                            BLOCK_D: kd.constexpr = 64, SOFTCAP: kd.constexpr = False,
+                            INTERLEAVED: kd.constexpr = False, BLOCK_M, BLOCK_N):
     """attention_kernel for one new token per row, from the projection's q, k, v (see the module doc)."""
     B, T, Hq, D = q.shape
     Hk = k_cache.shape[1]
@@ -92,8 +93,8 @@ def attention_new_kv_kernel(q, k_new, v_new, positions, rows, inv_freq, k_cache,
     q_tile, token, head, d, pos = _new_token_tiles(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache,
                                                    pid_m, b, kv_head, Hq // Hk, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
                                                    INTERLEAVED=INTERLEAVED)
-    return attend_all(q_tile, token, head, d, pos, q, k_cache, v_cache, b, kv_head, scale=scale, cap=cap,
-                      window=window, SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N)
+    return attend_all(q_tile, token, head, d, parked(pos, limit), q, k_cache, v_cache, b, kv_head, scale=scale,
+                      cap=cap, window=window, SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N)
 
 
 # ---- split over key ranges ----------------------------------------------------------------------------
@@ -106,9 +107,9 @@ def _split_spec(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, *,
            default=lambda q, kn, vn, positions, rows, inv, k_cache, v_cache, **_: AS._split_default(q, k_cache, v_cache,
                                                                                                     positions))
 def attention_split_new_kv_kernel(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, *, scale: float,
-                                  cap: float = 0.0, window: int = NO_WINDOW, BLOCK_D: kd.constexpr = 64,
-                                  SOFTCAP: kd.constexpr = False, INTERLEAVED: kd.constexpr = False, BLOCK_M,
-                                  BLOCK_N, KEYS_PER_SPLIT):
+                                  cap: float = 0.0, window: int = NO_WINDOW, limit: int = NO_LIMIT,
+                                  BLOCK_D: kd.constexpr = 64, SOFTCAP: kd.constexpr = False,
+                                  INTERLEAVED: kd.constexpr = False, BLOCK_M, BLOCK_N, KEYS_PER_SPLIT):
     """attention_split_kernel for one new token per row, from the projection's q, k, v: only the program
     whose key range holds the new position writes the caches (no other program reads that position)."""
     B, T, Hq, D = q.shape
@@ -118,13 +119,13 @@ def attention_split_new_kv_kernel(q, k_new, v_new, positions, rows, inv_freq, k_
     q_tile, token, head, d, pos = _new_token_tiles(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache,
                                                    pid_m, b, kv_head, Hq // Hk, (split * KEYS_PER_SPLIT, KEYS_PER_SPLIT),
                                                    BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, INTERLEAVED=INTERLEAVED)
-    return AS._attend_range(q_tile, token, head, token < T, d, pos, k_cache, v_cache, b, kv_head, split, B, T, Hq, D,
-                            scale=scale, cap=cap, window=window, SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N,
+    return AS._attend_range(q_tile, token, head, token < T, d, parked(pos, limit), k_cache, v_cache, b, kv_head,
+                            split, B, T, Hq, D, scale=scale, cap=cap, window=window, SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N,
                             KEYS_PER_SPLIT=KEYS_PER_SPLIT)
 
 
 def attention_new_tokens(q, k, v, positions, rows, inv_freq, k_cache, v_cache, scale, *, softcap=None, window=None,
-                         interleaved=False, prepared=None):
+                         limit=None, interleaved=False, prepared=None):
     """kilnx.ops.attention_new_tokens: rope_and_cache_ then attention, for q (B*T, Hq, D) and k, v (B*T, Hk, D)
     as the projection left them; one launch fewer for a decode step (one token per row) where `enabled`."""
     from kilnx.kernels import rope
@@ -132,7 +133,7 @@ def attention_new_tokens(q, k, v, positions, rows, inv_freq, k_cache, v_cache, s
     q4 = q.view(B, T, q.shape[1], q.shape[2])
     split = T == 1 and AS.use_split(q4, k_cache)
     if T == 1 and enabled(q.device.type, split):
-        kw = _kernel_kwargs(q4, k_cache, scale, softcap, window)
+        kw = _kernel_kwargs(q4, k_cache, scale, softcap, window, limit)
         args = (q4, k.view(B, k.shape[1], k.shape[2]), v.view(B, v.shape[1], v.shape[2]), positions, rows, inv_freq,
                 k_cache, v_cache)
         if split:
@@ -143,7 +144,8 @@ def attention_new_tokens(q, k, v, positions, rows, inv_freq, k_cache, v_cache, s
         from kilnx.kernels.prepared import prepare
         return prepare(out.reshape(B, -1), prepared)
     rope.rope_and_cache_(q, k, v, positions.reshape(-1), rows, inv_freq, k_cache, v_cache, interleaved=interleaved)
-    return attention(q4, k_cache, v_cache, positions, scale, softcap=softcap, window=window, prepared=prepared)
+    return attention(q4, k_cache, v_cache, positions, scale, softcap=softcap, window=window, limit=limit,
+                     prepared=prepared)
 
 
 def _problem_args(problem: dict, device: str):

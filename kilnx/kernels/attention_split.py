@@ -18,11 +18,12 @@ import os
 import torch
 
 import kilnx.dsl as kd
-from kilnx.kernels.attention import MASKED_MAX, NO_WINDOW, _attn_key, attend, query_tile, visible_keys
-from kilnx.kernels.sizes import pow2_at_least
+from kilnx.kernels.attention import (MASKED_MAX, NO_WINDOW, _attn_key, attend, parked, parked_formula, query_tile,
+                                     visible_keys)
+from kilnx.kernels.sizes import NO_LIMIT, pow2_at_least
 
 
-def _split_spec(q, k_cache, v_cache, positions, *, scale, cap=0.0, window=NO_WINDOW, SOFTCAP=False,
+def _split_spec(q, k_cache, v_cache, positions, *, scale, cap=0.0, window=NO_WINDOW, limit=NO_LIMIT, SOFTCAP=False,
                 KEYS_PER_SPLIT, **_):
     """Per key range s: acc_s = sum_j exp(score_j - m_s) v_j, m_s = max score, l_s = sum exp(score_j - m_s)."""
     B, T, Hq, D = q.shape
@@ -34,7 +35,7 @@ def _split_spec(q, k_cache, v_cache, positions, *, scale, cap=0.0, window=NO_WIN
     if SOFTCAP:
         scores = cap * torch.tanh(scores / cap)
     j = torch.arange(S, device=q.device)
-    pos = positions.to(q.device)[:, :, None, None]
+    pos = parked_formula(positions.to(q.device), limit)[:, :, None, None]
     scores = scores.masked_fill(~((j <= pos) & (j > pos - window)), float("-inf"))
     acc = torch.zeros(ns, B, T, Hq, D, dtype=torch.float64, device=q.device)
     mx = torch.full((ns, B, T, Hq), MASKED_MAX, dtype=torch.float64, device=q.device)
@@ -94,8 +95,8 @@ CONSTRAINTS = [lambda KEYS_PER_SPLIT, BLOCK_N: KEYS_PER_SPLIT >= BLOCK_N]
     specialize=lambda q, k_cache, v_cache, positions: {"BLOCK_D": max(pow2_at_least(q.shape[3]), 16),
                                                        "scale": q.shape[3] ** -0.5})
 def attention_split_kernel(q, k_cache, v_cache, positions, *, scale: float, cap: float = 0.0, window: int = NO_WINDOW,
-                           BLOCK_D: kd.constexpr = 64, SOFTCAP: kd.constexpr = False, BLOCK_M, BLOCK_N,
-                           KEYS_PER_SPLIT):
+                           limit: int = NO_LIMIT, BLOCK_D: kd.constexpr = 64, SOFTCAP: kd.constexpr = False, BLOCK_M,
+                           BLOCK_N, KEYS_PER_SPLIT):
     B, T, Hq, D = q.shape
     Hk, S = k_cache.shape[1], k_cache.shape[2]
     group = Hq // Hk
@@ -104,7 +105,7 @@ def attention_split_kernel(q, k_cache, v_cache, positions, *, scale: float, cap:
     b = pid_bh // Hk
     kv_head = pid_bh % Hk
     q_tile, token, head, row_valid, d = query_tile(q, pid_m, kv_head, b, group, T, BLOCK_M, BLOCK_D)
-    pos = kd.load(positions, b, token, other=-1)
+    pos = parked(kd.load(positions, b, token, other=-1), limit)
     return _attend_range(q_tile, token, head, row_valid, d, pos, k_cache, v_cache, b, kv_head, split, B, T, Hq, D,
                          scale=scale, cap=cap, window=window, SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N,
                          KEYS_PER_SPLIT=KEYS_PER_SPLIT)

@@ -13,3 +13,8 @@ def pow2_dividing(n: int, cap: int = 4096) -> int:
     """The largest power of two dividing n (up to cap): a block that divides a dim needs no bounds mask on
     it, which also frees the compiler to vectorize and skip zero-filling."""
     return min(n & -n, cap) if n > 0 else cap
+
+
+# No parking position: a kernel given it treats every token as real (runtime/kv_cache.py's parking slot). Below
+# 2**31 so that it passes as the same int32 argument a real slot index does (no second compile).
+NO_LIMIT = 2 ** 31 - 1

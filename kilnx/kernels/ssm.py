@@ -6,10 +6,9 @@ last K-1 inputs of each channel, and ssm (rows, H, P, N) fp32. Both kernels take
 rules the engine relies on:
 - a sequence whose first token is at position 0 starts from a zero state (a new prompt in a reused row needs no
   separate reset launch);
-- a sequence whose first token is at `limit` (the cache's last position, where the scheduler parks rows that are
-  free or still prefilling inside a batched decode step) leaves its state unwritten: the parked row's junk token
-  must not advance the state of a prompt half prefilled. A real token there is the context's last; the state after
-  it is never read;
+- a sequence whose first token is at `limit` (the cache's parking slot, runtime/kv_cache.py, one past the context,
+  where the scheduler parks rows that are free or still prefilling inside a batched decode step) leaves its state
+  unwritten: the parked row's junk token must not advance the state of a prompt half prefilled;
 - tokens at `limit` after a sequence's first are padding (a prompt padded to a prefill graph's length, the padding
   parked): they leave the state as the tokens before them made it — the scans take their step dt as 0 (no decay, no
   input) and read their x and B as 0 (a junk value, even a non-finite one, never reaches the state or the real
@@ -24,9 +23,7 @@ from __future__ import annotations
 import torch
 
 import kilnx.dsl as kd
-from kilnx.kernels.sizes import pow2_at_least
-
-NO_LIMIT = 2 ** 31 - 1     # no parking position: every sequence's state is written
+from kilnx.kernels.sizes import NO_LIMIT, pow2_at_least
 
 
 # ------------------------------------------------------------------ causal conv1d (+ SiLU)

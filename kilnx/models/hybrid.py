@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from kilnx.kernels.sizes import NO_LIMIT
 from kilnx.models.config import ModelConfig
 from kilnx.models.hybrid_weights import FeedForward, MambaWeights, RoutedExperts
 from kilnx.models.llama import LlamaModel, _linear
@@ -37,9 +38,10 @@ class HybridModel(LlamaModel):
             self._inv_freq = torch.zeros(config.head_dim // 2, device=self.device)
             self._inv_freq_local = self._inv_freq
 
-    def new_cache(self, batch: int, max_seq: int, *, dtype, device):
+    def new_cache(self, batch: int, max_seq: int, *, dtype, device, park: bool = False):
         from kilnx.runtime.kv_cache import HybridCache
-        return HybridCache.for_hybrid(self.config, batch, max_seq, dtype=dtype, state_dtype=self.dtype, device=device)
+        return HybridCache.for_hybrid(self.config, batch, max_seq, dtype=dtype, state_dtype=self.dtype, device=device,
+                                      park=park)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, *,
                 last: int | torch.Tensor | None = None) -> torch.Tensor:
@@ -104,7 +106,7 @@ class HybridModel(LlamaModel):
         n, I, C = x.shape[0], cfg.mamba_inner, cfg.conv_dim
         H, P, G, N = cfg.mamba_heads, cfg.mamba_head_dim, cfg.ssm_groups, cfg.ssm_state_size
         proj = _linear(ops, x, m.in_proj)
-        limit = cache.max_seq - 1            # the parking position (kernels/ssm.py)
+        limit = NO_LIMIT if cache.park is None else cache.park     # parked rows and padding (kernels/ssm.py)
         xbc = ops.conv1d_silu_(proj[:, I:I + C], m.conv_weight, m.conv_bias, cache.conv[i], positions, limit=limit)
         y = ops.ssm_scan_(xbc[:, :I].view(n, H, P), proj[:, I + C:], xbc[:, I:I + G * N].view(n, G, N),
                           xbc[:, I + G * N:].view(n, G, N), m.A_log, m.dt_bias, m.D, cache.ssm[i], positions,

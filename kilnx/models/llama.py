@@ -166,7 +166,7 @@ class LlamaModel:
                                    num_heads=Hq, interleaved=cfg.rope_interleaved)
             fmt = self._prepared_format([layer.o], q.view(B * T, qs))
             o = ops.attention(q.view(B, T, Hq, D), k_cache, v_cache, positions, cfg.attn_scale,
-                              softcap=cfg.attn_logit_softcap, window=window, prepared=fmt)
+                              softcap=cfg.attn_logit_softcap, window=window, limit=cache.park, prepared=fmt)
         else:
             qkv, q, k, v = self._qkv(layer, x)
             fmt = self._prepared_format([layer.o], qkv[:, :qs])     # (B*T, Hq*D), as o's input
@@ -176,14 +176,14 @@ class LlamaModel:
                 qk_fused(q, k, v, layer.q_norm, layer.k_norm, cfg.rms_norm_eps, positions.reshape(-1), rows_flat,
                          inv, k_cache, v_cache, weight_offset=self._norm_offset, interleaved=cfg.rope_interleaved)
                 o = ops.attention(q.view(B, T, Hq, D), k_cache, v_cache, positions, cfg.attn_scale,
-                                  softcap=cfg.attn_logit_softcap, window=window, prepared=fmt)
+                                  softcap=cfg.attn_logit_softcap, window=window, limit=cache.park, prepared=fmt)
                 return _linear(ops, o if fmt is not None else o.reshape(B * T, Hq * D), [layer.o])
             if layer.q_norm is not None:
                 q = ops.rms_norm(q, layer.q_norm, cfg.rms_norm_eps, weight_offset=self._norm_offset)
                 k = ops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps, weight_offset=self._norm_offset)
             # rotary embedding, the cache write and attention, in as few launches as the ops can
             o = ops.attention_new_tokens(q, k, v, positions, rows_flat, inv, k_cache, v_cache, cfg.attn_scale,
-                                         softcap=cfg.attn_logit_softcap, window=window,
+                                         softcap=cfg.attn_logit_softcap, window=window, limit=cache.park,
                                          interleaved=cfg.rope_interleaved, prepared=fmt)
         return _linear(ops, o if fmt is not None else o.reshape(B * T, Hq * D), [layer.o])
 
@@ -203,7 +203,8 @@ class LlamaModel:
         for start, row0, B, T in segments:
             outs.append(ops.attention(q[start:start + B * T].view(B, T, Hq, D), k_cache[row0:row0 + B],
                                       v_cache[row0:row0 + B], positions[start:start + B * T].view(B, T),
-                                      cfg.attn_scale, softcap=cfg.attn_logit_softcap, window=window).reshape(B * T, Hq * D))
+                                      cfg.attn_scale, softcap=cfg.attn_logit_softcap, window=window,
+                                      limit=cache.park).reshape(B * T, Hq * D))
         return _linear(ops, torch.cat(outs) if len(outs) > 1 else outs[0], [layer.o])
 
     def _mlp(self, layer: LayerWeights, x):

@@ -10,12 +10,11 @@ dispatch of ~270 kernel calls was ~8 ms of a ~27 ms SmolLM2-135M step (KILNX_CPU
 A prompt of up to `prefill_graph_max` tokens (512 by default, KILNX_PREFILL_GRAPH_MAX; 0: off) is padded to
 the next bucket length (16, 32, 64, then multiples of 64) and its prefill replayed from a graph captured
 for that (row, length) at its first use: such a prefill is a few hundred launches of little work each, so
-the host's launch loop, not the GPU, set its time to first token. The padding tokens sit at the positions
-after the prompt, those past the cache's end all at its last position; what they write into the cache
-there is overwritten by the decode steps before any step reads it (a step writes its own K/V before
-attending, and attends only up to its position). A model with recurrent state (models/hybrid.py) takes its
-padding all at the cache's last position, where its mixer kernels leave the state as the prompt made it
-(kernels/ssm.py's padding rule).
+the host's launch loop, not the GPU, set its time to first token. The padding tokens all sit at the cache's
+parking slot (runtime/kv_cache.py: one slot past the context, where no real token lives): they write their junk
+K/V there, attend to nothing (kernels/attention.py) and leave a recurrent model's state as the prompt made it
+(kernels/ssm.py's padding rule). Rows that ride along in a batched step without a token of their own park there
+too.
 
 Sequences occupy cache rows; prefill runs one sequence at a time into its row (prompts differ in
 length), decode runs all active rows together with per-row positions.
@@ -77,8 +76,10 @@ class Engine:
         self.prefill_chunk = prefill_chunk or (2048 if self.device.type == "cuda" else 512)
         kv_dtype = cache_dtype(kv_cache_dtype, model.dtype)
         new_cache = getattr(model, "new_cache", None)     # a hybrid model's cache holds its recurrent state too
-        self.cache = (new_cache(max_batch, self.max_seq, dtype=kv_dtype, device=self.device) if new_cache is not None
-                      else KVCache.for_model(cfg, max_batch, self.max_seq, dtype=kv_dtype, device=self.device))
+        self.cache = (new_cache(max_batch, self.max_seq, dtype=kv_dtype, device=self.device, park=True)
+                      if new_cache is not None else
+                      KVCache.for_model(cfg, max_batch, self.max_seq, dtype=kv_dtype, device=self.device, park=True))
+        self.park = self.cache.park     # = max_seq: the slot past the context where tokenless rows and padding go
         # rows carrying recurrent state (models/hybrid.py) take only their next tokens (a prompt's padding parked):
         # no speculative tokens to take back, no prefixes copied between rows
         self.recurrent = bool(getattr(model, "recurrent", False))
@@ -180,7 +181,7 @@ class Engine:
         Replayed like verify from the second use at a (B, n)."""
         self.check_rewindable()
         B, n = tokens.shape
-        if int(positions.max()) >= self.max_seq:
+        if int(positions.max()) > self.park:
             raise ContextLengthError(f"generation reached the context length ({self.max_seq} tokens).")
         cache = self.cache.rows(0, B) if B != self.max_batch else self.cache
         return self._check_forward(("rows", B, n), tokens, positions, cache)
@@ -219,7 +220,7 @@ class Engine:
         """One step for rows 0..B-1: tokens (B,) at positions (B,) -> logits (B, V). `max_position`, where
         the caller knows it, spares reading the positions back from the device (a sync per step)."""
         B = tokens.shape[0]
-        if (int(positions.max()) if max_position is None else max_position) >= self.max_seq:
+        if (int(positions.max()) if max_position is None else max_position) > self.park:
             raise ContextLengthError(f"generation reached the context length ({self.max_seq} tokens).")
         if self.cuda_graphs:
             graphs = self._captured()
@@ -231,7 +232,7 @@ class Engine:
                 # the bucket's rows past B would rerun their last inputs: harmless for K/V (the same values written
                 # again), not for a recurrent state, which would take that token twice. Parked, they leave it, and
                 # stay parked while steps keep to B rows (a fill when B changes, not a launch every step).
-                g.positions[B:, 0].fill_(self.max_seq - 1)
+                g.positions[B:, 0].fill_(self.park)
             self._rows_run[id(g)] = B
             g.graph.replay()
             return g.logits[:B, 0]
@@ -254,7 +255,7 @@ class Engine:
         """A decode step for rows 0..B-1 (tokens, positions (B,), as decode takes them) and a prompt's chunk
         into row `row` at positions start.. in one forward: each weight read once for both. (decode logits
         (B, V), the chunk's last token's logits (V,)). Eager: no graph or replay (the chunk's length varies).
-        Row `row`, parked in the step, writes its junk at the cache's last position, past the chunk."""
+        Row `row`, parked in the step, writes its junk at the parking slot, past the context."""
         B, C = tokens.shape[0], len(chunk)
         self.check_fits(start + C)
         ids = torch.as_tensor(chunk, dtype=torch.long)
@@ -283,10 +284,7 @@ class Engine:
             g = _Graph(None, torch.zeros(1, t, **z), torch.zeros(1, t, **z), None, torch.zeros(1, **z))
         g.last.fill_(n - 1)
         torch.add(self._arange(t), start, out=g.positions[0])
-        if self.recurrent:             # parked padding: the state stays the prompt's
-            g.positions[0, n:].fill_(self.max_seq - 1)
-        elif start + t > self.max_seq:   # padding past the cache's end all sits at its last position
-            g.positions.clamp_(max=self.max_seq - 1)
+        g.positions[0, n:].fill_(self.park)   # parked padding: no keys walked, the state stays the prompt's
         g.ids[0, n:].zero_()
         g.ids[0, :n].copy_(ids)
         if g.graph is not None:
@@ -358,10 +356,9 @@ class Engine:
 
     # ------------------------------------------------------------------ CUDA graphs
     def _capture_all(self) -> None:
-        # Warm-up and capture run real steps at the cache's last position of each row: the junk K/V they
-        # write there is never read before a real token at that position overwrites it (a step writes its
-        # own K/V before attending, and attends only up to its position), so capturing after prefills
-        # (KILNX_LAZY_GRAPHS) is as safe as before them.
+        # Warm-up and capture run real steps at the parking slot of each row: the junk K/V they write there is
+        # never read (no real token lives there, a parked query attends to nothing), so capturing after
+        # prefills (KILNX_LAZY_GRAPHS) is as safe as before them.
         for b in sorted(_buckets(self.max_batch), reverse=True):   # largest first: its pool fits the rest
             self._graphs[b] = self._capture(b, self._pool)
         self._graphs = dict(sorted(self._graphs.items()))
@@ -369,7 +366,7 @@ class Engine:
     @torch.no_grad()
     def _capture(self, b: int, pool) -> _Graph:
         ids = torch.zeros(b, 1, dtype=torch.long, device=self.device)
-        pos = torch.full((b, 1), self.max_seq - 1, dtype=torch.long, device=self.device)
+        pos = torch.full((b, 1), self.park, dtype=torch.long, device=self.device)
         cache = self.cache.rows(0, b)
         side = torch.cuda.Stream(device=self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))

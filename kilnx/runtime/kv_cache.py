@@ -4,6 +4,12 @@ Static because a CUDA graph replays fixed addresses: the decode step writes into
 every time, at positions given by a tensor. A key for position p lives at index p, so attention's
 causal mask (keys j <= position) is also what hides the unwritten tail.
 
+An engine's cache has one slot more than its context: the parking slot (`park`, the last). A row that rides
+along in a step without a token of its own (a free or still prefilling row in a batched decode step, a prompt's
+padding to a CUDA graph's length) takes that position: it writes its junk K/V there, where no real token ever
+lives, the attention kernels skip its keys (it attends to nothing: one cache-long walk a parked row a layer before),
+and the SSM kernels leave its recurrent state as it was. A cache without `park` (None) holds tokens in every slot.
+
 `--kv-cache-dtype fp8` stores K and V as fp8 e4m3 (torch.float8_e4m3fn), half the bytes of bf16: twice the
 sequences x context in the same memory, and half the bytes a long-context decode step's attention reads. Values are
 rounded to nearest and saturate at +-448 with a scale of 1 (as vLLM's `fp8` without calibrated scales; SmolLM2-135M's
@@ -28,24 +34,32 @@ def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return KV_CACHE_DTYPES[name] or model_dtype
 
 
+def _slots(max_seq: int, park: bool) -> tuple[int, int | None]:
+    """(slots to allocate, the parking slot or None) for a context of max_seq tokens."""
+    return (max_seq + 1, max_seq) if park else (max_seq, None)
+
+
 class KVCache:
-    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor]):
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], park: int | None = None):
         self.k = k
         self.v = v
+        self.park = park    # the parking slot (module doc), or None
 
     @classmethod
     def allocate(cls, num_layers: int, batch: int, num_kv_heads: int, max_seq: int, head_dim: int, *,
-                 dtype=torch.float32, device="cpu") -> "KVCache":
-        shape = (batch, num_kv_heads, max_seq, head_dim)
+                 dtype=torch.float32, device="cpu", park: bool = False) -> "KVCache":
+        """Caches for max_seq tokens a row; `park`: one slot more, the parking slot."""
+        slots, park_at = _slots(max_seq, park)
+        shape = (batch, num_kv_heads, slots, head_dim)
         k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        return cls(k, v)
+        return cls(k, v, park_at)
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, batch: int, max_seq: int, *, dtype=torch.float32,
-                  device="cpu") -> "KVCache":
+                  device="cpu", park: bool = False) -> "KVCache":
         return cls.allocate(cfg.num_layers, batch, cfg.num_kv_heads, max_seq, cfg.head_dim,
-                            dtype=dtype, device=device)
+                            dtype=dtype, device=device, park=park)
 
     @property
     def batch(self) -> int:
@@ -53,6 +67,7 @@ class KVCache:
 
     @property
     def max_seq(self) -> int:
+        """Slots a row (the parking slot included)."""
         return self.k[0].shape[2]
 
     @property
@@ -66,7 +81,7 @@ class KVCache:
 
     def rows(self, start: int, stop: int) -> "KVCache":
         """A view of sequences [start, stop): prefill one sequence into a batched cache."""
-        return KVCache([t[start:stop] for t in self.k], [t[start:stop] for t in self.v])
+        return KVCache([t[start:stop] for t in self.k], [t[start:stop] for t in self.v], self.park)
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Positions [0, n) of sequence src's K and V into sequence dst (a shared prompt prefix, reused)."""
@@ -85,17 +100,18 @@ class HybridCache(KVCache):
 
     A row's state sums its whole history, so it cannot be cut back to a prefix: no prefix copies between rows (a
     prompt either continues its row's whole history or restarts from position 0, where the kernels begin from a zero
-    state), and nothing may run a token into a row that is not its next one (runtime/engine.py: no padded prefill
-    graphs, no speculative rounds)."""
+    state), and nothing may run a token into a row that is not its next one but padding at the parking slot, which
+    leaves the state as it was (runtime/engine.py: no speculative rounds)."""
 
-    def __init__(self, k: list, v: list, conv: list, ssm: list, max_seq: int):
-        super().__init__(k, v)
+    def __init__(self, k: list, v: list, conv: list, ssm: list, max_seq: int, park: int | None = None):
+        super().__init__(k, v, park)
         self.conv, self.ssm, self._max_seq = conv, ssm, max_seq
 
     @classmethod
     def for_hybrid(cls, cfg: ModelConfig, batch: int, max_seq: int, *, dtype=torch.float32, state_dtype=None,
-                   device="cpu") -> "HybridCache":
+                   device="cpu", park: bool = False) -> "HybridCache":
         kinds = [cfg.layer_kind(i) for i in range(cfg.num_layers)]
+        max_seq, park_at = _slots(max_seq, park)
         kv = (batch, cfg.num_kv_heads, max_seq, cfg.head_dim)
         k = [torch.zeros(kv, dtype=dtype, device=device) if t == "attention" else None for t in kinds]
         v = [torch.zeros(kv, dtype=dtype, device=device) if t == "attention" else None for t in kinds]
@@ -104,7 +120,7 @@ class HybridCache(KVCache):
         conv = [torch.zeros(conv_shape, dtype=state_dtype or dtype, device=device) if t == "mamba" else None
                 for t in kinds]
         ssm = [torch.zeros(ssm_shape, dtype=torch.float32, device=device) if t == "mamba" else None for t in kinds]
-        return cls(k, v, conv, ssm, max_seq)
+        return cls(k, v, conv, ssm, max_seq, park_at)
 
     def _present(self, tensors: list) -> list:
         return [t for t in tensors if t is not None]
@@ -133,7 +149,7 @@ class HybridCache(KVCache):
     def rows(self, start: int, stop: int) -> "HybridCache":
         def cut(ts):
             return [t[start:stop] if t is not None else None for t in ts]
-        return HybridCache(cut(self.k), cut(self.v), cut(self.conv), cut(self.ssm), self._max_seq)
+        return HybridCache(cut(self.k), cut(self.v), cut(self.conv), cut(self.ssm), self._max_seq, self.park)
 
     def save_state(self) -> list:
         """A copy of every row's recurrent state, for restore_state: a step that must run twice from the same

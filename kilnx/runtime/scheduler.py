@@ -9,9 +9,8 @@ One thread owns the engine (an Engine is not thread-safe, and its CUDA graphs re
 it gives free cache rows to waiting requests, runs one prefill chunk of the oldest request still prefilling
 (the request's first token is sampled from its last chunk), then one decode step over rows 0..B-1, B one past
 the highest decoding row: a long prompt delays the others' next token by one chunk a turn, not by its whole
-prefill. Rows that are free or still prefilling ride along in that step parked at the cache's last position:
-what they write there is overwritten before anything reads it (the engine's invariant: a step writes its K/V
-before attending, and attends only up to its position).
+prefill. Rows that are free or still prefilling ride along in that step parked at the cache's parking slot
+(runtime/kv_cache.py), one past the context: what they write there nothing reads, and they attend to nothing.
 
 On a GPU the host keeps one step ahead: step n + 1 is enqueued, its rows' input tokens taken on the device from
 step n's samples, before the host reads step n's tokens and detokenizes them (KILNX_SERVE_LOOKAHEAD=0: off). A
@@ -382,7 +381,7 @@ class Scheduler:
             # rows 0..B-1, n tokens each: a row's last token, its guesses, then padding (positions on from there,
             # logits unread, K/V overwritten before anything reads it); rows not in the round park at the end
             n, B = 1 + max(map(len, drafts)), self.engine.decode_rows(live[-1].row + 1)
-            tokens, positions = torch.zeros(B, n, dtype=torch.long), torch.full((B, n), max_seq - 1)
+            tokens, positions = torch.zeros(B, n, dtype=torch.long), torch.full((B, n), self.engine.park)
             for r, s, d in zip(live, seqs, drafts):
                 tokens[r.row, :len(d) + 1] = torch.tensor([s[-1], *d])
                 positions[r.row] = torch.arange(len(s) - 1, len(s) - 1 + n)
@@ -422,7 +421,7 @@ class Scheduler:
         if not live:
             return None
         B = self.engine.decode_rows(live[-1][0] + 1)   # every row the step runs gets its inputs from here
-        tokens, positions = [0] * B, [self.engine.max_seq - 1] * B   # free and prefilling rows park at the end
+        tokens, positions = [0] * B, [self.engine.park] * B   # free and prefilling rows park past the context
         for i, r in live:
             tokens[i], positions[i] = r.tokens[-1], len(r.ids) + r.fed
         dev = self.engine.device
@@ -521,12 +520,12 @@ class Scheduler:
         if req.row is not None and self.rows[req.row] is req:
             self.rows[req.row] = None
             # what the row's cache now holds: the prompt as far as prefilled, then every token fed back in (all
-            # but the last sampled); never the parking position, where other steps write
+            # but the last sampled)
             held = req.ids[:req.prefilled] + (req.tokens[:-1] if req.prefilled == len(req.ids) else [])
             if self.engine.recurrent and req.prefilled == len(req.ids):
                 # a state takes every token a step fed, a step enqueued ahead of the request's end included
                 held = req.ids + req.tokens[:req.fed]
-            self.kept[req.row] = held[:self.engine.max_seq - 1] if keep else []
+            self.kept[req.row] = held[:self.engine.max_seq] if keep else []
             self._released[req.row] = max(self._released) + 1
 
     @staticmethod

@@ -218,3 +218,57 @@ def test_the_prepared_merge_of_more_ranges_than_one_load_takes(backend):
     want = H._prep_spec(out.reshape(2, 4 * D).float(), PER=8, GROUP=64)
     assert torch.equal(got.xs, want[2])
     torch.testing.assert_close(H._x_of(got.planes, got.xs), H._x_of(want[0], want[2]), rtol=2e-3, atol=1e-6)
+
+
+# ---- parked queries (runtime/kv_cache.py's parking slot) ---------------------------------------------
+def parked_inputs(B, T, Hq, Hk, D, dtype, seed, parked_rows):
+    """inputs() with the cache's last slot as the parking slot: the tokens of `parked_rows` (a whole row: a
+    tokenless row of a batched step) and a random tail of the others' tokens (a prompt's padding) sit there."""
+    q, k_cache, v_cache, positions = inputs(B, T, Hq, Hk, D, dtype, seed, spare=20)
+    limit = k_cache.shape[2] - 1
+    g = torch.Generator().manual_seed(seed + 1)
+    positions = positions.clone()
+    for b in range(B):
+        keep = 0 if b in parked_rows else int(torch.randint(1, T + 1, (1,), generator=g))
+        positions[b, keep:] = limit
+    return q, k_cache, v_cache, positions, limit
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(B=st.sampled_from([1, 2]), T=st.sampled_from([1, 3, 17]), heads=heads, window=st.sampled_from([None, 4]),
+       parked_rows=st.sampled_from([(), (0,), (1,)]), split=st.sampled_from([0, 16]),
+       dtype=st.sampled_from(["f32", "bf16"]), seed=st.integers(0, 2**16))
+def test_parked_queries_see_nothing_and_the_rest_are_untouched(B, T, heads, window, parked_rows, split, dtype, seed):
+    """A query at `limit` (the parking slot) attends to nothing: its output is 0 (before, it attended to every key
+    of the cache). The other queries' outputs are the formula's without parking; the one-pass and the split
+    kernels on Triton and the reference, and the eager peer, agree."""
+    from kilnx.kernels import attention_split as AS
+    Hq, Hk = heads
+    D = 16
+    q, k_cache, v_cache, positions, limit = parked_inputs(B, T, Hq, Hk, D, dtype, seed, parked_rows)
+    scale = D ** -0.5
+    want = A.attention_formula(q, k_cache, v_cache, positions, scale, None, window, limit=limit)
+    is_parked = positions >= limit
+    assert torch.equal(want[is_parked], torch.zeros_like(want[is_parked]))
+    free = A.attention_formula(q, k_cache, v_cache, positions, scale, None, window)
+    assert torch.equal(want[~is_parked], free[~is_parked])
+    kw = A._kernel_kwargs(q, k_cache, scale, None, window, limit)
+    for backend in ("triton", "reference"):
+        if split:
+            cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "KEYS_PER_SPLIT": split}
+            got = AS.attention_split(q, k_cache, v_cache, positions, kw, config=cfg, backend=backend)
+        else:
+            got = A.attention_kernel(q, k_cache, v_cache, positions, backend=backend, config=SMALL_BLOCKS, **kw)
+        check(got, want, dtype)
+        assert torch.equal(got[is_parked], torch.zeros_like(got[is_parked]))
+    peer = ops_torch.attention(q, k_cache, v_cache, positions, scale, window=window, limit=limit)
+    check(peer, want, dtype)
+
+
+def test_parked_queries_on_numba():
+    q, k_cache, v_cache, positions, limit = parked_inputs(2, 3, 4, 2, 16, "f32", seed=5, parked_rows=(1,))
+    want = A.attention_formula(q, k_cache, v_cache, positions, 0.25, None, None, limit=limit)
+    kw = A._kernel_kwargs(q, k_cache, 0.25, None, None, limit)
+    check(A.attention_kernel(q, k_cache, v_cache, positions, backend="numba", config=SMALL_BLOCKS, **kw), want, "f32")
+    with pytest.raises(ValueError, match="parking limit"):
+        A._kernel_kwargs(q, k_cache, 0.25, None, None, -1)

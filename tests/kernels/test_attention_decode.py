@@ -40,18 +40,19 @@ def case(B, Hq, Hk, D, rotary, dtype, seed, spare=20):
     return q, k_new, v_new, positions, torch.arange(B), inv_freq, k_cache, v_cache
 
 
-def composition(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, window, interleaved):
+def composition(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, window, interleaved, limit=None):
     """rope_and_cache_ then the attention formula (float64): the output and the caches written."""
     q2, k2, kc, vc = q[:, 0].clone(), k_new.clone(), k_cache.clone(), v_cache.clone()
     rope.rope_and_cache_(q2, k2, v_new, positions[:, 0], rows, inv_freq, kc, vc, interleaved=interleaved)
-    return A.attention_formula(q2[:, None], kc, vc, positions, q.shape[-1] ** -0.5, None, window), kc, vc
+    return (A.attention_formula(q2[:, None], kc, vc, positions, q.shape[-1] ** -0.5, None, window, limit=limit), kc,
+            vc)
 
 
-def run(split, args, window, interleaved, backend):
+def run(split, args, window, interleaved, backend, limit=None):
     q, *_, k_cache, v_cache = args
     kc, vc = k_cache.clone(), v_cache.clone()
     a = (*args[:-2], kc, vc)
-    kw = A._kernel_kwargs(q, k_cache, q.shape[-1] ** -0.5, None, window)
+    kw = A._kernel_kwargs(q, k_cache, q.shape[-1] ** -0.5, None, window, limit)
     if split:
         parts = AD.attention_split_new_kv_kernel(*a, backend=backend, INTERLEAVED=interleaved, **kw,
                                                  config={"BLOCK_M": 16, "BLOCK_N": 16, "KEYS_PER_SPLIT": split})
@@ -85,6 +86,21 @@ def test_fused_decode_attention_equals_rope_cache_then_attention(B, heads, rotar
 def test_fused_decode_attention_on_numba(split):
     args = case(2, 4, 2, 16, 16, "f32", seed=11)
     check(run(split, args, None, False, "numba"), composition(*args, None, False), "f32")
+
+
+@pytest.mark.parametrize("split", [0, 16])
+@pytest.mark.parametrize("backend", ["triton", "reference", "numba"])
+def test_a_parked_row_writes_its_junk_at_the_parking_slot_and_attends_to_nothing(split, backend):
+    """A batched decode step with row 1 parked (position = limit = the cache's last slot): the row's new k, v land
+    in that slot as any row's do, its output is 0, and row 0 attends as without parking."""
+    args = list(case(2, 4, 2, 16, 16, "f32", seed=13))
+    limit = args[6].shape[2] - 1
+    args[3] = torch.tensor([[int(args[3][0, 0])], [limit]])
+    want = composition(*args, None, False, limit=limit)
+    assert torch.equal(want[0][1], torch.zeros_like(want[0][1]))
+    got = run(split, args, None, False, backend, limit=limit)
+    check(got, want, "f32")
+    assert torch.equal(got[0][1], torch.zeros_like(got[0][1]))
 
 
 @pytest.mark.parametrize("fused", ["0", "1"])

@@ -1,5 +1,5 @@
-"""On the GPU: the split decode attention's prepared merge over more key ranges than one load takes
-(run with -m gpu)."""
+"""On the GPU: the split decode attention's prepared merge over more key ranges than one load takes, and parked
+queries over a long cache (run with -m gpu)."""
 
 from __future__ import annotations
 
@@ -33,3 +33,22 @@ def test_the_prepared_merge_over_many_key_ranges_on_gpu(S, keys_per_split, pos):
                      if i != 1))
     err = (H._x_of(got.planes.cpu(), got.xs.cpu()) - want).abs().max().item()
     assert err <= 2e-2 * want.abs().max().item(), err
+
+
+@pytest.mark.parametrize("T", [1, 16])
+def test_parked_queries_over_a_long_cache_on_gpu(T):
+    """A 32k-slot cache (the split kernel at T = 1, the one-pass kernel at 16 tokens): a row parked whole and a row
+    whose tail is padding at the parking slot; parked queries give 0, the others the reference's output."""
+    g = torch.Generator().manual_seed(7)
+    S, D, B = 32768, 128, 2
+    q = torch.randn(B, T, 8, D, generator=g).bfloat16().cuda()
+    k_cache = torch.randn(B, 2, S, D, generator=g).bfloat16().cuda()
+    v_cache = torch.randn(B, 2, S, D, generator=g).bfloat16().cuda()
+    limit = S - 1
+    positions = torch.tensor([[limit] * T, [300 + t if t < T // 2 + 1 else limit for t in range(T)]]).cuda()
+    got = A.attention(q, k_cache, v_cache, positions, D ** -0.5, limit=limit).float().cpu()
+    want = A.attention_formula(q.cpu().float(), k_cache.cpu().float(), v_cache.cpu().float(), positions.cpu(),
+                               D ** -0.5, limit=limit)
+    parked = (positions >= limit).cpu()
+    assert torch.equal(got[parked], torch.zeros_like(got[parked]))
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)

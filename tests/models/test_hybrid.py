@@ -173,18 +173,18 @@ def test_chunked_prefill_then_decode_equals_one_forward(backend, n, chunk):
 
 
 def test_a_prompt_padded_at_the_last_position_leaves_the_state_and_logits_of_the_prompt_alone(backend):
-    """What a prefill graph runs (engine.py): the prompt padded to a fixed length with tokens at the cache's last
-    position. The prompt's last logits, the Mamba layers' states and the attention layers' keys of the prompt are
+    """What a prefill graph runs (engine.py): the prompt padded to a fixed length with tokens at the cache's parking
+    slot. The prompt's last logits, the Mamba layers' states and the attention layers' keys of the prompt are
     those of the prompt alone, and the next decode step continues from them alike."""
     model = tiny_hybrid(backend.ops, backend.device)
     dev, n, pad, max_seq = model.device, 7, 9, 32
     runs = []
     for padded in (False, True):
-        cache = model.new_cache(1, max_seq, dtype=torch.float32, device=dev)
+        cache = model.new_cache(1, max_seq, dtype=torch.float32, device=dev, park=True)
         ids, pos = torch.tensor([IDS[:n]], device=dev), torch.arange(n, device=dev)[None]
         if padded:
             ids = torch.cat([ids, torch.full((1, pad), 5, device=dev)], 1)
-            pos = torch.cat([pos, torch.full((1, pad), max_seq - 1, device=dev)], 1)
+            pos = torch.cat([pos, torch.full((1, pad), cache.park, device=dev)], 1)
         with torch.no_grad():
             last = model.forward(ids, pos, cache, last=torch.tensor([n - 1], device=dev))[0, -1].clone()
             step = model.forward(torch.tensor([[IDS[n]]], device=dev), torch.tensor([[n]], device=dev), cache)[0, -1]
@@ -211,8 +211,8 @@ def test_rows_decoded_together_equal_rows_decoded_alone_and_a_parked_row_keeps_i
     for row, p in enumerate(prompts):
         eng.prefill(p, row=row)
     kept = [t.clone() for t in eng.cache.rows(1, 2).ssm if t is not None]
-    # row 1 parked at the cache's last position (as the scheduler parks a row it is still prefilling)
-    out = eng.decode(torch.tensor([7, 7, 7]), torch.tensor([len(prompts[0]), 31, len(prompts[2])]))
+    # row 1 parked at the cache's parking slot (as the scheduler parks a row it is still prefilling)
+    out = eng.decode(torch.tensor([7, 7, 7]), torch.tensor([len(prompts[0]), eng.park, len(prompts[2])]))
     torch.testing.assert_close(out[[0, 2]], torch.stack(single)[[0, 2]], rtol=1e-4, atol=1e-4)
     assert all(torch.equal(a, b) for a, b in zip(kept, [t for t in eng.cache.rows(1, 2).ssm if t is not None]))
     torch.testing.assert_close(eng.decode(torch.tensor([7, 7, 7]), torch.tensor([len(p) for p in prompts]))[1],

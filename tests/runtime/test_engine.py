@@ -335,7 +335,7 @@ def test_a_mixed_forward_is_a_prefill_chunk_and_a_decode_step(monkeypatch):
             e = Engine(m, max_seq=32, max_batch=4, cpu_replay=False)
             firsts = [int(e.prefill(p, row=r).argmax()) for r, p in enumerate(prompts)]
             toks = torch.tensor(firsts + [0])
-            pos = torch.tensor([len(p) for p in prompts] + [31])             # row 3 prefills: parked at the end
+            pos = torch.tensor([len(p) for p in prompts] + [e.park])         # row 3 prefills: parked
             e.prefill(chunk[:4], row=3)
             if mixed:
                 got[mixed] = e.mixed(toks, pos, chunk[4:], 3, 4)

@@ -145,7 +145,7 @@ def test_graph_replayed_prefills_follow_the_torch_peer(arch):
 
 def test_a_prefill_padded_past_the_cache_end_follows_the_torch_peer():
     """A cache of 24 positions and prompts padded to 32 tokens (kilnx generate sizes the cache as prompt +
-    new tokens + 1): the padding past the end sits at the last position; prefill and the steps after it keep
+    new tokens + 1): the padding, past the end, sits at the parking slot; prefill and the steps after it keep
     the peer's logits, the second prompt replayed."""
     engines = engines_for("llama", 24)
     for n, seed in ((20, 1), (18, 2)):
@@ -155,7 +155,7 @@ def test_a_prefill_padded_past_the_cache_end_follows_the_torch_peer():
 
 def test_lazy_graphs_capture_at_the_first_decode_step_after_a_prefill(monkeypatch):
     """KILNX_LAZY_GRAPHS=1: no capture before the first token; the first decode step captures (its warm-up
-    and capture write junk K/V only at the cache's last position) and every step keeps the peer's logits,
+    and capture write junk K/V only at the cache's parking slot) and every step keeps the peer's logits,
     so the prompt's K/V survived the capture."""
     monkeypatch.setenv("KILNX_LAZY_GRAPHS", "1")
     engines = engines_for("llama", 64)
@@ -287,7 +287,7 @@ def test_the_schedulers_speculative_rounds_on_the_gpu():
 
 
 def test_several_rows_checked_in_one_replayed_forward():
-    """Engine.verify_rows on rows 0 and 2 (row 1 parked at the cache's end): each row's logits are those of a
+    """Engine.verify_rows on rows 0 and 2 (row 1 parked): each row's logits are those of a
     one-row check of the same tokens (to bf16 rounding), and from the second use a graph replays the same bits."""
     m = model("llama", "kilnx")
     g = torch.Generator().manual_seed(3)
@@ -297,7 +297,7 @@ def test_several_rows_checked_in_one_replayed_forward():
     for e in (engine, single):
         for row, p in prompts.items():
             e.prefill(p, row=row)
-    tokens, positions = torch.zeros(3, 4, dtype=torch.long), torch.full((3, 4), 63)
+    tokens, positions = torch.zeros(3, 4, dtype=torch.long), torch.full((3, 4), engine.park)
     for row, p in prompts.items():
         tokens[row], positions[row] = torch.tensor(checks[row]), torch.arange(len(p), len(p) + 4)
     eager = engine.verify_rows(tokens, positions).clone()

@@ -198,7 +198,7 @@ def test_a_long_prompt_prefills_in_chunks_between_the_others_steps():
 def test_a_prompt_that_begins_with_a_rows_last_sequence_prefills_only_the_rest(lookahead):
     """A chat's next turn re-sends the conversation: the row whose cache holds its beginning is chosen, only
     the new tokens are prefilled, and the tokens are those of a prefill from scratch. Another row's steps in
-    between (a different request on row 0 parked rows at the cache's end) do not disturb what was kept."""
+    between (a different request on row 0 parked rows at the parking slot) do not disturb what was kept."""
     model = tiny_model("llama")
     turn1, other, extra = _prompts((9, 7, 6), seed=21)
     sp = SamplingParams(max_tokens=5, ignore_eos=True)

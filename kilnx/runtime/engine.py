@@ -228,10 +228,11 @@ class Engine:
             for src, dst in ((tokens, g.ids[:B, 0]), (positions, g.positions[:B, 0])):
                 if src.data_ptr() != dst.data_ptr():     # not already written there (decode_inputs)
                     dst.copy_(src)
-            if self.recurrent and B < g.ids.shape[0] and self._rows_run.get(id(g)) != B:
-                # the bucket's rows past B would rerun their last inputs: harmless for K/V (the same values written
-                # again), not for a recurrent state, which would take that token twice. Parked, they leave it, and
-                # stay parked while steps keep to B rows (a fill when B changes, not a launch every step).
+            if B < g.ids.shape[0] and self._rows_run.get(id(g)) != B:
+                # the bucket's rows past B would rerun their last inputs: their attention would walk that row's
+                # history again, and a recurrent state would take the token twice. Parked, they read no key and
+                # leave the state, and stay parked while steps keep to B rows (a fill when B changes, not a
+                # launch every step).
                 g.positions[B:, 0].fill_(self.park)
             self._rows_run[id(g)] = B
             g.graph.replay()

@@ -219,6 +219,20 @@ def test_rows_decoded_together_equal_rows_decoded_alone_and_a_parked_row_keeps_i
                                single[1], rtol=1e-4, atol=1e-4)
 
 
+def test_the_contexts_last_position_is_a_real_token():
+    """The engine's cache parks one slot past the context, so a token at the context's last position (max_seq - 1)
+    is real: its decode step writes the state (when parking shared that position, the state after it was lost) and
+    its logits equal a full forward's."""
+    model = tiny_hybrid()
+    eng = Engine(model, max_seq=len(IDS))
+    assert eng.park == len(IDS) and eng.cache.max_seq == len(IDS) + 1
+    eng.prefill(IDS[:-1])
+    before = [t.clone() for t in eng.cache.ssm if t is not None]
+    last = eng.decode(torch.tensor([IDS[-1]]), torch.tensor([len(IDS) - 1]))[0]
+    assert not any(torch.equal(a, b) for a, b in zip(before, [t for t in eng.cache.ssm if t is not None]))
+    torch.testing.assert_close(last, full_logits(model, IDS)[-1], rtol=1e-4, atol=1e-4)
+
+
 def test_cpu_replay_equals_eager_decode(monkeypatch):
     """The CPU engine runs its first step twice (eager, then recorded): the state is put back between the two,
     so the replayed steps continue from the right one."""

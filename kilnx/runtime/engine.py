@@ -217,8 +217,10 @@ class Engine:
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, *, max_position: int | None = None) -> torch.Tensor:
-        """One step for rows 0..B-1: tokens (B,) at positions (B,) -> logits (B, V). `max_position`, where
-        the caller knows it, spares reading the positions back from the device (a sync per step)."""
+        """One step for rows 0..B-1: tokens (B,) at positions (B,) -> logits (B, V). A row at position `park`
+        (= max_seq, one past the context) is parked: it writes nothing another row reads, and its logits are junk.
+        `max_position`, where the caller knows it, spares reading the positions back from the device (a sync per
+        step)."""
         B = tokens.shape[0]
         if (int(positions.max()) if max_position is None else max_position) > self.park:
             raise ContextLengthError(f"generation reached the context length ({self.max_seq} tokens).")

@@ -62,7 +62,7 @@ for s in "$@"; do case $s in
                KILNX_SERVE_LOOKAHEAD=$la step serveload_la$la ${SERVE_SECS:-240} python3 bench/probes/serve_load.py $OUT/serve_load_la$la.csv ${SERVE_MODEL:-llama-3.1-8b} ${SERVE_BATCHES:-1,4,8,16} ${SERVE_REQUESTS:-16} 64 --random; done ;;
   speculative) step speculative ${SPEC_SECS:-200} python3 bench/probes/speculative.py $OUT/speculative.csv ${SPEC_MODEL:-llama-3.1-8b} --random ${SPEC_ARGS:---draft llama-3.2-1b} ;;
   serveconv) step serveconv ${SERVE_SECS:-240} python3 bench/probes/serve_load.py $OUT/serve_conv.csv ${SERVE_MODEL:-llama-3.1-8b} --conversations ${SERVE_CONVERSATIONS:-6} --random ;;
-  batchdecode) step batchdecode ${BATCH_SECS:-330} python3 bench/probes/batch_decode.py $OUT/batch_decode.csv ${BATCH_MODEL:-llama-3.1-8b} ${BATCH_SIZES:-1,2,4,8,16} ${BATCH_STEPS:-64} ;;
+  batchdecode) step batchdecode ${BATCH_SECS:-330} python3 bench/probes/batch_decode.py $OUT/batch_decode.csv ${BATCH_MODEL:-llama-3.1-8b} ${BATCH_SIZES:-1,2,4,8,16} ${BATCH_STEPS:-64} ${BATCH_SETTINGS:-default,direct,off} ;;
   moeprobe) step moeprobe ${MOEPROBE_SECS:-300} python3 bench/probes/moe_onepass.py $OUT/moe_onepass.csv ${MOEPROBE_ROUNDS:-2} ;;
   fusions) step fusions 150 python3 bench/bench_kernels.py --suite fusions --quick --out $OUT ;;
   moe) KILNX_MOE_CASES=${MOE_CASES:-all} step moe ${MOE_SECS:-200} python3 bench/bench_kernels.py --suite moe --out $OUT ;;

@@ -17,7 +17,8 @@ import torch
 from kilnx.dsl.kernel import _tuning_generation, combined_source_hash, format_key
 from kilnx.dsl.tunables import Space, choice
 
-ROUTING_VERSION = "8"   # 7: qmm_wg_direct for 4-16 rows on sm_90 (session 21); 8: WG_REPACKED (session 26)
+# 7: qmm_wg_direct for 4-16 rows on sm_90 (session 21); 8: WG_REPACKED (session 26); 9: WG_MAX_ROWS kept at 16
+ROUTING_VERSION = "9"
 TC_NEVER = 65            # past qmv_tc.MAX_ROWS: the tensor-core GEMV is never chosen
 # On the H200 qmv_tc took the same time at 1, 4 and 8 rows and beat qmv_h2 at 8 on every llama-3.1-8b
 # shape (by 9-15%), lost at 4 (by 29-71%) (bench/results/2026-12-03_h200_quant_s5.csv); kilnx tune
@@ -103,8 +104,11 @@ class QmatmulRowsRoute:
                             "GEMV": choice("qmv", "qmv_h2", "qmv_il", default="qmv_h2"),
                             "TC_MIN_ROWS": choice(1, 2, 4, 6, 8, 12, 16, TC_NEVER, default=TC_MIN_ROWS),
                             "WG_MIN_ROWS": choice(2, 3, 4, 6, 8, 12, 16, WG_NEVER, default=WG_MIN_ROWS),
-                            # up to 64 rows it runs all of x's rows in one program; timed only up to 16 so far
-                            "WG_MAX_ROWS": choice(16, 32, 64, default=16),
+                            # up to 64 rows it runs all of x's rows in one program, but only 4-16 rows were
+                            # measured in the engine; offered 32 / 64, a 100 s tune on the H100 took them with the
+                            # copy off (the sweep's 32-row call outweighs the decode rows), and the tuned route
+                            # decoded 4 rows at 0.88x the default's rate (bench/results/*_route_tuned_s32.csv)
+                            "WG_MAX_ROWS": choice(16, default=16),
                             # those rows through qmm_wg on a repacked copy of the weight (kernels/qmv_wg.py)
                             # where memory allows; the default is per weight (qmv_wg.repack_pays)
                             "WG_REPACKED": choice(False, True, default=False)})

@@ -16,5 +16,5 @@ def pow2_dividing(n: int, cap: int = 4096) -> int:
 
 
 # No parking position: a kernel given it treats every token as real (runtime/kv_cache.py's parking slot). Below
-# 2**31 so that it passes as the same int32 argument a real slot index does (no second compile).
+# 2**31 so that it passes as an int32 argument, as a real slot index does (an int64 would compile another variant).
 NO_LIMIT = 2 ** 31 - 1

@@ -66,8 +66,8 @@ class KVCache:
         return self.k[0].shape[0]
 
     @property
-    def max_seq(self) -> int:
-        """Slots a row (the parking slot included)."""
+    def slots(self) -> int:
+        """Positions a row holds: the context, and the parking slot where there is one."""
         return self.k[0].shape[2]
 
     @property
@@ -103,16 +103,16 @@ class HybridCache(KVCache):
     state), and nothing may run a token into a row that is not its next one but padding at the parking slot, which
     leaves the state as it was (runtime/engine.py: no speculative rounds)."""
 
-    def __init__(self, k: list, v: list, conv: list, ssm: list, max_seq: int, park: int | None = None):
+    def __init__(self, k: list, v: list, conv: list, ssm: list, slots: int, park: int | None = None):
         super().__init__(k, v, park)
-        self.conv, self.ssm, self._max_seq = conv, ssm, max_seq
+        self.conv, self.ssm, self._slots = conv, ssm, slots     # kept: a model of Mamba layers only has no K
 
     @classmethod
     def for_hybrid(cls, cfg: ModelConfig, batch: int, max_seq: int, *, dtype=torch.float32, state_dtype=None,
                    device="cpu", park: bool = False) -> "HybridCache":
         kinds = [cfg.layer_kind(i) for i in range(cfg.num_layers)]
-        max_seq, park_at = _slots(max_seq, park)
-        kv = (batch, cfg.num_kv_heads, max_seq, cfg.head_dim)
+        slots, park_at = _slots(max_seq, park)
+        kv = (batch, cfg.num_kv_heads, slots, cfg.head_dim)
         k = [torch.zeros(kv, dtype=dtype, device=device) if t == "attention" else None for t in kinds]
         v = [torch.zeros(kv, dtype=dtype, device=device) if t == "attention" else None for t in kinds]
         conv_shape = (batch, cfg.conv_kernel - 1, cfg.conv_dim)
@@ -120,7 +120,7 @@ class HybridCache(KVCache):
         conv = [torch.zeros(conv_shape, dtype=state_dtype or dtype, device=device) if t == "mamba" else None
                 for t in kinds]
         ssm = [torch.zeros(ssm_shape, dtype=torch.float32, device=device) if t == "mamba" else None for t in kinds]
-        return cls(k, v, conv, ssm, max_seq, park_at)
+        return cls(k, v, conv, ssm, slots, park_at)
 
     def _present(self, tensors: list) -> list:
         return [t for t in tensors if t is not None]
@@ -130,8 +130,8 @@ class HybridCache(KVCache):
         return (self._present(self.k) or self._present(self.ssm))[0].shape[0]
 
     @property
-    def max_seq(self) -> int:
-        return self._max_seq
+    def slots(self) -> int:
+        return self._slots
 
     @property
     def nbytes(self) -> int:
@@ -149,7 +149,7 @@ class HybridCache(KVCache):
     def rows(self, start: int, stop: int) -> "HybridCache":
         def cut(ts):
             return [t[start:stop] if t is not None else None for t in ts]
-        return HybridCache(cut(self.k), cut(self.v), cut(self.conv), cut(self.ssm), self._max_seq, self.park)
+        return HybridCache(cut(self.k), cut(self.v), cut(self.conv), cut(self.ssm), self._slots, self.park)
 
     def save_state(self) -> list:
         """A copy of every row's recurrent state, for restore_state: a step that must run twice from the same

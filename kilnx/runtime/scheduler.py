@@ -525,7 +525,7 @@ class Scheduler:
             if self.engine.recurrent and req.prefilled == len(req.ids):
                 # a state takes every token a step fed, a step enqueued ahead of the request's end included
                 held = req.ids + req.tokens[:req.fed]
-            self.kept[req.row] = held[:self.engine.max_seq] if keep else []
+            self.kept[req.row] = held if keep else []     # every position held lies inside the context
             self._released[req.row] = max(self._released) + 1
 
     @staticmethod

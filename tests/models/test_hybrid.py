@@ -225,7 +225,7 @@ def test_the_contexts_last_position_is_a_real_token():
     its logits equal a full forward's."""
     model = tiny_hybrid()
     eng = Engine(model, max_seq=len(IDS))
-    assert eng.park == len(IDS) and eng.cache.max_seq == len(IDS) + 1
+    assert eng.park == len(IDS) and eng.cache.slots == len(IDS) + 1
     eng.prefill(IDS[:-1])
     before = [t.clone() for t in eng.cache.ssm if t is not None]
     last = eng.decode(torch.tensor([IDS[-1]]), torch.tensor([len(IDS) - 1]))[0]

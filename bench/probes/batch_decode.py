@@ -11,7 +11,9 @@ wgmma kernel's does not). Random 4-bit group-64 weights at the model's real size
 (runtime/bench.py `batched_greedy`, after an untimed pass), tok/s = B * STEPS / seconds. (Session 21's CSV
 came from this probe's own loop of the same steps, at b7b068d.) The settings (KILNX_WG): `default` the route's
 choice (qmm_wg on a repacked copy for large weights, qmm_wg_direct for the others; kernels/routing.py),
-`direct` qmm_wg_direct for all, `repacked` (KILNX_WG=1) the copy for all, `off` (KILNX_WG=0) qmv_h2 and qmv_tc.
+`direct` qmm_wg_direct for all, `repacked` (KILNX_WG=1) the copy for all, `off` (KILNX_WG=0) qmv_h2 and qmv_tc,
+`rule` (KILNX_QMATMUL_PATH=rule) the route's thresholds with any tuned per-row path set aside
+(kernels/qmatmul_path.py; with a tuned DB, `default` against `rule` is the tuned paths' gain).
 They alternate twice, each in a fresh engine (its graphs captured under that setting); the peers in the same
 run are the other settings.
 """
@@ -55,7 +57,7 @@ def main():
         for rnd in range(2):
             for batch in batches:
                 for route in settings:
-                    os.environ["KILNX_WG"] = SETTINGS[route]
+                    os.environ.update(SETTINGS[route])
                     _forget_served()
                     rate = decode_rate(lm, batch, steps)
                     print(f"{model} B={batch} route {route} round {rnd}: {rate:.1f} tok/s", flush=True)
@@ -64,7 +66,8 @@ def main():
                     f.flush()
 
 
-SETTINGS = {"default": "", "direct": "direct", "repacked": "1", "off": "0"}
+SETTINGS = {name: {"KILNX_WG": wg, "KILNX_QMATMUL_PATH": "rule" if name == "rule" else ""}
+            for name, wg in (("default", ""), ("rule", ""), ("direct", "direct"), ("repacked", "1"), ("off", "0"))}
 
 
 def _forget_served():

@@ -78,8 +78,8 @@ def _prepared_format(parts, x):
         elif not isinstance(w, QWeight) or w.mode != "affine" or len(w.shape) != 2 or w.bits not in H.BITS_SERVED:
             return None
         else:
-            chosen = qmatmul_rows.choice_for(x, w.packed, w.scales, w.biases)
-            if rows > chosen["QMV_MAX_ROWS"] or chosen["GEMV"] != "qmv_h2" or qmatmul_rows.takes_wg(x, w, chosen):
+            args = (x, w.packed, w.scales, w.biases)
+            if qmatmul_rows.path(*args, qmatmul_rows.choice_for(*args)) != "qmv_h2":
                 return None
         f = (32 // w.bits, w.group_size)
         if fmt not in (None, f) or k % w.group_size:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 
 MODULES = ("norms", "activations", "rope", "attention", "attention_split", "attention_decode", "prepared", "qmatmul",
-           "qmv_h2", "qkv_rope", "qk_norm_rope", "qmv_tc", "qmatmul_fp4", "fp4_qmv_h2", "routing", "moe_align", "moe",
+           "qmv_h2", "qkv_rope", "qk_norm_rope", "qmv_tc", "qmatmul_path", "qmatmul_fp4", "fp4_qmv_h2", "routing", "moe_align", "moe",
            "moe_combine", "moe_h2", "moe_onepass", "moe_decode_route", "moe_route", "qmv_cpu", "embedding", "qmv_wg",
            "wg_direct", "ssm")
 
@@ -53,6 +53,7 @@ def problems_for_model(model: str, gpu: bool = True) -> list[tuple[str, dict]]:
     width = cfg.intermediate_size or cfg.moe_intermediate_size
     fused_qkv = gpu and cfg.head_dim % 64 == 0 and not cfg.qk_norm and not cfg.attention_bias
 
+    from kilnx.kernels.qmatmul_path import ROWS as PATH_ROWS
     from kilnx.kernels.routing import WG_MIN_ROWS
     from kilnx.kernels.wg_direct import takes_shape
 
@@ -106,6 +107,9 @@ def problems_for_model(model: str, gpu: bool = True) -> list[tuple[str, dict]]:
         fused_rows, dense_rows = ((16, 128), (512, 2048)) if gpu else ((16, 512, 2048), ())
         out += [("qmm", {"M": m, "N": g["N"], "K": g["K"], "bits": 4, "gs": 64}) for m in fused_rows]
         out += [("mm", {"M": m, "N": g["N"], "K": g["K"]}) for m in dense_rows]
-        out.append(("qmatmul_rows_crossover", {"N": g["N"], "K": g["K"], "bits": 4, "gs": 64}))
+        if gpu:   # one choice per row count a decode graph runs (kernels/qmatmul_path.py)
+            out += [("qmatmul_path", {"N": g["N"], "K": g["K"], "bits": 4, "gs": 64, "M": m}) for m in PATH_ROWS]
+        else:
+            out.append(("qmatmul_rows_crossover", {"N": g["N"], "K": g["K"], "bits": 4, "gs": 64}))
     out += rows(2048) + mixer(2048)
     return out

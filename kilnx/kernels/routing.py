@@ -19,6 +19,8 @@ from kilnx.dsl.tunables import Space, choice
 
 # 7: qmm_wg_direct for 4-16 rows on sm_90 (session 21); 8: WG_REPACKED (session 26); 9: WG_MAX_ROWS kept at 16
 ROUTING_VERSION = "9"
+# The kernels a qmatmul call can take (`QmatmulRowsRoute.server_of_path`)
+PATHS = ("qmv", "qmv_h2", "qmv_il", "qmv_tc", "qmm_wg_direct", "qmm_wg", "qmm", "dequant_mm")
 TC_NEVER = 65            # past qmv_tc.MAX_ROWS: the tensor-core GEMV is never chosen
 # On the H200 qmv_tc took the same time at 1, 4 and 8 rows and beat qmv_h2 at 8 on every llama-3.1-8b
 # shape (by 9-15%), lost at 4 (by 29-71%) (bench/results/2026-12-03_h200_quant_s5.csv); kilnx tune
@@ -31,6 +33,7 @@ TC_MIN_ROWS = 8
 # one row (bench/results/2026-12-05_h200_qmv_direct_s21.csv).
 WG_MIN_ROWS = 4
 WG_NEVER = 65            # past any WG_MAX_ROWS: qmm_wg_direct is never chosen
+WG_KERNEL_MAX_ROWS = 64  # the most rows the wgmma kernels serve (not the most they were measured fast at: 16)
 
 
 # Rows from which the GPU dequantizes the weight to bf16 once and runs the dense GEMM: at M=512 and 4096 on
@@ -171,27 +174,75 @@ class QmatmulRowsRoute:
         """The call `serve` makes for x's row count and this weight format, as a function of
         (x, wq, scales, biases): qmatmul keeps it per weight and row count (a decode step makes a
         hundred qmatmul calls, each of which would otherwise redo these decisions)."""
-        qm = self._qm
-        f = qm._format_of(x, wq, scales, biases)
-        bits, group = f["BITS"], f["GROUP"]
+        return self.server_of_path(self.path(x, wq, scales, biases, chosen), x, wq, scales, biases, backend)
+
+    def path(self, x, wq, scales, biases, chosen: dict) -> str:
+        """Which of PATHS serves this call under `chosen`: its `PATH` (the per-row-count choice of
+        kernels/qmatmul_path.py) where it has one that serves the call, else the thresholds' rule. A/Bs set
+        the PATH aside: KILNX_QMATMUL_PATH=rule, or a KILNX_WG setting of the thresholds' wgmma rows."""
+        tuned = chosen.get("PATH")
+        aside = os.environ.get("KILNX_WG") or os.environ.get("KILNX_QMATMUL_PATH") == "rule"
+        if tuned is not None and not aside and self.serves(tuned, x, wq, scales, biases):
+            return tuned
+        return self.rule_path(x, wq, scales, biases, chosen)
+
+    def rule_path(self, x, wq, scales, biases, chosen: dict) -> str:
+        """The path the thresholds (QMV_MAX_ROWS, GEMV, TC_MIN_ROWS, WG_*) give this call."""
+        bits = self._qm._format_of(x, wq, scales, biases)["BITS"]
         if self._wg_serves(x, wq, scales, biases, chosen):
-            # the weights qmm_wg_direct takes (`_wg_serves`) are qmm_wg's too
-            if self._repacked(chosen) and (op := self._wgr.operand_for(wq, scales, biases)) is not None:
-                return self._wgr.server_of(op, backend)
-            return self._wg.server_of(x, wq, backend)
+            return "qmm_wg" if self._repacked(chosen) else "qmm_wg_direct"
         if x.shape[0] >= chosen.get("TC_MIN_ROWS", TC_NEVER) and self._tc.serves(x, wq, scales, biases):
-            return lambda x, wq, scales, biases: self._tc.run_qmv_tc(x, wq, scales, biases, backend=backend)
+            return "qmv_tc"
         if x.shape[0] <= chosen["QMV_MAX_ROWS"] and 32 % bits == 0:
             if chosen["GEMV"] == "qmv_il":
-                return lambda x, wq, scales, biases: self._il.run_qmv_il(x, wq, scales, biases, backend=backend)
-            h2 = chosen["GEMV"] == "qmv_h2" and bits in self._h2.BITS_SERVED
-            prep, gemv = (self._h2.qmv_h2_prep, self._h2.qmv_h2) if h2 else (qm.qmv_prep, qm.qmv)
+                return "qmv_il"
+            return "qmv_h2" if chosen["GEMV"] == "qmv_h2" and bits in self._h2.BITS_SERVED else "qmv"
+        if 32 % bits == 0 and takes_dequant_mm(x, wq, scales, biases):
+            return "dequant_mm"
+        return "qmm"
+
+    def serves(self, path: str, x, wq, scales, biases) -> bool:
+        """Whether `path` can multiply this call at all (not whether it is fast)."""
+        bits = self._qm._format_of(x, wq, scales, biases)["BITS"]
+        if path in ("qmv", "qmv_il"):
+            return 32 % bits == 0
+        if path == "qmv_h2":
+            return 32 % bits == 0 and bits in self._h2.BITS_SERVED
+        if path == "qmv_tc":
+            return self._tc.serves(x, wq, scales, biases)
+        if path in ("qmm_wg_direct", "qmm_wg"):   # all of x's rows in one program, up to 64
+            return x.shape[0] <= WG_KERNEL_MAX_ROWS and self._wg.takes(x, wq, scales, biases)
+        if path == "dequant_mm":
+            return x.is_cuda and 32 % bits == 0
+        return path == "qmm"
+
+    def server_of_path(self, path: str, x, wq, scales, biases, backend: str | None = None):
+        """`path`'s call as a function of (x, wq, scales, biases), for weights like wq and x's row count."""
+        qm = self._qm
+        if not self.serves(path, x, wq, scales, biases):
+            raise ValueError(f"qmatmul path {path!r} does not serve {x.shape[0]} {x.dtype} rows of a "
+                             f"{tuple(wq.shape)} weight; paths: {', '.join(PATHS)}")
+        if path == "qmm_wg":
+            # the repacked copy, where memory allows and not first asked inside a graph capture
+            if (op := self._wgr.operand_for(wq, scales, biases)) is not None:
+                return self._wgr.server_of(op, backend)
+            path = "qmm_wg_direct"
+        if path == "qmm_wg_direct":
+            return self._wg.server_of(x, wq, backend)
+        if path == "qmv_tc":
+            return lambda x, wq, scales, biases: self._tc.run_qmv_tc(x, wq, scales, biases, backend=backend)
+        if path == "qmv_il":
+            return lambda x, wq, scales, biases: self._il.run_qmv_il(x, wq, scales, biases, backend=backend)
+        if path in ("qmv", "qmv_h2"):
+            group = qm._format_of(x, wq, scales, biases)["GROUP"]
+            bits = qm._format_of(x, wq, scales, biases)["BITS"]
+            prep, gemv = (self._h2.qmv_h2_prep, self._h2.qmv_h2) if path == "qmv_h2" else (qm.qmv_prep, qm.qmv)
 
             def gemv_call(x, wq, scales, biases):
                 y = gemv(*prep(x, PER=32 // bits, GROUP=group, backend=backend), wq, scales, biases, backend=backend)
                 return y if y.dtype == x.dtype else y.to(x.dtype)
             return gemv_call
-        if 32 % bits == 0 and takes_dequant_mm(x, wq, scales, biases):
+        if path == "dequant_mm":
             return qm.dequant_mm
         return lambda x, wq, scales, biases: qm.qmm(x, wq, scales, biases, backend=backend)
 
@@ -205,13 +256,17 @@ class QmatmulRowsRoute:
         env = os.environ.get("KILNX_WG")
         return env == "1" or (env != "direct" and chosen.get("WG_REPACKED", False))
 
-    def takes_wg(self, x, w, chosen: dict) -> bool:
-        """Whether qmatmul of x (rows, K) by QWeight w goes to qmm_wg_direct under `chosen`: its producers
-        then emit plain activations, not qmv_h2's prepared ones (kernels/prepared.py)."""
-        return self._wg_serves(x, w.packed, w.scales, w.biases, chosen)
-
     def choice_for(self, x, wq, scales, biases) -> dict:
-        """The stored choice for this device and weight (the default where none was tuned), looked up
+        """The stored choice for this device, weight and row count: the thresholds (`thresholds_for`) and,
+        for up to qmatmul_path.MAX_ROWS rows, the per-row-count `PATH` (kernels/qmatmul_path.py)."""
+        thresholds = self.thresholds_for(x, wq, scales, biases)
+        from kilnx.kernels.qmatmul_path import MAX_ROWS, qmatmul_path
+        if x.shape[0] > MAX_ROWS:
+            return thresholds
+        return {**thresholds, "PATH": qmatmul_path.path_for(x, wq, scales, biases)}
+
+    def thresholds_for(self, x, wq, scales, biases) -> dict:
+        """The stored thresholds for this device and weight (the default where none was tuned), looked up
         once per (device, weight shape) until the runtime reloads tuned configs: qmatmul asks per call."""
         memo = (x.device, x.shape[1], wq.shape, scales.shape, _tuning_generation[0])   # a list, bumped in place
         got = self._chosen.get(memo)

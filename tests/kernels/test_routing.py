@@ -95,8 +95,12 @@ def test_the_stored_choice_is_what_the_runtime_reads(tmp_path, monkeypatch):
 def test_the_route_is_tunable_by_name_for_a_model():
     from kilnx.kernels import registry
     assert registry.get("qmatmul_rows_crossover") is qmatmul_rows
-    routes = [p for name, p in registry.problems_for_model("llama-3.2-1b") if name == "qmatmul_rows_crossover"]
+    # the CPU tunes the thresholds; the GPU one path per row count a decode graph runs (test_qmatmul_path.py)
+    routes = [p for name, p in registry.problems_for_model("llama-3.2-1b", gpu=False) if name == "qmatmul_rows_crossover"]
     assert {"N": 2048, "K": 8192, "bits": 4, "gs": 64} in routes
+    paths = [p for name, p in registry.problems_for_model("llama-3.2-1b") if name == "qmatmul_path"]
+    assert [p["M"] for p in paths if (p["N"], p["K"]) == (2048, 8192)] == [1, 2, 4, 8, 16]
+    assert not [name for name, _ in registry.problems_for_model("llama-3.2-1b") if name == "qmatmul_rows_crossover"]
 
 
 def test_a_tune_records_a_choice(tmp_path):

@@ -1,0 +1,86 @@
+"""Which kernel serves a quantized matmul of one weight at one row count: a tuned, stored choice per (weight, rows).
+
+Why not only the thresholds of kernels/routing.py: there one config per weight (GEMV up to QMV_MAX_ROWS rows, wgmma
+from WG_MIN_ROWS, the repacked copy or not, ...) was tuned on one objective, the sum of a sweep of calls at 1 to 32
+rows. On the H100 a 100 s `kilnx tune --model llama-3.1-8b` of it took the copy off gate_up and down and raised the
+wgmma threshold, ahead on the sweep by 1.04-1.20x, and the tuned model decoded 4 rows at 0.88x the untuned rate
+(bench/results/2026-12-06_h100_batch_decode_route_tuned_s32.csv): the 32-row call outweighed the rows a decode step
+runs, and TPE over coupled thresholds did not find the combination that won each row count. Here each row count the
+engine's decode graphs run (1, 2, 4, 8, 16) is its own bucket with one categorical choice among the kernels of
+routing.PATHS, so the tuner covers the few that serve it exhaustively and stores the fastest for that call alone.
+
+Where nothing is stored the choice is the thresholds' own path (stored or default), so the runtime's answer is the
+same as before tuning. A path that does not serve the call (qmv_tc past 64 rows, the wgmma kernels on another
+format) fails to compile: a failed trial, never a stored result.
+"""
+
+from __future__ import annotations
+
+from kilnx.dsl.kernel import _tuning_generation, combined_source_hash, format_key
+from kilnx.dsl.tunables import Space, choice
+from kilnx.kernels.routing import PATHS, ROUTING_VERSION, qmatmul_rows
+
+PATH_VERSION = "1"
+MAX_ROWS = 16          # the largest bucket tuned; more rows take the thresholds' rule
+ROWS = (1, 2, 4, 8, 16)
+
+
+class QmatmulPathRoute:
+    """`PATH` for one qmatmul call shape: x (M, K) of 16-bit activations by a packed weight (N, K). The bucket is
+    the weight's shape and format (one string field, so that no other weight's choice is ever the nearest) and M."""
+
+    name = "qmatmul_path"
+
+    def __init__(self):
+        from kilnx.kernels import qmatmul as qm
+        self._qm = qm
+        self.space = Space({"PATH": choice(*PATHS, default="qmv_h2")})
+        self.tolerance = qm._matmul_tolerance
+        self.peer = None
+        self._chosen: dict = {}
+        self._hash: str | None = None
+
+    @property
+    def source_hash(self) -> str:
+        if self._hash is None:
+            self._hash = combined_source_hash(PATH_VERSION + ROUTING_VERSION, qmatmul_rows._hashed)
+        return self._hash
+
+    # -- protocol -------------------------------------------------------------------------------------
+    def key(self, x, wq, scales, biases, **_) -> str:
+        f = self._qm._format_of(x, wq, scales, biases)
+        return format_key({"W": f"{wq.shape[0]}x{x.shape[1]}b{f['BITS']}g{f['GROUP']}", "M": x.shape[0]})
+
+    def default_config(self, x, wq, scales, biases, **_) -> dict:
+        """The thresholds' path for this call: what qmatmul runs when no path is stored."""
+        chosen = qmatmul_rows.thresholds_for(x, wq, scales, biases)
+        return self.space.validate({"PATH": qmatmul_rows.rule_path(x, wq, scales, biases, chosen)})
+
+    def sample_problems(self) -> list[dict]:
+        return [{"N": 4096, "K": 4096, "bits": 4, "gs": 64, "M": 4}]
+
+    def make_args(self, problem: dict, device: str):
+        return self._qm.make_qmatmul_args(problem, device)
+
+    def compile(self, config: dict, *args, backend: str | None = None, **_):
+        return qmatmul_rows.server_of_path(self.space.validate(config)["PATH"], *args, backend=backend)
+
+    def reference(self, x, wq, scales, biases, **_):
+        f = self._qm._format_of(x, wq, scales, biases)
+        return self._qm._dense_spec(x, wq, scales, biases, f["BITS"], f["GROUP"])
+
+    # -- the choice itself ----------------------------------------------------------------------------
+    def path_for(self, x, wq, scales, biases) -> str:
+        """The stored path for this device, weight and row count (the thresholds' path where none was
+        tuned), looked up once per (device, weight shape, rows) until the runtime reloads tuned configs."""
+        memo = (x.device, x.dtype, x.shape, wq.shape, scales.shape, _tuning_generation[0])
+        got = self._chosen.get(memo)
+        if got is None:
+            from kilnx.runtime.dispatch import config_for
+            got = self._chosen[memo] = config_for(self, (x, wq, scales, biases), {})["PATH"]
+        return got
+
+
+qmatmul_path = QmatmulPathRoute()
+
+__all__ = ["qmatmul_path", "QmatmulPathRoute", "MAX_ROWS", "ROWS"]

@@ -35,7 +35,6 @@ class QmatmulPathRoute:
         from kilnx.kernels import qmatmul as qm
         self._qm = qm
         self.space = Space({"PATH": choice(*PATHS, default="qmv_h2")})
-        self.tolerance = qm._matmul_tolerance
         self.peer = None
         self._chosen: dict = {}
         self._hash: str | None = None
@@ -47,11 +46,11 @@ class QmatmulPathRoute:
         return self._hash
 
     # -- protocol -------------------------------------------------------------------------------------
-    def key(self, x, wq, scales, biases, **_) -> str:
+    def key(self, x, wq, scales, biases, *_, **__) -> str:
         f = self._qm._format_of(x, wq, scales, biases)
         return format_key({"W": f"{wq.shape[0]}x{x.shape[1]}b{f['BITS']}g{f['GROUP']}", "M": x.shape[0]})
 
-    def default_config(self, x, wq, scales, biases, **_) -> dict:
+    def default_config(self, x, wq, scales, biases, *_, **__) -> dict:
         """The thresholds' path for this call: what qmatmul runs when no path is stored."""
         chosen = qmatmul_rows.thresholds_for(x, wq, scales, biases)
         return self.space.validate({"PATH": qmatmul_rows.rule_path(x, wq, scales, biases, chosen)})
@@ -60,12 +59,36 @@ class QmatmulPathRoute:
         return [{"N": 4096, "K": 4096, "bits": 4, "gs": 64, "M": 4}]
 
     def make_args(self, problem: dict, device: str):
-        return self._qm.make_qmatmul_args(problem, device)
+        """qmatmul's four arguments and whether the call's activations come from a producer that can emit
+        qmv_h2's prepared form (problem "prepared": qkv, gate_up, down; kernels/prepared.py)."""
+        return (*self._qm.make_qmatmul_args(problem, device), bool(problem.get("prepared", False)))
 
-    def compile(self, config: dict, *args, backend: str | None = None, **_):
-        return qmatmul_rows.server_of_path(self.space.validate(config)["PATH"], *args, backend=backend)
+    def compile(self, config: dict, x, wq, scales, biases, prepared: bool = False, *, backend: str | None = None, **_):
+        path = self.space.validate(config)["PATH"]
+        server = qmatmul_rows.server_of_path(path, x, wq, scales, biases, backend=backend)
+        if path != "qmv_h2" or not prepared:
+            return lambda x, wq, scales, biases, *_: server(x, wq, scales, biases)
+        return self._on_prepared(x, wq, scales, biases, backend)
 
-    def reference(self, x, wq, scales, biases, **_):
+    def _on_prepared(self, x, wq, scales, biases, backend):
+        """qmv_h2 as the engine runs it after a producer: its activations prepared before the call, so that the
+        timing (warm-up first, then the replayed call) charges the GEMV alone, as a decode step pays it. Without
+        this the tuner would charge qmv_h2 a launch (~1.1 us on the H200) that no other path pays."""
+        from kilnx.kernels import qmv_h2 as h2
+        f = self._qm._format_of(x, wq, scales, biases)
+        held: list = [None, None]        # the x last prepared (kept alive, so its identity is not reused) and its form
+
+        def call(x, wq, scales, biases, *_):
+            if held[0] is not x:
+                held[:] = [x, h2.qmv_h2_prep(x, PER=32 // f["BITS"], GROUP=f["GROUP"], backend=backend)]
+            y = h2.qmv_h2(*held[1], wq, scales, biases, backend=backend)
+            return y if y.dtype == x.dtype else y.to(x.dtype)
+        return call
+
+    def tolerance(self, args):
+        return self._qm._matmul_tolerance(tuple(args[:4]))
+
+    def reference(self, x, wq, scales, biases, *_, **__):
         f = self._qm._format_of(x, wq, scales, biases)
         return self._qm._dense_spec(x, wq, scales, biases, f["BITS"], f["GROUP"])
 

@@ -108,7 +108,9 @@ def problems_for_model(model: str, gpu: bool = True) -> list[tuple[str, dict]]:
         out += [("qmm", {"M": m, "N": g["N"], "K": g["K"], "bits": 4, "gs": 64}) for m in fused_rows]
         out += [("mm", {"M": m, "N": g["N"], "K": g["K"]}) for m in dense_rows]
         if gpu:   # one choice per row count a decode graph runs (kernels/qmatmul_path.py)
-            out += [("qmatmul_path", {"N": g["N"], "K": g["K"], "bits": 4, "gs": 64, "M": m}) for m in PATH_ROWS]
+            fed = int(g["name"] in ("qkv", "gate_up", "down"))   # after a norm or SwiGLU: prepared activations
+            out += [("qmatmul_path", {"N": g["N"], "K": g["K"], "bits": 4, "gs": 64, "M": m, "prepared": fed})
+                    for m in PATH_ROWS]
         else:
             out.append(("qmatmul_rows_crossover", {"N": g["N"], "K": g["K"], "bits": 4, "gs": 64}))
     out += rows(2048) + mixer(2048)

@@ -107,6 +107,23 @@ def combined_source_hash(version: str, kernels) -> str:
     return hashlib.sha256((version + "".join(k.source_hash for k in kernels)).encode()).hexdigest()
 
 
+class Route:
+    """A choice between kernels with the kernel protocol (its tunable is the choice; kilnx/kernels/routing.py).
+    Subclasses set `version` and `chosen_between()`; the source hash combines them when first asked."""
+
+    version = "0"
+    peer = None
+
+    def chosen_between(self) -> tuple:
+        raise NotImplementedError
+
+    @property
+    def source_hash(self) -> str:
+        if getattr(self, "_hash", None) is None:
+            self._hash = combined_source_hash(self.version, self.chosen_between())
+        return self._hash
+
+
 def _names_used(code) -> set[str]:
     names = set(code.co_names)
     for c in code.co_consts:   # comprehensions and nested functions are code objects of their own

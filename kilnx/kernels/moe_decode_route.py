@@ -13,34 +13,28 @@ from __future__ import annotations
 
 import os
 
-from kilnx.dsl.kernel import _tuning_generation, combined_source_hash, format_key
+from kilnx.dsl.kernel import Route, _tuning_generation, format_key
 from kilnx.dsl.tunables import Space, choice
 
 ROUTE_VERSION = "1"
 PATHS = ("two_kernels", "onepass")
 
 
-class MoeDecodeRoute:
+class MoeDecodeRoute(Route):
     """`PATH` for the decode MoE of one (E, 2F, H) stack pair. Args are moe_onepass_h2's: prepared x (planes,
     sums, xs), the gate_up stack's packed words, scales, biases, down's, expert_ids and routing weights."""
 
     name = "moe_decode_path"
+    version = ROUTE_VERSION
 
     def __init__(self):
         from kilnx.kernels import moe_h2, moe_onepass
         self._h2, self._one = moe_h2, moe_onepass
         self.space = Space({"PATH": choice(*PATHS, default="two_kernels")})
-        self.peer = None
         self._chosen: dict = {}
-        self._hash: str | None = None
 
-    @property
-    def source_hash(self) -> str:
-        """The route's version and its kernels' hashes, when first asked (as theirs are: kilnx/dsl/kernel.py)."""
-        if self._hash is None:
-            self._hash = combined_source_hash(ROUTE_VERSION, (self._h2.gather_qmv_h2_glu, self._h2.gather_qmv_h2_combine,
-                                                              self._one.moe_onepass_h2))
-        return self._hash
+    def chosen_between(self) -> tuple:
+        return (self._h2.gather_qmv_h2_glu, self._h2.gather_qmv_h2_combine, self._one.moe_onepass_h2)
 
     # -- protocol -------------------------------------------------------------------------------------
     def key(self, planes, sums, xs, wq, scales, biases, d_packed, d_scales, *_, **__) -> str:

@@ -16,7 +16,7 @@ format) fails to compile: a failed trial, never a stored result.
 
 from __future__ import annotations
 
-from kilnx.dsl.kernel import _tuning_generation, combined_source_hash, format_key
+from kilnx.dsl.kernel import Route, _tuning_generation, format_key
 from kilnx.dsl.tunables import Space, choice
 from kilnx.kernels.routing import PATHS, ROUTING_VERSION, qmatmul_rows
 
@@ -25,25 +25,21 @@ MAX_ROWS = 16          # the largest bucket tuned; more rows take the thresholds
 ROWS = (1, 2, 4, 8, 16)
 
 
-class QmatmulPathRoute:
+class QmatmulPathRoute(Route):
     """`PATH` for one qmatmul call shape: x (M, K) of 16-bit activations by a packed weight (N, K). The bucket is
     the weight's shape and format (one string field, so that no other weight's choice is ever the nearest) and M."""
 
     name = "qmatmul_path"
+    version = PATH_VERSION + ROUTING_VERSION
 
     def __init__(self):
         from kilnx.kernels import qmatmul as qm
         self._qm = qm
         self.space = Space({"PATH": choice(*PATHS, default="qmv_h2")})
-        self.peer = None
         self._chosen: dict = {}
-        self._hash: str | None = None
 
-    @property
-    def source_hash(self) -> str:
-        if self._hash is None:
-            self._hash = combined_source_hash(PATH_VERSION + ROUTING_VERSION, qmatmul_rows._hashed)
-        return self._hash
+    def chosen_between(self) -> tuple:
+        return qmatmul_rows.chosen_between()
 
     # -- protocol -------------------------------------------------------------------------------------
     def key(self, x, wq, scales, biases, *_, **__) -> str:

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from kilnx.dsl.kernel import _tuning_generation, combined_source_hash, format_key
+from kilnx.dsl.kernel import Route, _tuning_generation, format_key
 from kilnx.dsl.tunables import Space, choice
 
 # 7: qmm_wg_direct for 4-16 rows on sm_90 (session 21); 8: WG_REPACKED (session 26); 9: WG_MAX_ROWS kept at 16
@@ -82,7 +82,7 @@ def two_kernels_win(m: int, n: int, min_rows: int, narrow_max_rows: int, sms: in
     return m >= min_rows or (m > max(64, narrow_max_rows) and starved(m, n, sms))
 
 
-class QmatmulRowsRoute:
+class QmatmulRowsRoute(Route):
     """Which GEMV `qmatmul` uses (`GEMV`: the fp32 qmv or the packed-fp16 qmv_h2, where its bit width
     allows) and up to how many rows (`QMV_MAX_ROWS`); more rows take the tile GEMM. From `TC_MIN_ROWS`
     rows up to qmv_tc.MAX_ROWS, 16-bit activations take the tensor-core GEMV (qmv_tc) instead; before that,
@@ -94,6 +94,7 @@ class QmatmulRowsRoute:
     """
 
     name = "qmatmul_rows_crossover"
+    version = ROUTING_VERSION
     ROWS = (1, 2, 4, 8, 16, 32)
 
     def __init__(self):
@@ -119,15 +120,10 @@ class QmatmulRowsRoute:
         # the kernels it chooses between, hashed when first asked (as theirs are: kilnx/dsl/kernel.py)
         self._hashed = (qm.qmv, qm.qmm, qm.qmv_prep, qmv_h2.qmv_h2, qmv_h2.qmv_h2_prep, qmv_tc.qmv_tc, qmv_cpu.qmv_il,
                         wg_direct.qmm_wg_direct, qmv_wg.qmm_wg)
-        self._hash: str | None = None
         self.tolerance = qm._matmul_tolerance
-        self.peer = None
 
-    @property
-    def source_hash(self) -> str:
-        if self._hash is None:
-            self._hash = combined_source_hash(ROUTING_VERSION, self._hashed)
-        return self._hash
+    def chosen_between(self) -> tuple:
+        return self._hashed
 
     # -- protocol -------------------------------------------------------------------------------------
     def key(self, x, wq, scales, biases, **_) -> str:

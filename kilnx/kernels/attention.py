@@ -211,7 +211,8 @@ def attention(q, k_cache, v_cache, positions, scale, *, softcap=None, window=Non
     from kilnx.kernels import attention_split
     kw = _kernel_kwargs(q, k_cache, scale, softcap, window, limit)
     if attention_split.use_split(q, k_cache):
-        return attention_split.attention_split(q, k_cache, v_cache, positions, kw, prepared=prepared)
+        return attention_split.attention_split(q, *attention_split.context_view(k_cache, v_cache, kw), positions, kw,
+                                               prepared=prepared)
     out = attention_kernel(q, k_cache, v_cache, positions, **kw)
     if prepared is None:
         return out

@@ -137,6 +137,7 @@ def attention_new_tokens(q, k, v, positions, rows, inv_freq, k_cache, v_cache, s
         args = (q4, k.view(B, k.shape[1], k.shape[2]), v.view(B, v.shape[1], v.shape[2]), positions, rows, inv_freq,
                 k_cache, v_cache)
         if split:
+            args = (*args[:6], *AS.context_view(k_cache, v_cache, kw))
             return AS.merge(attention_split_new_kv_kernel(*args, INTERLEAVED=bool(interleaved), **kw), q4, prepared)
         out = attention_new_kv_kernel(*args, INTERLEAVED=bool(interleaved), **kw)
         if prepared is None:

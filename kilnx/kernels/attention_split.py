@@ -224,6 +224,17 @@ def attention_split(q, k_cache, v_cache, positions, kwargs: dict, *, config: dic
     return merge(parts, q, prepared, backend)
 
 
+def context_view(k_cache, v_cache, kwargs: dict):
+    """The caches cut at the parking limit (kwargs["limit"], the slot one past the context): no query sees a key
+    there, so a split counts the context's key ranges, not the slot's (a 4096-token context in 4097 slots ran 17
+    ranges of 256 keys and merged a 32-range tile). A parked row's new k, v then land nowhere: the fused decode
+    kernel's only writer of a position is the program whose range holds it, and no range holds the slot."""
+    limit = kwargs.get("limit", NO_LIMIT)
+    if not 0 < limit < k_cache.shape[2]:
+        return k_cache, v_cache
+    return k_cache[:, :, :limit], v_cache[:, :, :limit]
+
+
 def merge(parts, q, prepared, backend=None):
     """The ranges' partial results merged: (B, T, Hq, D) in q.dtype, or with `prepared` a PreparedX."""
     from kilnx.kernels.prepared import PreparedX, prepare

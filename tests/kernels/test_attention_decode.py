@@ -103,6 +103,36 @@ def test_a_parked_row_writes_its_junk_at_the_parking_slot_and_attends_to_nothing
     assert torch.equal(got[0][1], torch.zeros_like(got[0][1]))
 
 
+def test_a_split_decode_walks_the_context_not_the_parking_slot(monkeypatch):
+    """Where the GPU splits a decode step's keys, ops.attention and the fused ops.attention_new_tokens hand the split
+    kernels the caches cut at the parking limit: ranges over the context only (S = limit), the live row's output and
+    cache writes those of the uncut composition, the parked row's output 0 and its junk written nowhere."""
+    import kilnx.ops as kops
+    monkeypatch.setattr(AS, "use_split", lambda q, k_cache: True)   # the GPU's rule, on the interpreter
+    monkeypatch.setenv("KILNX_FUSED_ROPE", "1")
+    seen = []
+    for module, name in ((AD, "attention_split_new_kv_kernel"), (AS, "attention_split_kernel")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, **k: seen.append(a[-2].shape[2] if len(a) == 8
+                                                                              else a[1].shape[2]) or real(*a, **k))
+    args = list(case(2, 4, 2, 16, 16, "f32", seed=17))
+    q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache = args
+    limit = k_cache.shape[2] - 1
+    positions = torch.tensor([[int(positions[0, 0])], [limit]])
+    want, kc_want, vc_want = composition(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, None, False,
+                                         limit=limit)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    got = kops.attention_new_tokens(q[:, 0].clone(), k_new.clone(), v_new.clone(), positions, rows, inv_freq, kc, vc,
+                                    16 ** -0.5, limit=limit)
+    assert seen == [limit]
+    check((got, kc[0], vc[0]), (want, kc_want[0], vc_want[0]), "f32")
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    assert torch.equal(kc[1], k_cache[1]) and torch.equal(vc[1], v_cache[1])     # the parked row wrote nothing
+    plain = kops.attention(q, kc, vc, positions, 16 ** -0.5, limit=limit)
+    assert seen == [limit, limit]
+    check((plain,), (A.attention_formula(q, kc, vc, positions, 16 ** -0.5, limit=limit),), "f32")
+
+
 @pytest.mark.parametrize("fused", ["0", "1"])
 def test_ops_attention_new_tokens_is_rope_and_cache_then_attention(fused, monkeypatch):
     """kilnx.ops.attention_new_tokens, fused or not (KILNX_FUSED_ROPE), = the torch peer's two ops; with

@@ -100,6 +100,10 @@ class _WorkerState:
         key = (job.kernel_ref, json.dumps(job.problem, sort_keys=True, default=str))
         if key not in self.cases:
             self.cases.clear()  # one problem at a time: large inputs must not pile up
+            # and the configs recorded so far read afresh: a route's trials time the kernels it chooses between on
+            # their tuned configs, which this tune may have recorded after this worker first loaded the DB
+            from kilnx.runtime import dispatch
+            dispatch.reset()
             self.cases[key] = gate.GateCases(kernel, lambda d: self.make_args(kernel, job.problem, GATE_SEED + d))
         return self.cases[key]
 

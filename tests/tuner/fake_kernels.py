@@ -147,3 +147,32 @@ class GpuScaleAddKernel(ScaleAddKernel):
 
 
 gpu_scale_add = GpuScaleAddKernel()
+
+
+class ConsumerKernel(ScaleAddKernel):
+    """y = 2x + 1 whose one config runs fast only where the tuning DB this process loaded says scale_add's
+    M=4,N=64 bucket is tuned to BLOCK=16: a route, whose time depends on the configs of the kernels it calls."""
+
+    name = "fake_consumer"
+    source_hash = "fakeconsumer0001"
+
+    def __init__(self):
+        super().__init__()
+        self.space = Space({"BLOCK": choice(1, default=1)})
+
+    def seed_configs(self, problem):
+        return []
+
+    def compile(self, config, *args):
+        from kilnx.runtime import dispatch
+        from kilnx.runtime.device import detect
+        seen = dispatch.get_tuned(detect("cpu")).config_for(scale_add.name, scale_add.source_hash, "M=4,N=64", {})
+        cost = (10 if seen.get("BLOCK") == 16 else 200) * _US
+
+        def fn(x):
+            _spin(cost)
+            return x * 2.0 + 1.0
+        return fn
+
+
+consumer = ConsumerKernel()

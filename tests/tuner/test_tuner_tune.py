@@ -75,3 +75,21 @@ def test_the_budget_is_a_deadline_targets_past_it_are_not_started(sqlite_url, cp
     assert results[0].error == "" and results[0].config is not None
     assert [r.error.split(":")[0] for r in results[1:]] == ["not started", "not started"]
     assert stored == ["M=4,N=64"]
+
+
+def test_a_later_target_times_its_kernels_on_configs_recorded_earlier_in_the_tune(sqlite_url, cpu, monkeypatch):
+    """One worker tunes a consumer (a route: its time depends on another kernel's tuned config), then that kernel,
+    then the consumer again: the second consumer's trials see the config the tune recorded in between."""
+    from kilnx.cache import TuningDB
+    from kilnx.tuner.budget import Budget
+    from kilnx.tuner.session import TargetSpec, tune_session
+    from kilnx.tuner.study import TuneSettings
+    from tests.tuner.helpers import FAKE
+    monkeypatch.setenv("KILNX_DB", sqlite_url)     # what the worker's runtime side reads
+    specs = [TargetSpec(f"{FAKE}:consumer", {"M": 2, "N": 64}), TargetSpec(f"{FAKE}:scale_add", {"M": 4, "N": 64}),
+             TargetSpec(f"{FAKE}:consumer", {"M": 3, "N": 64})]
+    with TuningDB(sqlite_url) as db:
+        before, tuned, after = tune_session(cpu, specs, db, Budget(120, 3),
+                                            TuneSettings(trial_timeout_s=5.0, rerank_rounds=1), workers=1)
+    assert tuned.config == BEST
+    assert before.default_time_s > 100e-6 > 50e-6 > after.default_time_s

@@ -56,7 +56,7 @@ class QmatmulPathRoute(Route):
 
     def make_args(self, problem: dict, device: str):
         """qmatmul's four arguments and whether the call's activations come from a producer that can emit
-        qmv_h2's prepared form (problem "prepared": qkv, gate_up, down; kernels/prepared.py)."""
+        qmv_h2's prepared form (problem "prepared": the llama family's qkv, o, gate_up, down; kernels/registry.py)."""
         return (*self._qm.make_qmatmul_args(problem, device), bool(problem.get("prepared", False)))
 
     def compile(self, config: dict, x, wq, scales, biases, prepared: bool = False, *, backend: str | None = None, **_):

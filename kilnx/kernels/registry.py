@@ -107,8 +107,10 @@ def problems_for_model(model: str, gpu: bool = True) -> list[tuple[str, dict]]:
         fused_rows, dense_rows = ((16, 128), (512, 2048)) if gpu else ((16, 512, 2048), ())
         out += [("qmm", {"M": m, "N": g["N"], "K": g["K"], "bits": 4, "gs": 64}) for m in fused_rows]
         out += [("mm", {"M": m, "N": g["N"], "K": g["K"]}) for m in dense_rows]
-        if gpu:   # one choice per row count a decode graph runs (kernels/qmatmul_path.py)
-            fed = int(g["name"] in ("qkv", "gate_up", "down"))   # after a norm or SwiGLU: prepared activations
+        if gpu and not g["name"].startswith("expert_"):   # one choice per row count a decode graph runs
+            # (kernels/qmatmul_path.py); the llama family's norms, SwiGLU and split-attention merge hand qkv,
+            # gate_up, down and o prepared activations (models/llama.py); lm_head's come from a plain norm
+            fed = int(not cfg.is_hybrid and g["name"] in ("qkv", "o", "gate_up", "down"))
             out += [("qmatmul_path", {"N": g["N"], "K": g["K"], "bits": 4, "gs": 64, "M": m, "prepared": fed})
                     for m in PATH_ROWS]
         else:

@@ -100,9 +100,11 @@ def test_the_route_is_tunable_by_name_for_a_model():
     assert {"N": 2048, "K": 8192, "bits": 4, "gs": 64} in routes
     paths = [p for name, p in registry.problems_for_model("llama-3.2-1b") if name == "qmatmul_path"]
     assert [p["M"] for p in paths if (p["N"], p["K"]) == (2048, 8192)] == [1, 2, 4, 8, 16]
-    # activations a norm or SwiGLU prepares (qkv, gate_up, down); o's come from attention, lm_head's from a plain norm
-    assert {(p["N"], p["K"]): p["prepared"] for p in paths} == {(3072, 2048): 1, (2048, 2048): 0, (16384, 2048): 1,
+    # activations a norm, SwiGLU or the attention merge prepares (qkv, gate_up, down, o); lm_head's come plain
+    assert {(p["N"], p["K"]): p["prepared"] for p in paths} == {(3072, 2048): 1, (2048, 2048): 1, (16384, 2048): 1,
                                                                 (2048, 8192): 1, (128256, 2048): 0}
+    moe = [p for name, p in registry.problems_for_model("qwen3-30b-a3b") if name == "qmatmul_path"]
+    assert moe and (1536, 2048) not in {(p["N"], p["K"]) for p in moe}    # the experts take the gather kernels
     assert not [name for name, _ in registry.problems_for_model("llama-3.2-1b") if name == "qmatmul_rows_crossover"]
 
 

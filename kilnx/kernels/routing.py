@@ -230,8 +230,8 @@ class QmatmulRowsRoute(Route):
         if path == "qmv_il":
             return lambda x, wq, scales, biases: self._il.run_qmv_il(x, wq, scales, biases, backend=backend)
         if path in ("qmv", "qmv_h2"):
-            group = qm._format_of(x, wq, scales, biases)["GROUP"]
-            bits = qm._format_of(x, wq, scales, biases)["BITS"]
+            f = qm._format_of(x, wq, scales, biases)
+            bits, group = f["BITS"], f["GROUP"]
             prep, gemv = (self._h2.qmv_h2_prep, self._h2.qmv_h2) if path == "qmv_h2" else (qm.qmv_prep, qm.qmv)
 
             def gemv_call(x, wq, scales, biases):

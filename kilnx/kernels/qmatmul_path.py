@@ -8,9 +8,11 @@ wgmma threshold, ahead on the sweep by 1.04-1.20x, and the tuned model decoded 4
 runs, and TPE over coupled thresholds did not find the combination that won each row count. Here each row count the
 engine's decode graphs run (1, 2, 4, 8, 16) is its own bucket with one categorical choice among the kernels of
 routing.PATHS, so the tuner covers the few that serve it exhaustively and stores the fastest for that call alone.
-On the H100 that tune of llama-3.1-8b found the thresholds' defaults the fastest (or within 2%) in all 25 buckets
-(23 of them fully covered), and batched decode with its DB ran at the untuned rate
-(bench/results/2026-12-06_h100_*paths_s33.csv).
+On the H100 that tune of llama-3.1-8b first found the thresholds' defaults the fastest (or within 2%) in every bucket;
+a second run, o's activations counted prepared, stored qmv_h2 for o at 4 rows (7% ahead alone) and qmm_wg for down at
+2 (3.5%), and the model decoded 4 / 2 rows at 0.98x / 0.95x the untuned rate with them
+(bench/results/2026-12-06_h100_*paths*_s33.csv). Why is not isolated; a trial times one call alone, outside the launch
+overlap the engine's graph gives. So a model's tune runs this route only when named (registry.NAMED_ONLY).
 
 Where nothing is stored the choice is the thresholds' own path (stored or default), so the runtime's answer is the
 same as before tuning. A path that does not serve the call (qmv_tc past 64 rows, the wgmma kernels on another

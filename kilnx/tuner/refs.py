@@ -50,3 +50,8 @@ def all_registered() -> list[tuple[str, Any]]:
 
 def problems_for_model(model: str, gpu: bool = True) -> list[tuple[str, dict]]:
     return list(_registry().problems_for_model(model, gpu=gpu))
+
+
+def named_only() -> frozenset:
+    """Kernels a model's tune includes only when named (kilnx/kernels/registry.py NAMED_ONLY says why)."""
+    return frozenset(getattr(_registry(), "NAMED_ONLY", ()))

@@ -51,10 +51,10 @@ def plan(models: list[str] = (), kernels: list[str] = (), gpu: bool = True) -> l
     `gpu`: which kernels the runtime calls there (the quantized GEMV differs between GPU and CPU)."""
     specs: list[TargetSpec] = []
     if models:
-        wanted = set(kernels)
+        wanted, named_only = set(kernels), refs.named_only()
         for model in models:
             for kernel_name, problem in refs.problems_for_model(model, gpu=gpu):
-                if not wanted or kernel_name in wanted:
+                if kernel_name in wanted or (not wanted and kernel_name not in named_only):
                     specs.append(TargetSpec(kernel_name, dict(problem)))
     else:
         pairs = [(ref, refs.resolve(ref)) for ref in kernels] if kernels else refs.all_registered()

@@ -103,6 +103,12 @@ def test_the_route_is_tunable_by_name_for_a_model():
     # activations a norm, SwiGLU or the attention merge prepares (qkv, gate_up, down, o); lm_head's come plain
     assert {(p["N"], p["K"]): p["prepared"] for p in paths} == {(3072, 2048): 1, (2048, 2048): 1, (16384, 2048): 1,
                                                                 (2048, 8192): 1, (128256, 2048): 0}
+    # a model's tune runs them only when named: timed alone, the winners decoded slower in the engine (registry.py)
+    from kilnx.tuner.session import plan
+    assert not [s for s in plan(models=["llama-3.2-1b"]) if s.kernel_ref == "qmatmul_path"]
+    named = plan(models=["llama-3.2-1b"], kernels=["qmatmul_path"])
+    assert len(named) == 25 and {s.kernel_ref for s in named} == {"qmatmul_path"}
+    assert [s for s in plan(models=["llama-3.2-1b"]) if s.kernel_ref == "qmm_wg_direct"]   # the rest as before
     moe = [p for name, p in registry.problems_for_model("qwen3-30b-a3b") if name == "qmatmul_path"]
     assert moe and (1536, 2048) not in {(p["N"], p["K"]) for p in moe}    # the experts take the gather kernels
     assert not [name for name, _ in registry.problems_for_model("llama-3.2-1b") if name == "qmatmul_rows_crossover"]

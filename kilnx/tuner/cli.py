@@ -167,7 +167,7 @@ def tune(
 
     from kilnx.cache import DBError, TuningDB
     from kilnx.tuner.refs import KernelNotFound
-    from kilnx.tuner.session import geomean_speedup, plan, tune_session
+    from kilnx.tuner.session import geomean_speedup, left_unless_named, plan, tune_session
     try:
         specs = plan(models=list(model), kernels=list(kernel), gpu=dev.is_cuda)
     except KernelNotFound as e:
@@ -176,6 +176,9 @@ def tune(
         _fail(f"cannot list what to tune: {type(e).__name__}: {e}")
     if not specs:
         _fail("nothing to tune: no kernels or shapes matched --model/--kernel")
+    if not kernel and (left := left_unless_named(list(model), gpu=dev.is_cuda)):
+        _out.print(f"not tuned unless named with --kernel: {', '.join(left)} (kilnx/kernels/registry.py "
+                   "NAMED_ONLY says why)", highlight=False)
 
     from kilnx.tuner.study import TuneSettings
     settings = TuneSettings(trials=trials, trial_timeout_s=trial_timeout, seed=seed)

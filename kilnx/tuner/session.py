@@ -70,6 +70,11 @@ def plan(models: list[str] = (), kernels: list[str] = (), gpu: bool = True) -> l
     return unique
 
 
+def left_unless_named(models: list[str], gpu: bool = True) -> list[str]:
+    """The kernels the models' shapes include that `plan` leaves out unless named (registry.NAMED_ONLY)."""
+    return sorted({k for m in models for k, _ in refs.problems_for_model(m, gpu=gpu)} & refs.named_only())
+
+
 def worker_placement(device: Any, workers: int) -> tuple[str, list[str | None]]:
     """(torch device inside each worker, CUDA_VISIBLE_DEVICES per worker).
 

@@ -109,6 +109,9 @@ def test_the_route_is_tunable_by_name_for_a_model():
     named = plan(models=["llama-3.2-1b"], kernels=["qmatmul_path"])
     assert len(named) == 25 and {s.kernel_ref for s in named} == {"qmatmul_path"}
     assert [s for s in plan(models=["llama-3.2-1b"]) if s.kernel_ref == "qmm_wg_direct"]   # the rest as before
+    from kilnx.tuner.session import left_unless_named
+    assert left_unless_named(["llama-3.2-1b"]) == ["qmatmul_path"]       # what `kilnx tune` tells the user
+    assert left_unless_named(["llama-3.2-1b"], gpu=False) == []
     moe = [p for name, p in registry.problems_for_model("qwen3-30b-a3b") if name == "qmatmul_path"]
     assert moe and (1536, 2048) not in {(p["N"], p["K"]) for p in moe}    # the experts take the gather kernels
     assert not [name for name, _ in registry.problems_for_model("llama-3.2-1b") if name == "qmatmul_rows_crossover"]

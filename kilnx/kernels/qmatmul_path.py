@@ -26,8 +26,8 @@ from kilnx.dsl.tunables import Space, choice
 from kilnx.kernels.routing import PATHS, ROUTING_VERSION, qmatmul_rows
 
 PATH_VERSION = "1"
-MAX_ROWS = 16          # the largest bucket tuned; more rows take the thresholds' rule
 ROWS = (1, 2, 4, 8, 16)
+MAX_ROWS = ROWS[-1]    # the largest bucket tuned; more rows take the thresholds' rule
 
 
 class QmatmulPathRoute(Route):
@@ -75,15 +75,13 @@ class QmatmulPathRoute(Route):
         """qmv_h2 as the engine runs it after a producer: its activations prepared before the call, so that the
         timing (warm-up first, then the replayed call) charges the GEMV alone, as a decode step pays it. Without
         this the tuner would charge qmv_h2 a launch (~1.1 us on the H200) that no other path pays."""
-        from kilnx.kernels import qmv_h2 as h2
-        f = self._qm._format_of(x, wq, scales, biases)
+        prepare, multiply = qmatmul_rows.gemv_steps("qmv_h2", x, wq, scales, biases, backend)
         held: list = [None, None]        # the x last prepared (kept alive, so its identity is not reused) and its form
 
         def call(x, wq, scales, biases, *_):
             if held[0] is not x:
-                held[:] = [x, h2.qmv_h2_prep(x, PER=32 // f["BITS"], GROUP=f["GROUP"], backend=backend)]
-            y = h2.qmv_h2(*held[1], wq, scales, biases, backend=backend)
-            return y if y.dtype == x.dtype else y.to(x.dtype)
+                held[:] = [x, prepare(x)]
+            return multiply(held[1], wq, scales, biases, x.dtype)
         return call
 
     def tolerance(self, args):

@@ -9,9 +9,9 @@ from __future__ import annotations
 import importlib
 
 MODULES = ("norms", "activations", "rope", "attention", "attention_split", "attention_decode", "prepared", "qmatmul",
-           "qmv_h2", "qkv_rope", "qk_norm_rope", "qmv_tc", "qmatmul_path", "qmatmul_fp4", "fp4_qmv_h2", "routing", "moe_align", "moe",
-           "moe_combine", "moe_h2", "moe_onepass", "moe_decode_route", "moe_route", "qmv_cpu", "embedding", "qmv_wg",
-           "wg_direct", "ssm")
+           "qmv_h2", "qkv_rope", "qk_norm_rope", "qmv_tc", "qmatmul_path", "qmatmul_fp4", "fp4_qmv_h2", "routing",
+           "moe_align", "moe", "moe_combine", "moe_h2", "moe_onepass", "moe_decode_route", "moe_route", "qmv_cpu",
+           "embedding", "qmv_wg", "wg_direct", "ssm")
 
 
 # Kernels whose model problems a tune runs only when named (`kilnx tune --model M --kernel NAME`). qmatmul_path: on the

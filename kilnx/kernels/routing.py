@@ -17,8 +17,9 @@ import torch
 from kilnx.dsl.kernel import Route, _tuning_generation, format_key
 from kilnx.dsl.tunables import Space, choice
 
-# 7: qmm_wg_direct for 4-16 rows on sm_90 (session 21); 8: WG_REPACKED (session 26); 9: WG_MAX_ROWS kept at 16
-ROUTING_VERSION = "9"
+# 7: qmm_wg_direct for 4-16 rows on sm_90 (session 21); 8: WG_REPACKED (session 26); 9: WG_MAX_ROWS kept at 16;
+# 10: WG_MAX_ROWS a constant, no longer a tunable
+ROUTING_VERSION = "10"
 # The kernels a qmatmul call can take (`QmatmulRowsRoute.server_of_path`)
 PATHS = ("qmv", "qmv_h2", "qmv_il", "qmv_tc", "qmm_wg_direct", "qmm_wg", "qmm", "dequant_mm")
 TC_NEVER = 65            # past qmv_tc.MAX_ROWS: the tensor-core GEMV is never chosen
@@ -26,13 +27,17 @@ TC_NEVER = 65            # past qmv_tc.MAX_ROWS: the tensor-core GEMV is never c
 # shape (by 9-15%), lost at 4 (by 29-71%) (bench/results/2026-12-03_h200_quant_s5.csv); kilnx tune
 # stores the crossover per device.
 TC_MIN_ROWS = 8
-# From these rows up to WG_MAX_ROWS (16 by default) bf16 calls of 4-bit group-64 weights take qmm_wg_direct (wgmma, the
+# From these rows up to WG_MAX_ROWS bf16 calls of 4-bit group-64 weights take qmm_wg_direct (wgmma, the
 # weight decoded into its register operand; kernels/wg_direct.py) on sm_90 and later. On the H200 at 4 rows it
 # took 10.5 / 9.9 / 43.1 / 26.3 us on llama-3.1-8b's qkv / o / gate_up / down against qmv_h2's path 13.6 /
 # 12.2 / 42.8 / 31.9, at 16 rows 11.2 / 10.0 / 45.1 / 24.1 against 46.1 / 42.3 / 191.5 / 140.8, and lost at
 # one row (bench/results/2026-12-05_h200_qmv_direct_s21.csv).
 WG_MIN_ROWS = 4
-WG_NEVER = 65            # past any WG_MAX_ROWS: qmm_wg_direct is never chosen
+WG_NEVER = 65            # past WG_MAX_ROWS: qmm_wg_direct is never chosen
+# Up to 64 rows the wgmma kernels run all of x's rows in one program, but only 4-16 rows were measured in the engine;
+# offered 32 / 64 as a tunable, a 100 s tune on the H100 took them with the copy off (the sweep's 32-row call outweighs
+# the decode rows), and the tuned route decoded 4 rows at 0.88x the default's rate (bench/results/*_route_tuned_s32.csv)
+WG_MAX_ROWS = 16
 WG_KERNEL_MAX_ROWS = 64  # the most rows the wgmma kernels serve (not the most they were measured fast at: 16)
 
 
@@ -86,7 +91,7 @@ class QmatmulRowsRoute(Route):
     """Which GEMV `qmatmul` uses (`GEMV`: the fp32 qmv or the packed-fp16 qmv_h2, where its bit width
     allows) and up to how many rows (`QMV_MAX_ROWS`); more rows take the tile GEMM. From `TC_MIN_ROWS`
     rows up to qmv_tc.MAX_ROWS, 16-bit activations take the tensor-core GEMV (qmv_tc) instead; before that,
-    from `WG_MIN_ROWS` up to `WG_MAX_ROWS` (16 by default) rows, bf16 calls of 4-bit group-64 weights take
+    from `WG_MIN_ROWS` up to WG_MAX_ROWS (16) rows, bf16 calls of 4-bit group-64 weights take
     qmm_wg_direct, or with `WG_REPACKED` qmm_wg on a repacked copy where memory allows.
 
     Args are those of one qmatmul call at the largest row count of the sweep: x (ROWS[-1], K) and the
@@ -108,11 +113,6 @@ class QmatmulRowsRoute(Route):
                             "GEMV": choice("qmv", "qmv_h2", "qmv_il", default="qmv_h2"),
                             "TC_MIN_ROWS": choice(1, 2, 4, 6, 8, 12, 16, TC_NEVER, default=TC_MIN_ROWS),
                             "WG_MIN_ROWS": choice(2, 3, 4, 6, 8, 12, 16, WG_NEVER, default=WG_MIN_ROWS),
-                            # up to 64 rows it runs all of x's rows in one program, but only 4-16 rows were
-                            # measured in the engine; offered 32 / 64, a 100 s tune on the H100 took them with the
-                            # copy off (the sweep's 32-row call outweighs the decode rows), and the tuned route
-                            # decoded 4 rows at 0.88x the default's rate (bench/results/*_route_tuned_s32.csv)
-                            "WG_MAX_ROWS": choice(16, default=16),
                             # those rows through qmm_wg on a repacked copy of the weight (kernels/qmv_wg.py)
                             # where memory allows; the default is per weight (qmv_wg.repack_pays)
                             "WG_REPACKED": choice(False, True, default=False)})
@@ -230,21 +230,31 @@ class QmatmulRowsRoute(Route):
         if path == "qmv_il":
             return lambda x, wq, scales, biases: self._il.run_qmv_il(x, wq, scales, biases, backend=backend)
         if path in ("qmv", "qmv_h2"):
-            f = qm._format_of(x, wq, scales, biases)
-            bits, group = f["BITS"], f["GROUP"]
-            prep, gemv = (self._h2.qmv_h2_prep, self._h2.qmv_h2) if path == "qmv_h2" else (qm.qmv_prep, qm.qmv)
-
-            def gemv_call(x, wq, scales, biases):
-                y = gemv(*prep(x, PER=32 // bits, GROUP=group, backend=backend), wq, scales, biases, backend=backend)
-                return y if y.dtype == x.dtype else y.to(x.dtype)
-            return gemv_call
+            prepare, multiply = self.gemv_steps(path, x, wq, scales, biases, backend)
+            return lambda x, wq, scales, biases: multiply(prepare(x), wq, scales, biases, x.dtype)
         if path == "dequant_mm":
             return qm.dequant_mm
         return lambda x, wq, scales, biases: qm.qmm(x, wq, scales, biases, backend=backend)
 
+    def gemv_steps(self, path: str, x, wq, scales, biases, backend: str | None = None):
+        """(prepare, multiply) of the GEMV `path` (qmv or qmv_h2) for weights like wq: prepare(x) -> its input form,
+        multiply(form, wq, scales, biases, dtype) -> y in dtype."""
+        qm = self._qm
+        f = qm._format_of(x, wq, scales, biases)
+        bits, group = f["BITS"], f["GROUP"]
+        prep, gemv = (self._h2.qmv_h2_prep, self._h2.qmv_h2) if path == "qmv_h2" else (qm.qmv_prep, qm.qmv)
+
+        def prepare(x):
+            return prep(x, PER=32 // bits, GROUP=group, backend=backend)
+
+        def multiply(form, wq, scales, biases, dtype):
+            y = gemv(*form, wq, scales, biases, backend=backend)
+            return y if y.dtype == dtype else y.to(dtype)
+        return prepare, multiply
+
     def _wg_serves(self, x, wq, scales, biases, chosen: dict) -> bool:
         wg_rows = chosen.get("WG_MIN_ROWS", WG_NEVER) if os.environ.get("KILNX_WG") != "0" else WG_NEVER  # 0: an A/B
-        return wg_rows <= x.shape[0] <= chosen.get("WG_MAX_ROWS", 16) and self._wg.takes(x, wq, scales, biases)
+        return wg_rows <= x.shape[0] <= WG_MAX_ROWS and self._wg.takes(x, wq, scales, biases)
 
     @staticmethod
     def _repacked(chosen: dict) -> bool:

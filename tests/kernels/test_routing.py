@@ -73,16 +73,16 @@ def test_the_stored_choice_is_what_the_runtime_reads(tmp_path, monkeypatch):
     args = qmatmul_rows.make_args(PROBLEM, "cpu")
     # nothing tuned: the device's default (on the CPU, up to 32 rows through the row-interleaved GEMV)
     assert qmatmul_rows.choice_for(*args) == {"QMV_MAX_ROWS": 32, "GEMV": "qmv_il", "TC_MIN_ROWS": TC_NEVER,
-                                              "WG_MIN_ROWS": WG_NEVER, "WG_MAX_ROWS": 16, "WG_REPACKED": False}
+                                              "WG_MIN_ROWS": WG_NEVER, "WG_REPACKED": False}
     with TuningDB(url) as db:
         db.record_result(kernel=qmatmul_rows.name, source_hash=qmatmul_rows.source_hash, device=cpu_info(),
                          bucket=qmatmul_rows.key(*args),
                          config={"QMV_MAX_ROWS": 16, "GEMV": "qmv_h2", "TC_MIN_ROWS": 6, "WG_MIN_ROWS": 8,
-                                 "WG_MAX_ROWS": 16, "WG_REPACKED": True},
+                                 "WG_REPACKED": True},
                          time_s=1e-5)
     dispatch.reset()
     assert qmatmul_rows.choice_for(*args) == {"QMV_MAX_ROWS": 16, "GEMV": "qmv_h2", "TC_MIN_ROWS": 6, "WG_MIN_ROWS": 8,
-                                              "WG_MAX_ROWS": 16, "WG_REPACKED": True}
+                                              "WG_REPACKED": True}
     # a choice recorded for other kernel sources is stale and not served
     with TuningDB(url) as db:
         db.record_result(kernel=qmatmul_rows.name, source_hash="0" * 64, device=cpu_info(),

@@ -126,10 +126,11 @@ def test_the_route_serves_wg_min_rows_to_sixteen_rows_with_it(monkeypatch):
     assert calls == [4, 16]
     odd = _case(64, 192, 4, 1)                                              # K/64 odd: not taken
     qmatmul_rows.serve(odd[3], *odd[:3], chosen, backend="triton")
-    assert _close(qmatmul_rows.serve(x[:40], words, s, b, {**chosen, "WG_MAX_ROWS": 64}, backend="triton"), want[:40])
-    assert calls == [4, 16, 40]                                             # a tuned upper bound of 64 rows
-    never = {**chosen, "WG_MIN_ROWS": WG_NEVER, "WG_MAX_ROWS": 64}
-    qmatmul_rows.serve(x[:40], words, s, b, never, backend="triton")
+    served = qmatmul_rows.server_of_path("qmm_wg_direct", x[:40], words, s, b, backend="triton")
+    assert _close(served(x[:40], words, s, b), want[:40])
+    assert calls == [4, 16, 40]                                             # the kernel serves up to 64 rows
+    never = {**chosen, "WG_MIN_ROWS": WG_NEVER}
+    qmatmul_rows.serve(x[:8], words, s, b, never, backend="triton")
     assert calls == [4, 16, 40]
     calls.clear()
     monkeypatch.setenv("KILNX_WG", "0")

@@ -92,4 +92,4 @@ def test_a_later_target_times_its_kernels_on_configs_recorded_earlier_in_the_tun
         before, tuned, after = tune_session(cpu, specs, db, Budget(120, 3),
                                             TuneSettings(trial_timeout_s=5.0, rerank_rounds=1), workers=1)
     assert tuned.config == BEST
-    assert before.default_time_s > 100e-6 > 50e-6 > after.default_time_s
+    assert before.default_time_s > 100e-6 and after.default_time_s < 50e-6   # the consumer spins 200 us, then 10

@@ -21,13 +21,35 @@ format) fails to compile: a failed trial, never a stored result.
 
 from __future__ import annotations
 
-from kilnx.dsl.kernel import Route, _tuning_generation, format_key
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from kilnx.dsl.kernel import Route, _tuning_generation, forget_remembered_configs, format_key
 from kilnx.dsl.tunables import Space, choice
 from kilnx.kernels.routing import PATHS, ROUTING_VERSION, qmatmul_rows
 
-PATH_VERSION = "1"
+# 2: tuned in the engine's decode step only (tuner/step_paths.py): results hold step times, and version 1's
+# one-call results (call times, the trial that misled) are stale
+PATH_VERSION = "2"
 ROWS = (1, 2, 4, 8, 16)
 MAX_ROWS = ROWS[-1]    # the largest bucket tuned; more rows take the thresholds' rule
+
+
+@dataclass
+class TrialCall:
+    """A qmatmul call shape a decode step asked for during a PathTrial."""
+    rows: int
+    serving: tuple[str, ...]       # the PATHS that can multiply it
+    default: str                   # the thresholds' path
+    nbytes: int                    # the weight's packed bytes with its scales and biases
+
+
+@dataclass
+class PathTrial:
+    """Paths forced by bucket while a tuner captures a decode step (QmatmulPathRoute.trying); every bucket asked
+    meanwhile is noted in `asked`. Buckets not in `paths` take the thresholds' path: stored paths are set aside."""
+    paths: dict[str, str]
+    asked: dict[str, TrialCall] = field(default_factory=dict)
 
 
 class QmatmulPathRoute(Route):
@@ -36,12 +58,16 @@ class QmatmulPathRoute(Route):
 
     name = "qmatmul_path"
     version = PATH_VERSION + ROUTING_VERSION
+    # a stored path holds for its own row count only: another count's winner (qmv_h2 at 4 rows) could be the
+    # slowest kernel at the rows between (16); those take the thresholds' path
+    exact_buckets = True
 
     def __init__(self):
         from kilnx.kernels import qmatmul as qm
         self._qm = qm
         self.space = Space({"PATH": choice(*PATHS, default="qmv_h2")})
         self._chosen: dict = {}
+        self._trial: PathTrial | None = None
 
     def chosen_between(self) -> tuple:
         return qmatmul_rows.chosen_between()
@@ -98,9 +124,40 @@ class QmatmulPathRoute(Route):
         memo = (x.device, x.dtype, x.shape, wq.shape, scales.shape, _tuning_generation[0])
         got = self._chosen.get(memo)
         if got is None:
-            from kilnx.runtime.dispatch import config_for
-            got = self._chosen[memo] = config_for(self, (x, wq, scales, biases), {})["PATH"]
+            if self._trial is not None:
+                got = self._chosen[memo] = self._trial_path(self._trial, x, wq, scales, biases)
+            else:
+                from kilnx.runtime.dispatch import config_for
+                got = self._chosen[memo] = config_for(self, (x, wq, scales, biases), {})["PATH"]
         return got
+
+    # -- the engine's trial (tuner/step_paths.py) -------------------------------------------------------
+    @contextmanager
+    def trying(self, paths: dict[str, str]):
+        """Within: calls of a bucket in `paths` take that path (where it serves them), others the thresholds' path,
+        whatever is stored; yields the PathTrial, whose `asked` notes each bucket the calls meanwhile asked for.
+        Remembered choices are dropped on the way in and out, so what is captured inside takes the trial's paths
+        and what runs after takes the stored ones again."""
+        if self._trial is not None:
+            raise RuntimeError("qmatmul_path.trying: a trial is already open")
+        trial = PathTrial(dict(paths))
+        self._trial = trial
+        forget_remembered_configs()
+        try:
+            yield trial
+        finally:
+            self._trial = None
+            forget_remembered_configs()
+
+    def _trial_path(self, trial: PathTrial, x, wq, scales, biases) -> str:
+        bucket = self.key(x, wq, scales, biases)
+        default = self.default_config(x, wq, scales, biases)["PATH"]
+        if bucket not in trial.asked:
+            serving = tuple(p for p in PATHS if qmatmul_rows.serves(p, x, wq, scales, biases))
+            nbytes = sum(t.numel() * t.element_size() for t in (wq, scales, biases) if t is not None)
+            trial.asked[bucket] = TrialCall(x.shape[0], serving, default, nbytes)
+        wanted = trial.paths.get(bucket, default)
+        return wanted if wanted in trial.asked[bucket].serving else default
 
 
 qmatmul_path = QmatmulPathRoute()

@@ -14,12 +14,12 @@ MODULES = ("norms", "activations", "rope", "attention", "attention_split", "atte
            "embedding", "qmv_wg", "wg_direct", "ssm")
 
 
-# Kernels whose model problems a tune runs only when named (`kilnx tune --model M --kernel NAME`). qmatmul_path: on the
-# H100 two paths that won their one-call trials by 7% and 3.5% (o at 4 rows, down at 2) decoded llama-3.1-8b at
-# 0.98x / 0.95x the untuned rate at 4 / 2 rows (bench/results/2026-12-06_h100_batch_decode_paths_tuned_s33.csv). Why
-# is not isolated (a trial times one call alone, outside the engine's launch overlap); until trials are timed in the
-# engine, tuning it by default can only lose.
-NAMED_ONLY = frozenset({"qmatmul_path"})
+# Kernels tuned in a model's decode step (tuner/step_paths.py), never call by call, and only when named
+# (`kilnx tune --model M --kernel qmatmul_path`). qmatmul_path: on the H100 two paths that won their one-call trials by
+# 7% and 3.5% (o at 4 rows, down at 2) decoded llama-3.1-8b at 0.98x / 0.95x the untuned rate at 4 / 2 rows
+# (bench/results/2026-12-06_h100_batch_decode_paths_tuned_s33.csv); the step trial captures the model's step for each
+# candidate, minutes for an 8B model, so a tune runs it where asked.
+STEP_TUNED = frozenset({"qmatmul_path"})
 
 
 def all() -> list:  # noqa: A001 - the registry's natural verb

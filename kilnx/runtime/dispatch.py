@@ -87,13 +87,16 @@ class TunedConfigs:
             _warn_once(f"kilnx: tuning DB unavailable, using default kernel configs: {e}")
             return cls(device, [])
 
-    def config_for(self, kernel_name: str, source_hash: str, bucket: str, default: dict) -> dict:
+    def config_for(self, kernel_name: str, source_hash: str, bucket: str, default: dict, nearest: bool = True) -> dict:
+        """nearest=False: the bucket's own config or the default (a kernel whose configs hold only where tuned)."""
         ident = (kernel_name, source_hash)
         buckets = self._configs.get(ident)
         if not buckets:
             return dict(default)
         if bucket in buckets:
             return dict(buckets[bucket])
+        if not nearest:
+            return dict(default)
         key = (kernel_name, source_hash, bucket)
         with self._lock:
             if key not in self._answers:
@@ -187,11 +190,13 @@ def _device_info(kind: str, index: int) -> DeviceInfo:
 
 def config_for(kernel, args: tuple, kw: dict) -> dict:
     """The config a kernel call launches with: the tuned one for this device and shape bucket (or the
-    nearest tuned bucket), else the kernel's default. Reads only what `get_tuned` loaded at start-up."""
+    nearest tuned bucket, unless the kernel sets `exact_buckets`), else the kernel's default. Reads only what
+    `get_tuned` loaded at start-up."""
     default = kernel.default_config(*args, **kw)
     dev = next((a.device for a in args if hasattr(a, "device")), None)
     info = _device_info(dev.type if dev is not None else "cpu", (dev.index or 0) if dev is not None else 0)
-    cfg = get_tuned(info).config_for(kernel.name, kernel.source_hash, kernel.key(*args, **kw), default)
+    cfg = get_tuned(info).config_for(kernel.name, kernel.source_hash, kernel.key(*args, **kw), default,
+                                     nearest=not getattr(kernel, "exact_buckets", False))
     try:
         return kernel.space.validate(cfg)
     except ValueError:  # a stored config this version's space no longer admits

@@ -276,6 +276,23 @@ class Engine:
         whatever inputs they were last given), else B."""
         return next(b for b in self._captured() if b >= B) if self.cuda_graphs else B
 
+    @torch.no_grad()
+    def capture_step(self, B: int) -> _Graph | None:
+        """A decode step of B rows captured under the kernels' choices of the moment, apart from the engine's own
+        graphs: the tuner keeps several side by side and times them interleaved (tuner/step_paths.py). Write its
+        `ids` / `positions` (B, 1), `graph.replay()`, read `logits` (B, 1, V). On the GPU a CUDA graph in a pool
+        of its own (dropped with it); on the CPU the recorded numba launches; None where those cannot replay."""
+        if not 1 <= B <= self.max_batch:
+            raise ValueError(f"capture_step: {B} rows; this engine holds 1 to {self.max_batch}")
+        if self.device.type == "cuda":
+            return self._capture(B, torch.cuda.graph_pool_handle())
+        ids = torch.zeros(B, 1, dtype=torch.long, device=self.device)
+        pos = torch.full((B, 1), self.park, dtype=torch.long, device=self.device)
+        cache = self.cache.rows(0, B) if B != self.max_batch else self.cache
+        self.model.forward(ids, pos, cache, last=-1)      # compiles and fills the memos: the recording must not
+        rec, out = self._capture_forward(lambda: self.model.forward(ids, pos, cache, last=-1))
+        return _Graph(rec, ids, pos, out) if rec is not None else None
+
     def _prefill_graphed(self, ids: torch.Tensor, row: int, start: int, t: int, cache) -> torch.Tensor:
         """The prompt padded to t tokens, replayed from its (row, t) graph; the first prompt of this length
         runs eagerly (compiling, filling every memo) and its forward is then captured (capture records,

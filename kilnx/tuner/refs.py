@@ -52,6 +52,6 @@ def problems_for_model(model: str, gpu: bool = True) -> list[tuple[str, dict]]:
     return list(_registry().problems_for_model(model, gpu=gpu))
 
 
-def named_only() -> frozenset:
-    """Kernels a model's tune includes only when named (kilnx/kernels/registry.py NAMED_ONLY says why)."""
-    return frozenset(getattr(_registry(), "NAMED_ONLY", ()))
+def step_tuned() -> frozenset:
+    """Kernels tuned in a model's decode step when named, never call by call (kilnx/kernels/registry.py STEP_TUNED)."""
+    return frozenset(getattr(_registry(), "STEP_TUNED", ()))

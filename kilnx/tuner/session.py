@@ -48,17 +48,21 @@ class SilentReporter:
 
 def plan(models: list[str] = (), kernels: list[str] = (), gpu: bool = True) -> list[TargetSpec]:
     """Targets from the models' shapes (restricted to `kernels` if given), else the kernels' samples.
-    `gpu`: which kernels the runtime calls there (the quantized GEMV differs between GPU and CPU)."""
+    `gpu`: which kernels the runtime calls there (the quantized GEMV differs between GPU and CPU). Kernels tuned
+    in a model's decode step (registry.STEP_TUNED; tuner/step_paths.py) are never per-call targets."""
     specs: list[TargetSpec] = []
+    step_tuned = refs.step_tuned()
     if models:
-        wanted, named_only = set(kernels), refs.named_only()
+        wanted = set(kernels)
         for model in models:
             for kernel_name, problem in refs.problems_for_model(model, gpu=gpu):
-                if kernel_name in wanted or (not wanted and kernel_name not in named_only):
+                if kernel_name not in step_tuned and (kernel_name in wanted or not wanted):
                     specs.append(TargetSpec(kernel_name, dict(problem)))
     else:
         pairs = [(ref, refs.resolve(ref)) for ref in kernels] if kernels else refs.all_registered()
         for ref, kernel in pairs:
+            if kernel.name in step_tuned:
+                continue
             for problem in kernel.sample_problems():
                 specs.append(TargetSpec(ref, dict(problem)))
     seen, unique = set(), []
@@ -71,8 +75,14 @@ def plan(models: list[str] = (), kernels: list[str] = (), gpu: bool = True) -> l
 
 
 def left_unless_named(models: list[str], gpu: bool = True) -> list[str]:
-    """The kernels the models' shapes include that `plan` leaves out unless named (registry.NAMED_ONLY)."""
-    return sorted({k for m in models for k, _ in refs.problems_for_model(m, gpu=gpu)} & refs.named_only())
+    """The kernels the models' shapes include that a tune leaves out unless named (registry.STEP_TUNED)."""
+    return sorted({k for m in models for k, _ in refs.problems_for_model(m, gpu=gpu)} & refs.step_tuned())
+
+
+def step_tuned_named(kernels: list[str]) -> list[str]:
+    """The kernels among `kernels` (names or module:attr references) tuned in a model's decode step."""
+    step_tuned = refs.step_tuned()
+    return [k for k in kernels if refs.resolve(k).name in step_tuned]
 
 
 def worker_placement(device: Any, workers: int) -> tuple[str, list[str | None]]:

@@ -113,8 +113,10 @@ def test_a_stored_path_serves_its_weight_at_its_rows_only(tmp_path, monkeypatch)
         want = x[:rows].float() @ w.dequantize(torch.float32).T
         torch.testing.assert_close(Q.qmatmul(x[:rows], w).float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
     Q.qmatmul(x[:4], other)
-    # 4 rows of w take the stored qmm; 16 rows (nearest bucket of the same weight: also qmm); the other weight its rule
-    assert used == [4, 16]
+    # 4 rows of w take the stored qmm; 16 rows of w (no bucket of their own: stored paths hold only at their rows)
+    # and the other weight take their rule
+    assert used == [4]
+    assert qmatmul_rows.choice_for(x, w.packed, w.scales, w.biases)["PATH"] == "qmv_il"
     assert qmatmul_rows.choice_for(x[:4], other.packed, other.scales, other.biases)["PATH"] == "qmv_il"
     # A/Bs set the stored path aside: KILNX_QMATMUL_PATH=rule, or a KILNX_WG setting of the thresholds
     assert qmatmul_rows.path(*args4, qmatmul_rows.choice_for(*args4)) == "qmm"

@@ -103,11 +103,14 @@ def test_the_route_is_tunable_by_name_for_a_model():
     # activations a norm, SwiGLU or the attention merge prepares (qkv, gate_up, down, o); lm_head's come plain
     assert {(p["N"], p["K"]): p["prepared"] for p in paths} == {(3072, 2048): 1, (2048, 2048): 1, (16384, 2048): 1,
                                                                 (2048, 8192): 1, (128256, 2048): 0}
-    # a model's tune runs them only when named: timed alone, the winners decoded slower in the engine (registry.py)
-    from kilnx.tuner.session import plan
+    # never per-call targets: timed alone, the winners decoded slower in the engine (registry.py); a model's tune
+    # runs them in its decode step when named (tuner/step_paths.py)
+    from kilnx.tuner.session import plan, step_tuned_named
     assert not [s for s in plan(models=["llama-3.2-1b"]) if s.kernel_ref == "qmatmul_path"]
-    named = plan(models=["llama-3.2-1b"], kernels=["qmatmul_path"])
-    assert len(named) == 25 and {s.kernel_ref for s in named} == {"qmatmul_path"}
+    assert plan(models=["llama-3.2-1b"], kernels=["qmatmul_path"]) == []
+    assert not [s for s in plan() if s.kernel_ref == "qmatmul_path"]
+    assert step_tuned_named(["qmatmul_path", "qmv_h2", "kilnx.kernels.qmatmul_path:qmatmul_path"]) == [
+        "qmatmul_path", "kilnx.kernels.qmatmul_path:qmatmul_path"]
     assert [s for s in plan(models=["llama-3.2-1b"]) if s.kernel_ref == "qmm_wg_direct"]   # the rest as before
     from kilnx.tuner.session import left_unless_named
     assert left_unless_named(["llama-3.2-1b"]) == ["qmatmul_path"]       # what `kilnx tune` tells the user

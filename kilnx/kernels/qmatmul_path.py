@@ -7,12 +7,11 @@ wgmma threshold, ahead on the sweep by 1.04-1.20x, and the tuned model decoded 4
 (bench/results/2026-12-06_h100_batch_decode_route_tuned_s32.csv): the 32-row call outweighed the rows a decode step
 runs, and TPE over coupled thresholds did not find the combination that won each row count. Here each row count the
 engine's decode graphs run (1, 2, 4, 8, 16) is its own bucket with one categorical choice among the kernels of
-routing.PATHS, so the tuner covers the few that serve it exhaustively and stores the fastest for that call alone.
-On the H100 that tune of llama-3.1-8b first found the thresholds' defaults the fastest (or within 2%) in every bucket;
-a second run, o's activations counted prepared, stored qmv_h2 for o at 4 rows (7% ahead alone) and qmm_wg for down at
-2 (3.5%), and the model decoded 4 / 2 rows at 0.98x / 0.95x the untuned rate with them
-(bench/results/2026-12-06_h100_*paths*_s33.csv). Why is not isolated; a trial times one call alone, outside the launch
-overlap the engine's graph gives. So a model's tune runs this route only when named (registry.NAMED_ONLY).
+routing.PATHS. Timed one call at a time (session 33, the generic tuner's trial), the two paths that won on the H100
+(qmv_h2 for o at 4 rows, 7% ahead alone; qmm_wg for down at 2, 3.5%) decoded llama-3.1-8b at 0.98x / 0.95x the untuned rate
+(bench/results/2026-12-06_h100_*paths*_s33.csv): a call alone is not the call a step pays. So this route is tuned in
+the model's decode step only (tuner/step_paths.py, `kilnx tune --model M --kernel qmatmul_path`), and its stored
+times are step times. The compile/make_args protocol below still serves the kernel tests and a direct tune_session.
 
 Where nothing is stored the choice is the thresholds' own path (stored or default), so the runtime's answer is the
 same as before tuning. A path that does not serve the call (qmv_tc past 64 rows, the wgmma kernels on another

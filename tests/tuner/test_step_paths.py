@@ -142,7 +142,8 @@ def test_kilnx_tune_runs_it_for_a_named_model_and_refuses_it_without_one(engine,
     assert refused.exit_code == 1 and "--model" in refused.output and "Traceback" not in refused.output
 
     # the model's step on the tiny llama (a preset would load a real size), its clock scripted
-    monkeypatch.setattr(step_paths, "StepTrial", lambda eng, **kw: ScriptedTimes(eng, {(f"{GATE_UP},M=2", "qmm"): 1e-4}))
+    saving = {(f"{GATE_UP},M=2", "qmm"): 1e-4}
+    monkeypatch.setattr(step_paths, "StepTrial", lambda eng, **kw: ScriptedTimes(eng, saving))
     monkeypatch.setattr(step_paths, "tune_model", lambda model, device, seconds, on_progress:
                         tune_step_paths(engine, (1, 2), seconds=seconds, on_progress=on_progress))
     url, out = f"sqlite:///{tmp_path}/tuned.db", tmp_path / "tune.csv"

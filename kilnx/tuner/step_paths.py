@@ -34,7 +34,10 @@ from kilnx.kernels.qmatmul_path import MAX_ROWS, ROWS, qmatmul_path
 
 PROMPT = 128            # the position steps decode at (what kilnx bench's decode rows follow)
 MARGIN = 0.01           # a path must make the step this much faster to replace the incumbent
-TOLERANCE = 5e-2        # |logits - thresholds' logits| / |thresholds' logits| of an admitted path
+# |logits - thresholds' logits| / |thresholds' logits| of an admitted path. A random-weight 8B model amplifies a
+# change of rounding: on the H100 every other path for llama-3.1-8b's qkv (off the fused qkv + rope kernel) gave
+# 0.050-0.056; a broken step is off by ~1 (o on qmv_h2 at 16 rows: 1.3, session 34)
+TOLERANCE = 0.2
 
 
 @dataclass

@@ -162,3 +162,26 @@ def test_kilnx_tune_runs_it_for_a_named_model_and_refuses_it_without_one(engine,
     assert rows[(f"{case}_B2_{GATE_UP}", "step_us")] == ("1000", "qmv_il")
     assert rows[(f"{case}_B2_{GATE_UP}", "best_other_step_ratio")] == ("0.9", "qmm")
     assert rows[(f"{case}_B1_{GATE_UP}", "best_other_step_ratio")][0] == "1"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("rows", [1, 16])
+def test_every_path_gives_the_thresholds_step_on_a_real_size_model_on_gpu(rows, capsys):
+    """llama-3.2-1b (random 4-bit) on the GPU: each weight on each path that serves it, the rest on the thresholds'
+    paths; the step's logits against the thresholds' (printed per path: what the gate's tolerance must admit)."""
+    from kilnx.models.loaders import load_model
+    lm = load_model("llama-3.2-1b", device="cuda", random=True)
+    engine = Engine(lm.model, max_seq=step_paths.PROMPT + 8, max_batch=16, cuda_graphs=False)
+    trial = StepTrial(engine, rounds=1, reps=1)
+    base, asked = trial.capture(rows, {})
+    reference = trial.logits(base)
+    errors = {}
+    for bucket, call in asked.items():
+        for path in call.serving:
+            step, _ = trial.capture(rows, {bucket: path})
+            got = trial.logits(step)
+            errors[(bucket.split(",")[0], path)] = float((got - reference).norm() / reference.norm())
+    with capsys.disabled():
+        print(f"\nrows {rows}: " + ", ".join(f"{w} {p} {e:.3g}" for (w, p), e in sorted(errors.items())))
+    assert max(errors.values()) <= step_paths.TOLERANCE, errors

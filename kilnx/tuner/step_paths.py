@@ -201,7 +201,10 @@ def tune_step_paths(engine, rows: tuple[int, ...] = ROWS, *, seconds: float | No
         if time.monotonic() > deadline:
             out.append(RowsResult(r, error="not started: the budget was spent"))
             continue
-        out.append(tune_rows(trial, r, deadline=deadline, on_progress=on_progress))
+        try:
+            out.append(tune_rows(trial, r, deadline=deadline, on_progress=on_progress))
+        except Exception as e:  # noqa: BLE001 - the thresholds' own step failing to capture: reported, rows go on
+            out.append(RowsResult(r, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"))
     return out
 
 

@@ -251,7 +251,7 @@ def step_tune(models: list[str], dev, tdb, seconds: float) -> list:
                 found = tune_model(m, dev, seconds=share, on_progress=on_progress)
             except Exception as e:  # noqa: BLE001 - a model that cannot load or capture: one line, the rest go on
                 from kilnx.tuner.step_paths import RowsResult
-                found = [RowsResult(0, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")]
+                found = [RowsResult(0, error=f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")]
         stored = record(tdb, dev, found)
         _out.print(f"{escape(m)}: {stored} path(s) stored", highlight=False)
         out += [(m, r) for r in found]

@@ -44,7 +44,7 @@ TOLERANCE = 0.2
 class Tried:
     path: str
     step_s: float | None = None   # median seconds per step with this path (the others held)
-    note: str = ""                # why it was not timed, or "kept"
+    note: str = ""                # why it was not timed; "incumbent"; "kept" (it replaced the incumbent)
 
 
 @dataclass
@@ -163,7 +163,7 @@ def tune_rows(trial: StepTrial, rows: int, *, deadline: float = math.inf,
             try:
                 step, _ = trial.capture(rows, {**incumbent, bucket: path})
             except Exception as e:  # noqa: BLE001 - a path that fails to compile or capture is a failed candidate
-                tried.append(Tried(path, note=f"fails: {type(e).__name__}: {str(e).splitlines()[0][:120]}"))
+                tried.append(Tried(path, note=f"fails: {_first_line(e, 120)}"))
                 continue
             why = trial.wrong(trial.logits(step), reference)
             if why:
@@ -204,8 +204,12 @@ def tune_step_paths(engine, rows: tuple[int, ...] = ROWS, *, seconds: float | No
         try:
             out.append(tune_rows(trial, r, deadline=deadline, on_progress=on_progress))
         except Exception as e:  # noqa: BLE001 - the thresholds' own step failing to capture: reported, rows go on
-            out.append(RowsResult(r, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"))
+            out.append(RowsResult(r, error=_first_line(e, 200)))
     return out
+
+
+def _first_line(e: Exception, limit: int) -> str:
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:limit]}"
 
 
 def record(db, device, results: list[RowsResult]) -> int:

@@ -27,6 +27,9 @@ GATE_UP = "W=256x64b4g64"     # the tiny llama's [gate | up] weight (the largest
 
 @pytest.fixture
 def engine(monkeypatch):
+    # Triton's runtime helpers read TRITON_INTERPRET when first imported: imported under 1 (the suite's setting)
+    # before this test sets 0, so that the Triton tests after it still run in the interpreter
+    import kilnx.codegen.triton_rt  # noqa: F401
     monkeypatch.setenv("TRITON_INTERPRET", "0")      # numba kernels, replayed as the CPU engine replays a step
     return Engine(tiny_model("llama", ops="kilnx", device="cpu", fmt="q4"), max_seq=32, max_batch=4)
 

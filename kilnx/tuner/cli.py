@@ -284,7 +284,7 @@ def write_step_csv(path: str, steps: list, device_key: str) -> None:
             found = [] if r.error else [("speedup", "1", "paths_kept", "0")]
         rows += [{"suite": "tune", "case": case, "metric": a, "value": v, "peer": c, "peer_value": d, **meta}
                  for a, v, c, d in found]
-        for bucket, tried in r.tried.items():   # each weight: its incumbent's step, the best other, the refused
+        for bucket, tried in r.tried.items():   # per weight: the incumbent's step, the best other, the untimed
             weight = f"{case}_{bucket.split(',')[0]}"
             timed = [t for t in tried if t.step_s is not None]
             first = next((t for t in timed if t.note == "incumbent"), None)
@@ -297,6 +297,6 @@ def write_step_csv(path: str, steps: list, device_key: str) -> None:
                 rows.append({"suite": "tune", "case": weight, "metric": "best_other_step_ratio",
                              "value": f"{best.step_s / first.step_s:.4g}", "peer": "path", "peer_value": best.path,
                              **meta})
-            rows += [{"suite": "tune", "case": weight, "metric": "refused", "value": t.path, "peer": "why",
+            rows += [{"suite": "tune", "case": weight, "metric": "not_timed", "value": t.path, "peer": "why",
                       "peer_value": t.note, **meta} for t in tried if t.step_s is None]
     _append_csv(path, rows)

@@ -7,11 +7,11 @@ wgmma threshold, ahead on the sweep by 1.04-1.20x, and the tuned model decoded 4
 (bench/results/2026-12-06_h100_batch_decode_route_tuned_s32.csv): the 32-row call outweighed the rows a decode step
 runs, and TPE over coupled thresholds did not find the combination that won each row count. Here each row count the
 engine's decode graphs run (1, 2, 4, 8, 16) is its own bucket with one categorical choice among the kernels of
-routing.PATHS. Timed one call at a time (session 33, the generic tuner's trial), the two paths that won on the H100
-(qmv_h2 for o at 4 rows, 7% ahead alone; qmm_wg for down at 2, 3.5%) decoded llama-3.1-8b at 0.98x / 0.95x the untuned rate
-(bench/results/2026-12-06_h100_*paths*_s33.csv): a call alone is not the call a step pays. So this route is tuned in
+routing.PATHS. Timed one call at a time (session 33, the generic tuner's trial), the two paths that won on the
+H100 (qmv_h2 for o at 4 rows, 7% ahead alone; qmm_wg for down at 2, 3.5%) decoded llama-3.1-8b at 0.98x / 0.95x the
+untuned rate (bench/results/2026-12-06_h100_*paths*_s33.csv): a call alone is not the call a step pays. So this route is tuned in
 the model's decode step only (tuner/step_paths.py, `kilnx tune --model M --kernel qmatmul_path`), and its stored
-times are step times. The compile/make_args protocol below still serves the kernel tests and a direct tune_session.
+times are step times.
 
 Where nothing is stored the choice is the thresholds' own path (stored or default), so the runtime's answer is the
 same as before tuning. A path that does not serve the call (qmv_tc past 64 rows, the wgmma kernels on another
@@ -85,29 +85,14 @@ class QmatmulPathRoute(Route):
         return [{"N": 4096, "K": 4096, "bits": 4, "gs": 64, "M": 4}]
 
     def make_args(self, problem: dict, device: str):
-        """qmatmul's four arguments and whether the call's activations come from a producer that can emit
-        qmv_h2's prepared form (problem "prepared": the llama family's qkv, o, gate_up, down; kernels/registry.py)."""
-        return (*self._qm.make_qmatmul_args(problem, device), bool(problem.get("prepared", False)))
+        return self._qm.make_qmatmul_args(problem, device)
 
-    def compile(self, config: dict, x, wq, scales, biases, prepared: bool = False, *, backend: str | None = None, **_):
+    def compile(self, config: dict, x, wq, scales, biases, *, backend: str | None = None, **_):
+        """One call on the path `config` names (the kernel tests' and a direct tune_session's; a model's tune times
+        paths in its decode step instead, tuner/step_paths.py)."""
         path = self.space.validate(config)["PATH"]
         server = qmatmul_rows.server_of_path(path, x, wq, scales, biases, backend=backend)
-        if path != "qmv_h2" or not prepared:
-            return lambda x, wq, scales, biases, *_: server(x, wq, scales, biases)
-        return self._on_prepared(x, wq, scales, biases, backend)
-
-    def _on_prepared(self, x, wq, scales, biases, backend):
-        """qmv_h2 as the engine runs it after a producer: its activations prepared before the call, so that the
-        timing (warm-up first, then the replayed call) charges the GEMV alone, as a decode step pays it. Without
-        this the tuner would charge qmv_h2 a launch (~1.1 us on the H200) that no other path pays."""
-        prepare, multiply = qmatmul_rows.gemv_steps("qmv_h2", x, wq, scales, biases, backend)
-        held: list = [None, None]        # the x last prepared (kept alive, so its identity is not reused) and its form
-
-        def call(x, wq, scales, biases, *_):
-            if held[0] is not x:
-                held[:] = [x, prepare(x)]
-            return multiply(held[1], wq, scales, biases, x.dtype)
-        return call
+        return lambda x, wq, scales, biases, *_: server(x, wq, scales, biases)
 
     def tolerance(self, args):
         return self._qm._matmul_tolerance(tuple(args[:4]))

@@ -116,11 +116,8 @@ def problems_for_model(model: str, gpu: bool = True) -> list[tuple[str, dict]]:
         out += [("qmm", {"M": m, "N": g["N"], "K": g["K"], "bits": 4, "gs": 64}) for m in fused_rows]
         out += [("mm", {"M": m, "N": g["N"], "K": g["K"]}) for m in dense_rows]
         if gpu and not g["name"].startswith("expert_"):   # one choice per row count a decode graph runs
-            # (kernels/qmatmul_path.py); the llama family's norms, SwiGLU and split-attention merge hand qkv,
-            # gate_up, down and o prepared activations (models/llama.py); lm_head's come from a plain norm
-            fed = int(not cfg.is_hybrid and g["name"] in ("qkv", "o", "gate_up", "down"))
-            out += [("qmatmul_path", {"N": g["N"], "K": g["K"], "bits": 4, "gs": 64, "M": m, "prepared": fed})
-                    for m in PATH_ROWS]
+            # (kernels/qmatmul_path.py; tuned in the model's decode step, STEP_TUNED)
+            out += [("qmatmul_path", {"N": g["N"], "K": g["K"], "bits": 4, "gs": 64, "M": m}) for m in PATH_ROWS]
         else:
             out.append(("qmatmul_rows_crossover", {"N": g["N"], "K": g["K"], "bits": 4, "gs": 64}))
     out += rows(2048) + mixer(2048)

@@ -230,27 +230,17 @@ class QmatmulRowsRoute(Route):
         if path == "qmv_il":
             return lambda x, wq, scales, biases: self._il.run_qmv_il(x, wq, scales, biases, backend=backend)
         if path in ("qmv", "qmv_h2"):
-            prepare, multiply = self.gemv_steps(path, x, wq, scales, biases, backend)
-            return lambda x, wq, scales, biases: multiply(prepare(x), wq, scales, biases, x.dtype)
+            f = qm._format_of(x, wq, scales, biases)
+            prep, gemv = (self._h2.qmv_h2_prep, self._h2.qmv_h2) if path == "qmv_h2" else (qm.qmv_prep, qm.qmv)
+
+            def gemv_call(x, wq, scales, biases):
+                y = gemv(*prep(x, PER=32 // f["BITS"], GROUP=f["GROUP"], backend=backend), wq, scales, biases,
+                         backend=backend)
+                return y if y.dtype == x.dtype else y.to(x.dtype)
+            return gemv_call
         if path == "dequant_mm":
             return qm.dequant_mm
         return lambda x, wq, scales, biases: qm.qmm(x, wq, scales, biases, backend=backend)
-
-    def gemv_steps(self, path: str, x, wq, scales, biases, backend: str | None = None):
-        """(prepare, multiply) of the GEMV `path` (qmv or qmv_h2) for weights like wq: prepare(x) -> its input form,
-        multiply(form, wq, scales, biases, dtype) -> y in dtype."""
-        qm = self._qm
-        f = qm._format_of(x, wq, scales, biases)
-        bits, group = f["BITS"], f["GROUP"]
-        prep, gemv = (self._h2.qmv_h2_prep, self._h2.qmv_h2) if path == "qmv_h2" else (qm.qmv_prep, qm.qmv)
-
-        def prepare(x):
-            return prep(x, PER=32 // bits, GROUP=group, backend=backend)
-
-        def multiply(form, wq, scales, biases, dtype):
-            y = gemv(*form, wq, scales, biases, backend=backend)
-            return y if y.dtype == dtype else y.to(dtype)
-        return prepare, multiply
 
     def _wg_serves(self, x, wq, scales, biases, chosen: dict) -> bool:
         wg_rows = chosen.get("WG_MIN_ROWS", WG_NEVER) if os.environ.get("KILNX_WG") != "0" else WG_NEVER  # 0: an A/B

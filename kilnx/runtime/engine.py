@@ -288,10 +288,7 @@ class Engine:
             return self._capture(B, torch.cuda.graph_pool_handle())
         ids = torch.zeros(B, 1, dtype=torch.long, device=self.device)
         pos = torch.full((B, 1), self.park, dtype=torch.long, device=self.device)
-        cache = self.cache.rows(0, B) if B != self.max_batch else self.cache
-        self.model.forward(ids, pos, cache, last=-1)      # compiles and fills the memos: the recording must not
-        rec, out = self._capture_forward(lambda: self.model.forward(ids, pos, cache, last=-1))
-        return _Graph(rec, ids, pos, out) if rec is not None else None
+        return self._recorded(ids, pos)[0]
 
     def _prefill_graphed(self, ids: torch.Tensor, row: int, start: int, t: int, cache) -> torch.Tensor:
         """The prompt padded to t tokens, replayed from its (row, t) graph; the first prompt of this length
@@ -362,17 +359,23 @@ class Engine:
         for replay unless a launch could not be replayed or a torch call outside the kernels wrote
         data or read it on the host (_TorchGuard); then this batch size stays eager."""
         B = tokens.shape[0]
-        ids = tokens.view(B, 1).to(self.device).clone()
-        pos = positions.view(B, 1).to(self.device).clone()
+        step, eager, why = self._recorded(tokens.view(B, 1).to(self.device).clone(),
+                                          positions.view(B, 1).to(self.device).clone())
+        self._replays[B] = step
+        self.replay_refused = [] if step is not None else [why]
+        return (step.logits if step is not None else eager)[:, 0]
+
+    def _recorded(self, ids: torch.Tensor, pos: torch.Tensor):
+        """(the step over static inputs ids / pos (B, 1) recorded for replay, or None; its eager logits; why not):
+        run eagerly first (compiles, fills every memo), then again while recorded, from the same state."""
+        B = ids.shape[0]
         cache = self.cache.rows(0, B) if B != self.max_batch else self.cache
         saved = cache.save_state() if self.recurrent else None
         eager = self.model.forward(ids, pos, cache, last=-1)
         if saved is not None:       # the recording runs the step again: from the same state, not one step on
             cache.restore_state(saved)
         rec, out = self._capture_forward(lambda: self.model.forward(ids, pos, cache, last=-1))
-        self._replays[B] = _Graph(rec, ids, pos, out) if rec is not None else None
-        self.replay_refused = [] if rec is not None else [out]
-        return (out if rec is not None else eager)[:, 0]
+        return (_Graph(rec, ids, pos, out), eager, None) if rec is not None else (None, eager, out)
 
     # ------------------------------------------------------------------ CUDA graphs
     def _capture_all(self) -> None:

@@ -41,27 +41,6 @@ def test_every_path_that_serves_a_call_gives_the_reference(path, m):
 
 
 @interpreted
-def test_after_a_producer_qmv_h2_is_timed_on_prepared_activations(monkeypatch):
-    """A call whose activations a norm or SwiGLU prepares (problem "prepared") charges qmv_h2 the GEMV alone, as
-    a decode step pays it: the compiled call prepares each new x once, and repeated calls on it only multiply."""
-    from kilnx.kernels import qmv_h2 as H
-    preps = []
-    real = H.qmv_h2_prep
-    monkeypatch.setattr(H, "qmv_h2_prep", lambda *a, **k: preps.append(1) or real(*a, **k))
-    for prepared, want_preps in ((True, 2), (False, 4)):
-        preps.clear()
-        args = qmatmul_path.make_args({**PROBLEM, "M": 2, "prepared": prepared}, "cpu")
-        assert args[4] is prepared
-        fn = qmatmul_path.compile({"PATH": "qmv_h2"}, *args, backend="triton")
-        other = (args[0] * 2, *args[1:])
-        rtol, atol = qmatmul_path.tolerance(args)
-        for x_args in (args, args, other, other):
-            torch.testing.assert_close(fn(*x_args).float(), qmatmul_path.reference(*x_args).float(),
-                                       rtol=rtol, atol=2 * atol)
-        assert len(preps) == want_preps
-
-
-@interpreted
 def test_a_path_that_cannot_serve_the_call_is_refused_by_name():
     x, wq, s, b = _args(4)
     with pytest.raises(ValueError, match="'dequant_mm' does not serve"):     # the GPU's two kernels
@@ -136,7 +115,7 @@ def test_a_tune_tries_every_path_and_stores_one_that_serves(tmp_path):
     url = f"sqlite:///{tmp_path}/tune.db"
     with TuningDB(url) as db:
         results = tune_session(cpu_info(), [TargetSpec("kilnx.kernels.qmatmul_path:qmatmul_path",
-                                                          {**PROBLEM, "M": 2, "prepared": 1})],
+                                                          {**PROBLEM, "M": 2})],
                                db, Budget(600, 1), TuneSettings(trial_timeout_s=120, rerank_rounds=1), workers=1)
         stored = db.valid_results(cpu_info())
     assert not results[0].error, results[0].error

@@ -122,13 +122,35 @@ def test_rows_the_budget_does_not_reach_are_reported_not_tried(engine):
         tune_step_paths(engine, (8,))
 
 
-def test_a_trial_sets_stored_paths_aside_and_nests_nowhere():
-    with qmatmul_path.trying({}) as trial:
-        assert trial.paths == {} and trial.asked == {}
-        with pytest.raises(RuntimeError, match="already open"):
-            with qmatmul_path.trying({}):
-                pass
-    assert qmatmul_path._trial is None
+def test_a_trial_sets_stored_paths_aside_forces_its_own_and_nests_nowhere(tmp_path, monkeypatch):
+    from kilnx.quant import QWeight
+    url = f"sqlite:///{tmp_path}/tuned.db"
+    monkeypatch.setenv("KILNX_DB", url)
+    w = QWeight.quantize(torch.randn(64, 128, generator=torch.Generator().manual_seed(0)))
+    x = torch.zeros(4, 128)
+    args = (x, w.packed, w.scales, w.biases)
+    bucket = qmatmul_path.key(*args)
+    with TuningDB(url) as db:
+        db.record_result(kernel=qmatmul_path.name, source_hash=qmatmul_path.source_hash, device=cpu_info(),
+                         bucket=bucket, config={"PATH": "qmm"}, time_s=1e-3)
+    dispatch.reset()
+    try:
+        assert qmatmul_path.path_for(*args) == "qmm"                          # stored
+        with qmatmul_path.trying({}) as trial:
+            assert qmatmul_path.path_for(*args) == "qmv_il"                   # set aside: the thresholds' path
+            assert trial.asked[bucket].default == "qmv_il" and trial.asked[bucket].rows == 4
+            # fp32 rows on the CPU: neither the tensor-core kernels nor the GPU's dequantize-then-GEMM
+            assert set(trial.asked[bucket].serving) == {"qmv", "qmv_h2", "qmv_il", "qmm"}
+            with pytest.raises(RuntimeError, match="already open"):
+                with qmatmul_path.trying({}):
+                    pass
+        with qmatmul_path.trying({bucket: "qmv"}):
+            assert qmatmul_path.path_for(*args) == "qmv"                      # forced
+        with qmatmul_path.trying({bucket: "dequant_mm"}):                     # does not serve the CPU: the default
+            assert qmatmul_path.path_for(*args) == "qmv_il"
+        assert qmatmul_path._trial is None and qmatmul_path.path_for(*args) == "qmm"   # stored again after
+    finally:
+        dispatch.reset()
 
 
 def test_kilnx_tune_runs_it_for_a_named_model_and_refuses_it_without_one(engine, tmp_path, monkeypatch):

@@ -1,8 +1,8 @@
 """TuningDB: the persistent store of tuned kernel configs (SQLite file or PostgreSQL server).
 
 Every public method runs in its own short transaction and returns plain data (TunedResult), so no ORM
-session outlives a call. Writes are single upsert statements that keep the fastest result per identity,
-which makes concurrent tuner processes safe without any read-modify-write race.
+session outlives a call. Writes are single upsert statements that keep the best result per identity (see
+_upsert_best), which makes concurrent tuner processes safe without any read-modify-write race.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator
 
-from sqlalchemy import case, create_engine, delete, event, inspect, select, text
+from sqlalchemy import and_, case, create_engine, delete, event, inspect, not_, or_, select, text
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
@@ -155,7 +155,7 @@ class TuningDB:
     def record_result(self, *, kernel: str, source_hash: str, device: DeviceInfo, bucket: str, config: dict,
                       time_s: float, default_time_s: float | None = None, peer_time_s: float | None = None,
                       trials: int = 0, versions: dict | None = None) -> TunedResult:
-        """Store a tuned result unless a faster one exists for the same identity; return the best one."""
+        """Store a tuned result unless a better one exists for the same identity (_upsert_best); return the best one."""
         stamp = {**current_versions(), **(versions or {})}
         values = _result_values(kernel=kernel, source_hash=source_hash, bucket=bucket, config=config,
                                 time_s=time_s, default_time_s=default_time_s, peer_time_s=peer_time_s,
@@ -174,12 +174,20 @@ class TuningDB:
         ins = self._insert(ResultRow).values(kernel_id=kernel_id, device_id=device_id, **values)
         replaced = ("torch_version", "kilnx_version", "config", "time_s", "default_time_s", "peer_time_s",
                     "trials", "created")
-        # The WHERE makes "keep the fastest" part of the single atomic statement: a slower result for an
+        # The WHERE makes "keep the best" part of the single atomic statement: a worse result for an
         # existing identity changes nothing, whatever the order in which concurrent writers arrive.
+        # Where both results carry the default config's time from their own run, the better one is the
+        # larger gain over it (time / default, compared cross-multiplied): times from two runs are not
+        # comparable when the GPU's clocks drifted between them, nor when they are step times of two
+        # models whose weights share a bucket (the step trial's qmatmul_path). Otherwise the shorter time.
+        new, old = ins.excluded, ResultRow
+        both_gains = and_(old.default_time_s.is_not(None), new.default_time_s.is_not(None))
+        better = or_(and_(both_gains, old.time_s * new.default_time_s > new.time_s * old.default_time_s),
+                     and_(not_(both_gains), old.time_s > new.time_s))
         stmt = ins.on_conflict_do_update(
             index_elements=[ResultRow.kernel_id, ResultRow.device_id, ResultRow.bucket, ResultRow.triton_version],
             set_={name: ins.excluded[name] for name in replaced},
-            where=ResultRow.time_s > ins.excluded.time_s,
+            where=better,
         )
         conn.execute(stmt)
 

@@ -2,7 +2,7 @@
 
 The file carries the full DeviceInfo of each device so the importing DB knows GPUs it has never seen.
 Import validates the whole file before touching the DB and writes it in one transaction: either every
-result is applied (with the usual keep-the-fastest rule) or nothing is.
+result is applied (with the usual keep-the-best rule) or nothing is.
 """
 
 from __future__ import annotations

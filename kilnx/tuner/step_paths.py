@@ -214,8 +214,8 @@ def _first_line(e: Exception, limit: int) -> str:
 
 def record(db, device, results: list[RowsResult]) -> int:
     """Store the kept paths of each row count as qmatmul_path results (time: the step's); returns how many.
-    The DB keeps the faster of two results for one bucket: step times of one model compare, but a bucket shared
-    by two models' weights of one shape keeps the shorter model's step."""
+    Each carries the thresholds' step time as its default, so of two results for one bucket (two runs, or two
+    models whose weights share a shape) the DB keeps the larger gain over its own step, not the shorter step."""
     n = 0
     for r in results:
         if not r.kept:

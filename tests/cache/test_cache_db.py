@@ -44,6 +44,21 @@ def test_keeps_the_fastest_result_per_identity(db_url, h200):
                                                               ("M=16,N=4096,K=4096", 5e-5)]
 
 
+def test_results_with_their_default_times_keep_the_larger_gain(db_url, h200):
+    """Two runs' times do not compare (clocks drift; the step trial's are two models' steps), each gain over the
+    default timed in the same run does; a result without a default time compares by time."""
+    with TuningDB(db_url) as db:
+        record(db, h200, time_s=8e-5, default_time_s=10e-5, config={"PATH": "a"})          # 1.25x
+        kept = record(db, h200, time_s=4e-5, default_time_s=4.2e-5, config={"PATH": "b"})   # shorter, 1.05x
+        assert kept.config == {"PATH": "a"}
+        kept = record(db, h200, time_s=9e-5, default_time_s=18e-5, config={"PATH": "c"})    # longer, 2x
+        assert kept.config == {"PATH": "c"} and kept.speedup == pytest.approx(2.0)
+        kept = record(db, h200, time_s=8.9e-5, config={"PATH": "d"})                        # no default, shorter
+        assert kept.config == {"PATH": "d"}
+        kept = record(db, h200, time_s=5e-5, default_time_s=20e-5, config={"PATH": "e"})   # d has no gain to compare
+        assert kept.config == {"PATH": "e"}
+
+
 def test_register_device_and_kernel_are_idempotent(db_url, h200, a100):
     with TuningDB(db_url) as db:
         assert db.register_device(h200) == db.register_device(h200) != db.register_device(a100)

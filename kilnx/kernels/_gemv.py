@@ -14,6 +14,9 @@ import os
 import kilnx.dsl as kd
 from kilnx.dsl.ir import ITEMSIZE
 
+# what a GEMV asks L2 for before its grid sync (`prefetching`): nothing, its whole range, the head of its range
+PREFETCH_OFF, PREFETCH_ALL, PREFETCH_HEAD = 0, 1, 2
+
 
 class Frame:
     """One program's share of a GEMV over an (N, KW) packed weight with WPG words per group.
@@ -56,11 +59,16 @@ class Frame:
             c = kd.minimum(c0 + kd.arange(0, lines) * per_line, stop - 1)
             kd.prefetch(t, rows[:, None], c[None, :])
 
-    def prefetch_weights(self, wq, *per_group):
-        """The program's packed words and their per-group tensors (scales, biases), then the sync."""
-        self.prefetch(wq, self.w_start, self.w_stop)
+    def prefetch_weights(self, wq, *per_group, mode: int = PREFETCH_ALL):
+        """The program's packed words and their per-group tensors (scales, biases), then the sync: all of its range
+        (PREFETCH_ALL) or only the chunks its pipelined loop loads first (PREFETCH_HEAD: what the loop waits on
+        right after the sync; one or two prefetches a thread, where all of a 16 KB range took tens)."""
+        stop = self.w_stop
+        if mode == PREFETCH_HEAD:
+            stop = kd.minimum(self.w_start + self.CHUNK * max(self.STAGES, 1), self.w_stop)
+        self.prefetch(wq, self.w_start, stop)
         for t in per_group:
-            self.prefetch(t, self.w_start // self.WPG, kd.cdiv(self.w_stop, self.WPG))
+            self.prefetch(t, self.w_start // self.WPG, kd.cdiv(stop, self.WPG))
         kd.grid_dependency_sync()
 
     def chunks(self):
@@ -176,19 +184,24 @@ def word_slice(t, chain: int, j: int):
     return kd.pick(kd.reshape(t, (*lead, chunk // chain, chain)), j, axis=-1)
 
 
+_PREFETCH_MODES = {"0": PREFETCH_OFF, "1": PREFETCH_ALL, "all": PREFETCH_ALL, "head": PREFETCH_HEAD}
+
+
 @functools.lru_cache(maxsize=None)
-def prefetching() -> bool:
-    """Whether GEMVs prefetch their weights before the grid sync (KILNX_GEMV_PREFETCH=1; off by default).
-    It only makes sense when kernels launch early (PDL, codegen/triton_rt.py). Measured on the H200 in
-    one run, two rounds each (bench/results/2026-12-03_h200_e2e_s6_prefetch_ab*.csv): llama-3.1-8b decode
-    392.5/397.5 tok/s with it against 402.3/413.5 without (prompt 128), 388.2/388.1 against 393.5/401.2
-    (prompt 2048); llama-3.2-1b 1248/1370 against 1222/1283. The GEMV's blocks are scheduled only once
-    the previous kernel has passed its own wait, which leaves a window of ~2 us, and a prefetch that
-    lands after the sync only duplicates the loads."""
-    if os.environ.get("KILNX_GEMV_PREFETCH", "0") != "1":
-        return False
+def prefetching() -> int:
+    """Whether and what GEMVs prefetch into L2 before the grid sync: KILNX_GEMV_PREFETCH=1 (or all) their whole range,
+    =head the chunks their pipelined loop loads first; off by default. It only makes sense when kernels launch early
+    (PDL, codegen/triton_rt.py). Measured on the H200 in one run, two rounds each
+    (bench/results/2026-12-03_h200_e2e_s6_prefetch_ab*.csv), the whole range: llama-3.1-8b decode 392.5/397.5 tok/s
+    with it against 402.3/413.5 without (prompt 128), 388.2/388.1 against 393.5/401.2 (prompt 2048); llama-3.2-1b
+    1248/1370 against 1222/1283. The GEMV's blocks are scheduled only once the previous kernel has passed its own
+    wait, which leaves a window of ~2 us, and a prefetch that lands after the sync only duplicates the loads; the
+    head alone asks for what fits that window."""
+    value = os.environ.get("KILNX_GEMV_PREFETCH", "0").strip().lower()
+    if value not in _PREFETCH_MODES:
+        raise ValueError(f"KILNX_GEMV_PREFETCH={value!r}: expected one of {', '.join(_PREFETCH_MODES)}")
     from kilnx.codegen.triton_rt import pdl_enabled
-    return pdl_enabled()
+    return _PREFETCH_MODES[value] if pdl_enabled() else PREFETCH_OFF
 
 
 def into_row(row, m, BLOCK_M: int):

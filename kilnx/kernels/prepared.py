@@ -12,11 +12,14 @@ activation dtype before preparing it, as the stored-then-prepared activation was
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
 
 import kilnx.dsl as kd
+from kilnx.dsl.ir import ITEMSIZE
 from kilnx.dsl.kernel import PerObjectMemo
 from kilnx.kernels import qmv_h2 as H
 from kilnx.kernels.sizes import pow2_at_least
@@ -94,16 +97,40 @@ def _norm_spec(x, res, w, *, eps, offset, PER, GROUP, **_):
     return (h.to(x.dtype), *H._prep_spec(y.float(), PER=PER, GROUP=GROUP))
 
 
+@functools.lru_cache(maxsize=None)
+def norm_prefetching() -> bool:
+    """KILNX_NORM_PREFETCH=1: the residual norm asks L2 for its residual row and norm weight before its grid sync (with
+    PDL, while the GEMV before it still runs): neither is written by that GEMV, and at decode both were last touched a
+    layer's worth of streamed weights ago, so each is a DRAM round trip on the step's critical path. Off by default
+    until an A/B on the GPU says otherwise."""
+    if os.environ.get("KILNX_NORM_PREFETCH", "0") != "1":
+        return False
+    from kilnx.codegen.triton_rt import pdl_enabled
+    return pdl_enabled()
+
+
+def _prefetch_row(t, *lead, K, K_P2: int):
+    """L2 hints for the K values of t[*lead, :]: one address per 128-byte line, clamped into the row."""
+    per_line = 128 // ITEMSIZE[t.dtype]
+    lines = max(K_P2 // per_line, 1)
+    kd.prefetch(t, *lead, kd.minimum(kd.arange(0, lines) * per_line, K - 1))
+
+
 @kd.kernel(tune={"num_warps": kd.choice(1, 2, 4, 8, 16, default=8)},
            key=lambda x, res, w, **kw: {"M": x.shape[0], "K": x.shape[1]}, spec=_norm_spec,
-           specialize=lambda x, res, w: {"K_P2": pow2_at_least(x.shape[1])})
+           specialize=lambda x, res, w: {"K_P2": pow2_at_least(x.shape[1]),
+                                         "PREFETCH": x.is_cuda and norm_prefetching()})
 def add_rms_norm_prep(x, res, w, *, eps: float, offset: float, PER: kd.constexpr, GROUP: kd.constexpr,
-                      K_P2: kd.constexpr):
+                      K_P2: kd.constexpr, PREFETCH: kd.constexpr = False):
     """h = x + res (returned in x.dtype) and rms_norm(h) * (offset + w), prepared for qmv_h2: one
     program per row, which holds the whole row (the norm needs all of it) in whole groups."""
     M, K = x.shape
     BW = max(K_P2 // PER, GROUP // PER)
     row = kd.grid(M)
+    if PREFETCH:
+        _prefetch_row(res, row, K=K, K_P2=K_P2)
+        _prefetch_row(w, K=K, K_P2=K_P2)
+        kd.grid_dependency_sync()
     words = kd.arange(0, BW)
     lo_i, hi_i = H.code_pairs_index(words, PER)
     # the norm weight is loaded with the row: loaded after the residual's stores, it could not be issued

@@ -63,7 +63,7 @@ def test_qmv_h2_other_backends(backend, bits, m, split_k, stages, chain):
 @pytest.mark.parametrize("mode,stages", [(G.PREFETCH_ALL, 1), (G.PREFETCH_HEAD, 1), (G.PREFETCH_HEAD, 2)])
 def test_prefetching_the_weights_before_the_grid_sync_changes_no_value(backend, split_k, mode, stages):
     """PREFETCH (KILNX_GEMV_PREFETCH, with PDL on the GPU) adds L2 hints and moves the grid sync after them; the
-    prefetch covers each program's own word range (or its first STAGES chunks), clamped at its end."""
+    prefetch covers each program's own word range (or its first chunk), clamped at its end."""
     x, qw, _ = mlx_case(3, 24, 448, 4, 64, seed=9)
     planes, sums, xs = H.qmv_h2_prep(x, PER=8, GROUP=64, backend="reference")
     cfg = {"BLOCK_N": 8, "BLOCK_KW": 16, "SPLIT_K": split_k, "STAGES": stages}

@@ -61,9 +61,10 @@ class Frame:
 
     def prefetch_weights(self, wq, *per_group, mode: int = PREFETCH_ALL):
         """The program's packed words and their per-group tensors (scales, biases), then the sync: all of its range
-        (PREFETCH_ALL: at one row every program of a GEMV is resident at once, so that asks L2 for the whole weight,
-        58 MB for llama-3.1-8b's gate_up against an L2 of 50) or only its first chunk (PREFETCH_HEAD: the loads its
-        loop waits on right after the sync, a quarter of a 4096-wide row at 128-word chunks)."""
+        (PREFETCH_ALL: each program asks for all of its words as it starts, 16 KB at gate_up's one-row tile; the
+        programs scheduled ahead of the sync do that in the previous kernel's shadow, every later one only repeats
+        its own loads) or only its first chunk (PREFETCH_HEAD: the loads its loop waits on right after the sync, a
+        quarter of a 4096-wide row at 128-word chunks)."""
         stop = self.w_stop
         if mode == PREFETCH_HEAD:
             stop = kd.minimum(self.w_start + self.CHUNK, self.w_stop)

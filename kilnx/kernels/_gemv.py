@@ -53,11 +53,8 @@ class Frame:
         """Ask L2 for this program's rows of `t` over columns [start, stop): one address per 128-byte
         line, `lines` lines of a row per step. Placed before kd.grid_dependency_sync, the weights stream
         in while the kernel that produces x still runs (the GEMV launched early under PDL)."""
-        per_line = 128 // ITEMSIZE[t.dtype]
         rows = kd.minimum(self.n, self.N - 1) if not self.ROWS_IN else self.n   # kd.prefetch: indices in bounds
-        for c0 in kd.range(start, stop, per_line * lines):
-            c = kd.minimum(c0 + kd.arange(0, lines) * per_line, stop - 1)
-            kd.prefetch(t, rows[:, None], c[None, :])
+        prefetch_lines(t, start, stop, lambda c: (rows[:, None], c[None, :]), lines)
 
     def prefetch_weights(self, wq, *per_group, mode: int = PREFETCH_ALL):
         """The program's packed words and their per-group tensors (scales, biases), then the sync: all of its range
@@ -186,7 +183,22 @@ def word_slice(t, chain: int, j: int):
     return kd.pick(kd.reshape(t, (*lead, chunk // chain, chain)), j, axis=-1)
 
 
-_PREFETCH_MODES = {"0": PREFETCH_OFF, "1": PREFETCH_ALL, "all": PREFETCH_ALL, "head": PREFETCH_HEAD}
+def prefetch_lines(t, start, stop, at, lines: int = 16):
+    """Ask L2 for the columns [start, stop) of `t` at the indices at(c) (the leading indices, then c): one address per
+    128-byte line, `lines` lines per step, clamped into the range (kd.prefetch takes no mask)."""
+    per_line = 128 // ITEMSIZE[t.dtype]
+    for c0 in kd.range(start, stop, per_line * lines):
+        kd.prefetch(t, *at(kd.minimum(c0 + kd.arange(0, lines) * per_line, stop - 1)))
+
+
+def early_switch(var: str, modes: dict):
+    """The mode an environment switch of work done before the grid sync names (`modes`: value -> mode, "0" off): off
+    without PDL, where nothing runs early; an unknown value is one error naming the choices."""
+    value = os.environ.get(var, "0").strip().lower()
+    if value not in modes:
+        raise ValueError(f"{var}={value!r}: expected one of {', '.join(modes)}")
+    from kilnx.codegen.triton_rt import pdl_enabled
+    return modes[value] if pdl_enabled() else modes["0"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -200,11 +212,8 @@ def prefetching() -> int:
     wait, which leaves a window of ~2 us, and a prefetch that lands after the sync only duplicates the loads; the
     head asks only for what the loop loads first. The window is widest after the one-program kernels (the residual
     norms, a row each) that precede three of a llama layer's four GEMVs."""
-    value = os.environ.get("KILNX_GEMV_PREFETCH", "0").strip().lower()
-    if value not in _PREFETCH_MODES:
-        raise ValueError(f"KILNX_GEMV_PREFETCH={value!r}: expected one of {', '.join(_PREFETCH_MODES)}")
-    from kilnx.codegen.triton_rt import pdl_enabled
-    return _PREFETCH_MODES[value] if pdl_enabled() else PREFETCH_OFF
+    return early_switch("KILNX_GEMV_PREFETCH", {"0": PREFETCH_OFF, "1": PREFETCH_ALL, "all": PREFETCH_ALL,
+                                                "head": PREFETCH_HEAD})
 
 
 def into_row(row, m, BLOCK_M: int):

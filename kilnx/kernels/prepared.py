@@ -13,14 +13,13 @@ activation dtype before preparing it, as the stored-then-prepared activation was
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 
 import kilnx.dsl as kd
-from kilnx.dsl.ir import ITEMSIZE
 from kilnx.dsl.kernel import PerObjectMemo
+from kilnx.kernels import _gemv as gemv
 from kilnx.kernels import qmv_h2 as H
 from kilnx.kernels.sizes import pow2_at_least
 
@@ -103,17 +102,7 @@ def norm_prefetching() -> bool:
     PDL, while the GEMV before it still runs): neither is written by that GEMV, and at decode both were last touched a
     layer's worth of streamed weights ago, so each is a DRAM round trip on the step's critical path. Off by default
     until an A/B on the GPU says otherwise."""
-    if os.environ.get("KILNX_NORM_PREFETCH", "0") != "1":
-        return False
-    from kilnx.codegen.triton_rt import pdl_enabled
-    return pdl_enabled()
-
-
-def _prefetch_row(t, *lead, K, K_P2: int):
-    """L2 hints for the K values of t[*lead, :]: one address per 128-byte line, clamped into the row."""
-    per_line = 128 // ITEMSIZE[t.dtype]
-    lines = max(K_P2 // per_line, 1)
-    kd.prefetch(t, *lead, kd.minimum(kd.arange(0, lines) * per_line, K - 1))
+    return gemv.early_switch("KILNX_NORM_PREFETCH", {"0": False, "1": True})
 
 
 @kd.kernel(tune={"num_warps": kd.choice(1, 2, 4, 8, 16, default=8)},
@@ -128,8 +117,8 @@ def add_rms_norm_prep(x, res, w, *, eps: float, offset: float, PER: kd.constexpr
     BW = max(K_P2 // PER, GROUP // PER)
     row = kd.grid(M)
     if PREFETCH:
-        _prefetch_row(res, row, K=K, K_P2=K_P2)
-        _prefetch_row(w, K=K, K_P2=K_P2)
+        gemv.prefetch_lines(res, 0, K, lambda c: (row, c))
+        gemv.prefetch_lines(w, 0, K, lambda c: (c,))
         kd.grid_dependency_sync()
     words = kd.arange(0, BW)
     lo_i, hi_i = H.code_pairs_index(words, PER)

@@ -9,9 +9,9 @@ runs, and TPE over coupled thresholds did not find the combination that won each
 engine's decode graphs run (1, 2, 4, 8, 16) is its own bucket with one categorical choice among the kernels of
 routing.PATHS. Timed one call at a time (session 33, the generic tuner's trial), the two paths that won on the
 H100 (qmv_h2 for o at 4 rows, 7% ahead alone; qmm_wg for down at 2, 3.5%) decoded llama-3.1-8b at 0.98x / 0.95x the
-untuned rate (bench/results/2026-12-06_h100_*paths*_s33.csv): a call alone is not the call a step pays. So this route is tuned in
-the model's decode step only (tuner/step_paths.py, `kilnx tune --model M --kernel qmatmul_path`), and its stored
-times are step times.
+untuned rate (bench/results/2026-12-06_h100_*paths*_s33.csv): a call alone is not the call a step pays. So this
+route is tuned in the model's decode step only (tuner/step_paths.py, `kilnx tune --model M --kernel qmatmul_path`),
+and its stored times are step times.
 
 Where nothing is stored the choice is the thresholds' own path (stored or default), so the runtime's answer is the
 same as before tuning. A path that does not serve the call (qmv_tc past 64 rows, the wgmma kernels on another

@@ -78,18 +78,22 @@ def test_prefetching_the_weights_before_the_grid_sync_changes_no_value(backend, 
 
 
 def test_the_prefetch_switch_names_its_modes(monkeypatch):
-    """KILNX_GEMV_PREFETCH: 0 / 1 (all) / head; anything else is one clear error. Off the GPU (no PDL) always off."""
-    for value in ("0", "1", "all", "head", "bogus"):
-        monkeypatch.setenv("KILNX_GEMV_PREFETCH", value)
+    """KILNX_GEMV_PREFETCH: 0 / 1 (all) / head with PDL, always off without it; anything else is one clear error."""
+    from kilnx.codegen import triton_rt
+    want = {"0": G.PREFETCH_OFF, "1": G.PREFETCH_ALL, "all": G.PREFETCH_ALL, "head": G.PREFETCH_HEAD}
+    try:
+        for pdl in (True, False):
+            monkeypatch.setattr(triton_rt, "pdl_enabled", lambda pdl=pdl: pdl)
+            for value, mode in want.items():
+                monkeypatch.setenv("KILNX_GEMV_PREFETCH", value)
+                G.prefetching.cache_clear()
+                assert G.prefetching() == (mode if pdl else G.PREFETCH_OFF), (value, pdl)
+        monkeypatch.setenv("KILNX_GEMV_PREFETCH", "bogus")
         G.prefetching.cache_clear()
-        try:
-            if value == "bogus":
-                with pytest.raises(ValueError, match="KILNX_GEMV_PREFETCH='bogus'.*head"):
-                    G.prefetching()
-            else:
-                assert G.prefetching() == G.PREFETCH_OFF      # the interpreter has no PDL
-        finally:
-            G.prefetching.cache_clear()
+        with pytest.raises(ValueError, match="KILNX_GEMV_PREFETCH='bogus'.*head"):
+            G.prefetching()
+    finally:
+        G.prefetching.cache_clear()
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton", "numba"])

@@ -24,7 +24,7 @@ class _Steps:
                                   value=s.steps)
         yield CounterMetricFamily("kilnx_decode_rows", "Rows those steps decoded (over steps: the mean batch).",
                                   value=s.rows_decoded)
-        if s.proposer is not None:      # vLLM's spec_decode_num_draft_tokens / _num_accepted_tokens
+        if s.rounds is not None:        # vLLM's spec_decode_num_draft_tokens / _num_accepted_tokens
             yield CounterMetricFamily("kilnx_spec_decode_draft_tokens", "Tokens guessed by speculative rounds.",
                                       value=s.drafted)
             yield CounterMetricFamily("kilnx_spec_decode_accepted_tokens", "Guessed tokens the model kept.",

@@ -222,3 +222,65 @@ def into_row(row, m, BLOCK_M: int):
     if BLOCK_M == 1:
         return row[None, :]
     return kd.where(kd.arange(0, BLOCK_M)[:, None] == m, row[None, :], 0.0)
+
+
+# Ahead programs: extra programs of the small kernels before a GEMV (the residual norm, the SwiGLU, the attention
+# merge) that ask L2 for the head of that GEMV's weight. At one row a decode step spends ~20% of its time in those
+# kernels (llama-3.1-8b on the H200: 0.37 of 1.91 ms, profiles/2026-12-04_h200_decode_llama8b_profile_s16.txt), when
+# DRAM idles; the GEMV after them then reads its first rows from L2. Each ahead program asks for AHEAD_ROWS weight
+# rows (all their words, scales and biases) before its grid sync; the kernel's own programs ask for nothing.
+AHEAD_ROWS = 32
+
+
+@functools.lru_cache(maxsize=None)
+def ahead_bytes() -> int:
+    """KILNX_PREFETCH_AHEAD=<MB>: how much of the next GEMV's weight the ahead programs ask L2 for (0, the default:
+    no ahead programs). Only with PDL, where they run in the shadow of the kernel before theirs; a value that is not
+    a non-negative number is one error."""
+    value = os.environ.get("KILNX_PREFETCH_AHEAD", "0").strip()
+    try:
+        mb = float(value)
+    except ValueError:
+        mb = -1.0
+    if mb < 0:
+        raise ValueError(f"KILNX_PREFETCH_AHEAD={value!r}: expected megabytes of the next GEMV's weight to ask L2 "
+                         "for ahead of it (a number >= 0; 0 turns it off)")
+    from kilnx.codegen.triton_rt import pdl_enabled
+    return int(mb * (1 << 20)) if pdl_enabled() else 0
+
+
+def ahead_rows(w, budget: int) -> int:
+    """Weight rows of the QWeight w (2-D, affine) whose words, scales and biases fit `budget` bytes (all of w at most)."""
+    n = w.packed.shape[0]
+    row = sum(t.shape[1] * t.element_size() for t in (w.packed, w.scales, w.biases))
+    return min(n, budget // row)
+
+
+def ahead_lines(t) -> int:
+    """Lines of 128 bytes one row of t spans, as a power of two of at most 16 (the ahead prefetch's step)."""
+    lines = -(-t.shape[1] * t.element_size() // 128)
+    return min(16, 1 << max(lines - 1, 0).bit_length())
+
+
+def prefetch_ahead(a, rows, wq, scales, biases, WORD_LINES: int, GROUP_LINES: int):
+    """Ahead program `a` (a < 0: one of the kernel's own programs, which asks for nothing) asks L2 for weight rows
+    [a * AHEAD_ROWS, (a + 1) * AHEAD_ROWS) of the first `rows`: their packed words, scales and biases."""
+    r = kd.minimum(kd.maximum(a, 0) * AHEAD_ROWS + kd.arange(0, AHEAD_ROWS), rows - 1)
+    for t, lines in ((wq, WORD_LINES), (scales, GROUP_LINES), (biases, GROUP_LINES)):
+        prefetch_lines(t, 0, kd.where(a >= 0, t.shape[1], 0), lambda c: (r[:, None], c[None, :]), lines)
+
+
+def ahead_args(fmt, like):
+    """(tensors, scalars) the kernels with ahead programs take for format `fmt` (prepared.PreparedFormat): the next
+    GEMV's packed weight, scales and biases with the rows to ask for, or, off, `like` in their place and 0 rows."""
+    w = getattr(fmt, "ahead", None)
+    budget = ahead_bytes() if w is not None and like.is_cuda else 0
+    rows = ahead_rows(w, budget) if budget else 0
+    if not rows:
+        return (like, like, like), {"ahead_rows": 0, "AHEAD": False, "WORD_LINES": 1, "GROUP_LINES": 1}
+    return ((w.packed, w.scales, w.biases),
+            {"ahead_rows": rows, "AHEAD": True, "WORD_LINES": ahead_lines(w.packed), "GROUP_LINES": ahead_lines(w.scales)})
+
+
+def ahead_programs(rows: int) -> int:
+    return -(-rows // AHEAD_ROWS)

@@ -137,12 +137,19 @@ def test_llama_forward_with_prepared_producers_matches_plain(monkeypatch):
     monkeypatch.setattr(qmatmul_rows, "choice_for", lambda *a: {"QMV_MAX_ROWS": 8, "GEMV": "qmv_h2"})
     from kilnx.dsl.kernel import forget_remembered_configs
     forget_remembered_configs()        # as the runtime does when it reloads tuned configs
-    made = []
-    for name in ("add_rms_norm_prepared", "silu_mul_prepared"):
+    made, aheads = [], []
+    for name, at in (("add_rms_norm_prepared", 4), ("silu_mul_prepared", 1)):
         real = getattr(prepared, name)
-        monkeypatch.setattr(prepared, name, lambda *a, real=real, name=name, **k: made.append(name) or real(*a, **k))
+
+        def spy(*a, real=real, name=name, at=at, **k):
+            made.append(name)
+            aheads.append(a[at].ahead)     # the weight the format was asked for: its ahead programs' target
+            return real(*a, **k)
+        monkeypatch.setattr(prepared, name, spy)
     fused = forward()
     assert set(made) == {"add_rms_norm_prepared", "silu_mul_prepared"} and len(made) == 5   # 2 layers: 3 + 2
+    L0, L1 = model.weights.layers
+    assert aheads == [L0.gate_up[0], L0.down, L1.qkv[0], L1.gate_up[0], L1.down]     # each its next GEMV's
     scale = plain.float().abs().max().item()
     assert torch.allclose(fused.float(), plain.float(), rtol=0, atol=3e-2 * scale)
 

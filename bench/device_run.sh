@@ -76,11 +76,13 @@ for s in "$@"; do case $s in
           export KILNX_GEMV_PREFETCH=$1 KILNX_NORM_PREFETCH=$2
           step e2e8b_pf_${r}_$1_$2 ${PF_SECS:-150} python3 -m kilnx.cli bench --model ${PF_MODEL:-llama-3.1-8b} --random --prompt-lens ${PF_PROMPTS:-128} --gen 64 --device cuda --csv $OUT/e2e_pf_$1_$2.csv
           done; done; unset KILNX_GEMV_PREFETCH KILNX_NORM_PREFETCH ;;
-  armsab) for r in $(seq ${ARMS_ROUNDS:-2}); do for arm in ${ARMS:-off: ahead8:KILNX_PREFETCH_AHEAD=8}; do   # arms NAME:VAR=V,VAR=V alternated
+  armsab) for r in $(seq ${ARMS_ROUNDS:-2}); do for arm in ${ARMS:-off: head:KILNX_GEMV_PREFETCH=head}; do   # arms NAME:VAR=V,VAR=V alternated
           name=${arm%%:*}; sets=${arm#*:}
-          echo "$sets" > $OUT/arm_$name.env
           step e2e_arm_${name}_$r ${ARMS_SECS:-100} env $(echo $sets | tr , ' ') python3 -m kilnx.cli bench --model ${ARMS_MODEL:-llama-3.1-8b} --random --prompt-lens ${ARMS_PROMPTS:-128} --gen 64 --device cuda --csv $OUT/e2e_arm_$name.csv
-          done; done ;;
+          done; done
+          # one CSV with an arm column, the steps' logs dropped (their tails are printed): a call returns ~8 files
+          for f in $OUT/e2e_arm_*.csv; do a=${f##*/e2e_arm_}; awk -v a="${a%.csv}" 'NR==1{print "arm," $0; next}{print a "," $0}' $f; done \
+            | awk 'NR==1 || !/^arm,/' > $OUT/e2e_arms.csv && rm -f $OUT/e2e_arm_*.csv $OUT/e2e_arm_*.log ;;
   kvab) for r in $(seq ${KV_ROUNDS:-2}); do for kv in fp8 auto; do   # the KV cache's dtype, alternated (twice) in one process image
           step e2e_kv${kv}_$r ${KV_SECS:-200} python3 -m kilnx.cli bench --model ${KV_MODEL:-llama-3.1-8b} --random --prompt-lens ${KV_PROMPTS:-128,2048,8192} --gen 64 --repeats 2 --device cuda --kv-cache-dtype $kv --csv $OUT/e2e_kv_$kv.csv; done; done ;;
   hybridpg) for v in ${PG_VALUES:-512 0}; do   # prefill graphs on / off (KILNX_PREFILL_GRAPH_MAX), short prompts

@@ -211,7 +211,13 @@ def prefetching() -> int:
     1248/1370 against 1222/1283. The GEMV's blocks are scheduled only once the previous kernel has passed its own
     wait, which leaves a window of ~2 us, and a prefetch that lands after the sync only duplicates the loads; the
     head asks only for what the loop loads first. The window is widest after the one-program kernels (the residual
-    norms, a row each) that precede three of a llama layer's four GEMVs."""
+    norms, a row each) that precede three of a llama layer's four GEMVs. The head, measured on the H100 in one run of
+    three rounds (bench/results/2026-12-07_h100_e2e_prefetch_arms_s36.csv, llama-3.1-8b, prompt 128): 459.2 / 455.0 /
+    456.2 tok/s against 457.5 / 457.2 / 456.9 off, with KILNX_NORM_PREFETCH too 456.5 / 457.3 / 458.6: no gain past
+    the rounds' spread, so both stay off. Also measured and dropped (fc14b05, the same files): extra programs in the
+    norms, the SwiGLU and the attention merge that asked L2 for the head of the next GEMV's weight while DRAM idles in
+    those kernels: 2 MB a GEMV decoded 443.6-446.7 tok/s, 8 MB 407.1-409.1 against 456-459: the cost grew with the
+    bytes asked for, as if the GEMV read them from DRAM again."""
     return early_switch("KILNX_GEMV_PREFETCH", {"0": PREFETCH_OFF, "1": PREFETCH_ALL, "all": PREFETCH_ALL,
                                                 "head": PREFETCH_HEAD})
 
@@ -222,65 +228,3 @@ def into_row(row, m, BLOCK_M: int):
     if BLOCK_M == 1:
         return row[None, :]
     return kd.where(kd.arange(0, BLOCK_M)[:, None] == m, row[None, :], 0.0)
-
-
-# Ahead programs: extra programs of the small kernels before a GEMV (the residual norm, the SwiGLU, the attention
-# merge) that ask L2 for the head of that GEMV's weight. At one row a decode step spends ~20% of its time in those
-# kernels (llama-3.1-8b on the H200: 0.37 of 1.91 ms, profiles/2026-12-04_h200_decode_llama8b_profile_s16.txt), when
-# DRAM idles; the GEMV after them then reads its first rows from L2. Each ahead program asks for AHEAD_ROWS weight
-# rows (all their words, scales and biases) before its grid sync; the kernel's own programs ask for nothing.
-AHEAD_ROWS = 32
-
-
-@functools.lru_cache(maxsize=None)
-def ahead_bytes() -> int:
-    """KILNX_PREFETCH_AHEAD=<MB>: how much of the next GEMV's weight the ahead programs ask L2 for (0, the default:
-    no ahead programs). Only with PDL, where they run in the shadow of the kernel before theirs; a value that is not
-    a non-negative number is one error."""
-    value = os.environ.get("KILNX_PREFETCH_AHEAD", "0").strip()
-    try:
-        mb = float(value)
-    except ValueError:
-        mb = -1.0
-    if mb < 0:
-        raise ValueError(f"KILNX_PREFETCH_AHEAD={value!r}: expected megabytes of the next GEMV's weight to ask L2 "
-                         "for ahead of it (a number >= 0; 0 turns it off)")
-    from kilnx.codegen.triton_rt import pdl_enabled
-    return int(mb * (1 << 20)) if pdl_enabled() else 0
-
-
-def ahead_rows(w, budget: int) -> int:
-    """Weight rows of the QWeight w (2-D, affine) whose words, scales and biases fit `budget` bytes (all of w at most)."""
-    n = w.packed.shape[0]
-    row = sum(t.shape[1] * t.element_size() for t in (w.packed, w.scales, w.biases))
-    return min(n, budget // row)
-
-
-def ahead_lines(t) -> int:
-    """Lines of 128 bytes one row of t spans, as a power of two of at most 16 (the ahead prefetch's step)."""
-    lines = -(-t.shape[1] * t.element_size() // 128)
-    return min(16, 1 << max(lines - 1, 0).bit_length())
-
-
-def prefetch_ahead(a, rows, wq, scales, biases, WORD_LINES: int, GROUP_LINES: int):
-    """Ahead program `a` (a < 0: one of the kernel's own programs, which asks for nothing) asks L2 for weight rows
-    [a * AHEAD_ROWS, (a + 1) * AHEAD_ROWS) of the first `rows`: their packed words, scales and biases."""
-    r = kd.minimum(kd.maximum(a, 0) * AHEAD_ROWS + kd.arange(0, AHEAD_ROWS), rows - 1)
-    for t, lines in ((wq, WORD_LINES), (scales, GROUP_LINES), (biases, GROUP_LINES)):
-        prefetch_lines(t, 0, kd.where(a >= 0, t.shape[1], 0), lambda c: (r[:, None], c[None, :]), lines)
-
-
-def ahead_args(fmt, like):
-    """(tensors, scalars) the kernels with ahead programs take for format `fmt` (prepared.PreparedFormat): the next
-    GEMV's packed weight, scales and biases with the rows to ask for, or, off, `like` in their place and 0 rows."""
-    w = getattr(fmt, "ahead", None)
-    budget = ahead_bytes() if w is not None and like.is_cuda else 0
-    rows = ahead_rows(w, budget) if budget else 0
-    if not rows:
-        return (like, like, like), {"ahead_rows": 0, "AHEAD": False, "WORD_LINES": 1, "GROUP_LINES": 1}
-    return ((w.packed, w.scales, w.biases),
-            {"ahead_rows": rows, "AHEAD": True, "WORD_LINES": ahead_lines(w.packed), "GROUP_LINES": ahead_lines(w.scales)})
-
-
-def ahead_programs(rows: int) -> int:
-    return -(-rows // AHEAD_ROWS)

@@ -155,12 +155,11 @@ def attention_merge(part_acc, part_max, part_sum, q, *, BLOCK_S: kd.constexpr, B
     return out
 
 
-def _merge_weights(part_max, part_sum, B, T, Hq, BLOCK_S: int, r=None):
+def _merge_weights(part_max, part_sum, B, T, Hq, BLOCK_S: int):
     """The merge of one (row, token, head) per program: (b, t, h, the ranges' largest max, each range's
     weight exp(m_s - max) as a (BLOCK_S,) tile, 1 / sum_s weight_s l_s). A range without keys has
-    m = MASKED_MAX and l = 0: weight 0. A head that saw no key at all divides by 1, not 0. r: the program's
-    index where the kernel declared its grid (programs past B * T * Hq read and write nothing)."""
-    r = kd.grid(B * T * Hq) if r is None else r
+    m = MASKED_MAX and l = 0: weight 0. A head that saw no key at all divides by 1, not 0."""
+    r = kd.grid(B * T * Hq)
     b, t, h = r // (T * Hq), (r // Hq) % T, r % Hq
     s = kd.arange(0, BLOCK_S)
     m = kd.load(part_max, s, b, t, h, other=MASKED_MAX)
@@ -173,7 +172,7 @@ def _merge_weights(part_max, part_sum, B, T, Hq, BLOCK_S: int, r=None):
 MERGE_CHUNK = 32   # key ranges the prepared merge reads per load
 
 
-def _merge_prep_spec(part_acc, part_max, part_sum, q, *ahead, PER, GROUP, **_):
+def _merge_prep_spec(part_acc, part_max, part_sum, q, *, PER, GROUP, **_):
     from kilnx.kernels.qmv_h2 import _prep_spec
     out = _merge_spec(part_acc, part_max, part_sum, q)
     B, T, Hq, D = out.shape
@@ -182,27 +181,16 @@ def _merge_prep_spec(part_acc, part_max, part_sum, q, *ahead, PER, GROUP, **_):
 
 @kd.kernel(tune={"num_warps": kd.choice(1, 2, 4, default=2)},
            key=lambda part_acc, *_, **__: {"NS": part_acc.shape[0], "D": part_acc.shape[-1]}, spec=_merge_prep_spec,
-           specialize=lambda part_acc, part_max, part_sum, q, *_: {"BLOCK_S": pow2_at_least(part_acc.shape[0]),
-                                                                  "HEAD_D": part_acc.shape[4]})
-def attention_merge_prep(part_acc, part_max, part_sum, q, ahead_wq, ahead_scales, ahead_biases, *,
-                         ahead_rows: int = 0, PER: kd.constexpr, GROUP: kd.constexpr, BLOCK_S: kd.constexpr,
-                         HEAD_D: kd.constexpr, AHEAD: kd.constexpr = False, WORD_LINES: kd.constexpr = 1,
-                         GROUP_LINES: kd.constexpr = 1):
+           specialize=lambda part_acc, part_max, part_sum, q: {"BLOCK_S": pow2_at_least(part_acc.shape[0]),
+                                                               "HEAD_D": part_acc.shape[4]})
+def attention_merge_prep(part_acc, part_max, part_sum, q, *, PER: kd.constexpr, GROUP: kd.constexpr,
+                         BLOCK_S: kd.constexpr, HEAD_D: kd.constexpr):
     """attention_merge's output (rows b*T + t, columns h*D + d), rounded to q.dtype and written in
     qmv_h2's prepared form for the o projection: each program merges one head, whose D values are whole
-    quantization groups (HEAD_D % GROUP == 0), so it also owns their planes, sums and scales. With AHEAD,
-    programs past the heads ask L2 for the first `ahead_rows` rows of the o weight (gemv.prefetch_ahead):
-    they run while the split attention before them does, when DRAM has little else to do."""
-    from kilnx.kernels import _gemv as gemv
+    quantization groups (HEAD_D % GROUP == 0), so it also owns their planes, sums and scales."""
     from kilnx.kernels import qmv_h2 as H
     B, T, Hq, D = q.shape
-    r = None
-    if AHEAD:
-        r = kd.grid(B * T * Hq + kd.cdiv(ahead_rows, gemv.AHEAD_ROWS))
-        gemv.prefetch_ahead(r - B * T * Hq, ahead_rows, ahead_wq, ahead_scales, ahead_biases, WORD_LINES,
-                            GROUP_LINES)
-        kd.grid_dependency_sync()
-    b, t, h, top, w, norm = _merge_weights(part_max, part_sum, B, T, Hq, BLOCK_S, r)
+    b, t, h, top, w, norm = _merge_weights(part_max, part_sum, B, T, Hq, BLOCK_S)
     DW = HEAD_D // PER                          # packed words of one head
     lo_i, hi_i = H.code_pairs_index(kd.arange(0, DW), PER)
     lo_i, hi_i = lo_i[None, :, :], hi_i[None, :, :]    # (1, DW, PER/2): broadcast over the ranges
@@ -251,10 +239,7 @@ def merge(parts, q, prepared, backend=None):
     """The ranges' partial results merged: (B, T, Hq, D) in q.dtype, or with `prepared` a PreparedX."""
     from kilnx.kernels.prepared import PreparedX, prepare
     if prepared is not None and q.shape[3] % prepared[1] == 0:
-        from kilnx.kernels._gemv import ahead_args
-        ahead, scalars = ahead_args(prepared, q)
-        planes, sums, xs = attention_merge_prep(*parts, q, *ahead, PER=prepared[0], GROUP=prepared[1], backend=backend,
-                                                **scalars)
+        planes, sums, xs = attention_merge_prep(*parts, q, PER=prepared[0], GROUP=prepared[1], backend=backend)
         return PreparedX(planes, sums, xs, q.dtype)
     out = attention_merge(*parts, q, backend=backend)
     return out if prepared is None else prepare(out.reshape(-1, out.shape[2] * out.shape[3]), prepared)

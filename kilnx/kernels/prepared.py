@@ -13,7 +13,6 @@ activation dtype before preparing it, as the stored-then-prepared activation was
 from __future__ import annotations
 
 import functools
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -48,21 +47,6 @@ class PreparedX:
     @property
     def device(self) -> torch.device:
         return self.planes.device
-
-
-class PreparedFormat(tuple):
-    """(PER, GROUP): codes per packed word and quantization group of the GEMV's weight, with that weight as `ahead`
-    where it is one 2-D weight (what a producer's ahead programs may ask L2 for: gemv.prefetch_ahead). The weight is
-    held weakly: a format is remembered per weight (_FORMATS), and must not keep it alive."""
-
-    def __new__(cls, per: int, group: int, ahead=None):
-        fmt = super().__new__(cls, (per, group))
-        fmt._ahead = weakref.ref(ahead) if ahead is not None else None
-        return fmt
-
-    @property
-    def ahead(self):
-        return self._ahead() if self._ahead is not None else None
 
 
 _FORMATS = PerObjectMemo()
@@ -103,12 +87,10 @@ def _prepared_format(parts, x):
         if fmt not in (None, f) or k % w.group_size:
             return None
         fmt = f
-    if fmt is None:
-        return None
-    return PreparedFormat(*fmt, ahead=parts[0] if len(parts) == 1 and len(parts[0].shape) == 2 else None)
+    return fmt
 
 
-def _norm_spec(x, res, w, *ahead, eps, offset, PER, GROUP, **_):
+def _norm_spec(x, res, w, *, eps, offset, PER, GROUP, **_):
     h = x.float() + res.float()
     y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * (offset + w.float())).to(x.dtype)
     return (h.to(x.dtype), *H._prep_spec(y.float(), PER=PER, GROUP=GROUP))
@@ -118,32 +100,25 @@ def _norm_spec(x, res, w, *ahead, eps, offset, PER, GROUP, **_):
 def norm_prefetching() -> bool:
     """KILNX_NORM_PREFETCH=1: the residual norm asks L2 for its residual row and norm weight before its grid sync (with
     PDL, while the GEMV before it still runs): neither is written by that GEMV, and at decode both were last touched a
-    layer's worth of streamed weights ago, so each is a DRAM round trip on the step's critical path. Off by default
-    until an A/B on the GPU says otherwise."""
+    layer's worth of streamed weights ago, so each is a DRAM round trip on the step's critical path. Off: with the
+    GEMVs' head prefetch it made no difference past the rounds' spread on the H100 (see _gemv.prefetching)."""
     return gemv.early_switch("KILNX_NORM_PREFETCH", {"0": False, "1": True})
 
 
 @kd.kernel(tune={"num_warps": kd.choice(1, 2, 4, 8, 16, default=8)},
-           key=lambda x, res, w, *_, **kw: {"M": x.shape[0], "K": x.shape[1]}, spec=_norm_spec,
-           specialize=lambda x, res, w, *_: {"K_P2": pow2_at_least(x.shape[1]),
-                                             "PREFETCH": x.is_cuda and norm_prefetching()})
-def add_rms_norm_prep(x, res, w, ahead_wq, ahead_scales, ahead_biases, *, eps: float, offset: float,
-                      ahead_rows: int = 0, PER: kd.constexpr, GROUP: kd.constexpr, K_P2: kd.constexpr,
-                      PREFETCH: kd.constexpr = False, AHEAD: kd.constexpr = False, WORD_LINES: kd.constexpr = 1,
-                      GROUP_LINES: kd.constexpr = 1):
+           key=lambda x, res, w, **kw: {"M": x.shape[0], "K": x.shape[1]}, spec=_norm_spec,
+           specialize=lambda x, res, w: {"K_P2": pow2_at_least(x.shape[1]),
+                                         "PREFETCH": x.is_cuda and norm_prefetching()})
+def add_rms_norm_prep(x, res, w, *, eps: float, offset: float, PER: kd.constexpr, GROUP: kd.constexpr,
+                      K_P2: kd.constexpr, PREFETCH: kd.constexpr = False):
     """h = x + res (returned in x.dtype) and rms_norm(h) * (offset + w), prepared for qmv_h2: one
-    program per row, which holds the whole row (the norm needs all of it) in whole groups. With AHEAD,
-    programs past the rows ask L2 for the first `ahead_rows` rows of the next GEMV's weight (gemv.prefetch_ahead)."""
+    program per row, which holds the whole row (the norm needs all of it) in whole groups."""
     M, K = x.shape
     BW = max(K_P2 // PER, GROUP // PER)
-    row = kd.grid(M + kd.cdiv(ahead_rows, gemv.AHEAD_ROWS)) if AHEAD else kd.grid(M)
-    if AHEAD:
-        gemv.prefetch_ahead(row - M, ahead_rows, ahead_wq, ahead_scales, ahead_biases, WORD_LINES, GROUP_LINES)
-    if PREFETCH:            # (the ahead programs, past the rows, ask for none of it)
-        own, stop = (kd.minimum(row, M - 1), kd.where(row < M, K, 0)) if AHEAD else (row, K)
-        gemv.prefetch_lines(res, 0, stop, lambda c: (own, c))
-        gemv.prefetch_lines(w, 0, stop, lambda c: (c,))
-    if PREFETCH or AHEAD:
+    row = kd.grid(M)
+    if PREFETCH:
+        gemv.prefetch_lines(res, 0, K, lambda c: (row, c))
+        gemv.prefetch_lines(w, 0, K, lambda c: (c,))
         kd.grid_dependency_sync()
     words = kd.arange(0, BW)
     lo_i, hi_i = H.code_pairs_index(words, PER)
@@ -162,31 +137,20 @@ def add_rms_norm_prep(x, res, w, ahead_wq, ahead_scales, ahead_biases, *, eps: f
     return (h, *H.store_prepared(y_lo, y_hi, row, 0, words, M, K, PER=PER, GROUP=GROUP))
 
 
-def _silu_spec(gate_up, *ahead, PER, GROUP, **_):
+def _silu_spec(gate_up, *, PER, GROUP, **_):
     f = gate_up.shape[-1] // 2
     y = (torch.nn.functional.silu(gate_up[..., :f].float()) * gate_up[..., f:].float()).to(gate_up.dtype)
     return H._prep_spec(y.float(), PER=PER, GROUP=GROUP)
 
 
 @kd.kernel(tune={"BLOCK_KW": kd.pow2(16, 512, default=128), "num_warps": kd.choice(1, 2, 4, default=4)},
-           key=lambda gate_up, *_, **kw: {"M": gate_up.shape[0], "K": gate_up.shape[1] // 2}, spec=_silu_spec)
-def silu_mul_prep(gate_up, ahead_wq, ahead_scales, ahead_biases, *, ahead_rows: int = 0, PER: kd.constexpr,
-                  GROUP: kd.constexpr, AHEAD: kd.constexpr = False, WORD_LINES: kd.constexpr = 1,
-                  GROUP_LINES: kd.constexpr = 1, BLOCK_KW):
-    """silu(gate) * up of a [gate | up] row (M, 2F), rounded to its dtype, prepared for qmv_h2. With AHEAD,
-    programs past the row blocks ask L2 for the first `ahead_rows` rows of the next GEMV's weight."""
+           key=lambda gate_up, **kw: {"M": gate_up.shape[0], "K": gate_up.shape[1] // 2}, spec=_silu_spec)
+def silu_mul_prep(gate_up, *, PER: kd.constexpr, GROUP: kd.constexpr, BLOCK_KW):
+    """silu(gate) * up of a [gate | up] row (M, 2F), rounded to its dtype, prepared for qmv_h2."""
     M, F2 = gate_up.shape
     F = F2 // 2
     BW = max(BLOCK_KW, GROUP // PER)
-    blocks = kd.cdiv(kd.cdiv(F, PER), BW)
-    if AHEAD:                # one axis: the row blocks, then the ahead programs
-        pid = kd.grid(M * blocks + kd.cdiv(ahead_rows, gemv.AHEAD_ROWS))
-        gemv.prefetch_ahead(pid - M * blocks, ahead_rows, ahead_wq, ahead_scales, ahead_biases, WORD_LINES,
-                            GROUP_LINES)
-        kd.grid_dependency_sync()
-        row, pw = pid // blocks, pid % blocks
-    else:
-        row, pw = kd.grid(M, blocks)
+    row, pw = kd.grid(M, kd.cdiv(kd.cdiv(F, PER), BW))
     words = pw * BW + kd.arange(0, BW)
     lo_i, hi_i = H.code_pairs_index(words, PER)
     # words past F would read into `up`: their lanes are masked to 0 (and not stored)
@@ -209,16 +173,14 @@ def add_rms_norm_prepared(x, residual, w, eps, fmt, *, weight_offset=0.0):
     """(h, PreparedX of rms_norm(h)) for x, residual (..., K) -> h in x's shape."""
     per, group = fmt
     k = x.shape[-1]
-    ahead, scalars = gemv.ahead_args(fmt, x)
-    h, planes, sums, xs = add_rms_norm_prep(x.reshape(-1, k), residual.reshape(-1, k), w, *ahead, eps=float(eps),
-                                            offset=float(weight_offset), PER=per, GROUP=group, **scalars)
+    h, planes, sums, xs = add_rms_norm_prep(x.reshape(-1, k), residual.reshape(-1, k), w, eps=float(eps),
+                                            offset=float(weight_offset), PER=per, GROUP=group)
     return h.view(x.shape), PreparedX(planes, sums, xs, x.dtype)
 
 
 def silu_mul_prepared(gate_up, fmt):
     per, group = fmt
-    ahead, scalars = gemv.ahead_args(fmt, gate_up)
-    planes, sums, xs = silu_mul_prep(gate_up.reshape(-1, gate_up.shape[-1]), *ahead, PER=per, GROUP=group, **scalars)
+    planes, sums, xs = silu_mul_prep(gate_up.reshape(-1, gate_up.shape[-1]), PER=per, GROUP=group)
     return PreparedX(planes, sums, xs, gate_up.dtype)
 
 

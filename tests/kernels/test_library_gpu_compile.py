@@ -78,16 +78,9 @@ for bits in (4, 8):
             assert ("wgmma" in ptx) if cfg["SWAP"] else ("mma.sync" in ptx), "qmv_tc off the tensor cores"
 from kilnx.kernels import prepared as P
 xw = torch.randn(2, 4096).bfloat16()
-compile_for_target(P.add_rms_norm_prep, (xw, xw, torch.ones(4096).bfloat16(), xw, xw, xw), {},
+compile_for_target(P.add_rms_norm_prep, (xw, xw, torch.ones(4096).bfloat16()), {},
                    kw={"eps": 1e-5, "offset": 0.0, "PER": 8, "GROUP": 64})
-compile_for_target(P.silu_mul_prep, (torch.randn(2, 2 * 448).bfloat16(),) * 4, {}, kw={"PER": 4, "GROUP": 64})
-wo = QWeight.quantize(torch.randn(512, 4096), bits=4, group_size=64)
-wo = QWeight.from_mlx(wo.packed, wo.scales.bfloat16(), wo.biases.bfloat16(), bits=4, group_size=64)
-ahead = {"AHEAD": True, "ahead_rows": 300, "WORD_LINES": 16, "GROUP_LINES": 1}    # programs asking L2 for o's rows
-compile_for_target(P.add_rms_norm_prep, (xw, xw, torch.ones(4096).bfloat16(), wo.packed, wo.scales, wo.biases), {},
-                   kw={"eps": 1e-5, "offset": 0.0, "PER": 8, "GROUP": 64, **ahead})
-compile_for_target(P.silu_mul_prep, (torch.randn(2, 2 * 448).bfloat16(), wo.packed, wo.scales, wo.biases), {},
-                   kw={"PER": 4, "GROUP": 64, **ahead})
+compile_for_target(P.silu_mul_prep, (torch.randn(2, 2 * 448).bfloat16(),), {}, kw={"PER": 4, "GROUP": 64})
 from kilnx.kernels import attention as A, attention_split as AS
 q, kc = torch.randn(1, 1, 32, 128).bfloat16(), torch.randn(1, 8, 1024, 128).bfloat16()
 kw = A._kernel_kwargs(q, kc, 128 ** -0.5, None, None)
@@ -102,12 +95,10 @@ for inter in (False, True):
     compile_for_target(AD.attention_split_new_kv_kernel, new_kv, {"BLOCK_M": 16, "BLOCK_N": 64, "KEYS_PER_SPLIT": 128},
                        kw={**kw, "INTERLEAVED": inter})
     compile_for_target(AD.attention_new_kv_kernel, new_kv, {"BLOCK_M": 16, "BLOCK_N": 128}, kw={**kw, "INTERLEAVED": inter})
-compile_for_target(AS.attention_merge_prep, (*parts, q, q, q, q), {}, kw={"PER": 8, "GROUP": 64})
-compile_for_target(AS.attention_merge_prep, (*parts, q, wo.packed, wo.scales, wo.biases), {},
-                   kw={"PER": 8, "GROUP": 64, **ahead})
+compile_for_target(AS.attention_merge_prep, (*parts, q), {}, kw={"PER": 8, "GROUP": 64})
 long_kc = torch.randn(1, 8, 8192, 128).bfloat16()   # 64 ranges: the merge reads them in chunks
 long_parts = AS._split_spec(q, long_kc, long_kc, torch.tensor([[8000]]), KEYS_PER_SPLIT=128, **kw)
-compile_for_target(AS.attention_merge_prep, (*long_parts, q, q, q, q), {}, kw={"PER": 8, "GROUP": 64})
+compile_for_target(AS.attention_merge_prep, (*long_parts, q), {}, kw={"PER": 8, "GROUP": 64})
 from kilnx.kernels import qkv_rope as QR
 for inter in (False, True):
     qa = QR._problem_args({"M": 1, "Hq": 32, "Hk": 8, "D": 128, "K": 256, "S": 64}, "cpu")

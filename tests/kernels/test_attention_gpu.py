@@ -14,10 +14,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 @pytest.mark.parametrize("S,keys_per_split,pos", [(640, 16, (600, 20)), (40960, 512, (40000, 700)),
-                                                  (8192, 512, (8000, 100))])
+                                                  (8192, 512, (8000, 100)), (136, 128, (128, 20)), (100, 128, (90, 5))])
 def test_the_prepared_merge_over_many_key_ranges_on_gpu(S, keys_per_split, pos):
     """40 and 80 ranges (chunked: MERGE_CHUNK at a time) and 16 (one load), with rows whose keys end in
-    the first chunk and in a later one: the merge gives the reference's output in prepared form."""
+    the first chunk and in a later one: the merge gives the reference's output in prepared form. And 2 ranges and 1:
+    at 16 rows of a 137-slot cache the split takes 2 ranges (128 keys each), where the prepared merge departed from
+    the plain one on the H100 (bench/results/profiles/2026-12-07_h100_attention_gpu_tests_s36.log) and at 8 rows (3
+    ranges) did not: these two cases say whether the range count alone does it."""
     g = torch.Generator().manual_seed(5)
     D = 128
     q = torch.randn(2, 1, 8, D, generator=g).bfloat16().cuda()

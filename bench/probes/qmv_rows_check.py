@@ -36,23 +36,24 @@ def main(out: str) -> None:
     g = torch.Generator().manual_seed(34)
     w = QWeight.quantize((torch.randn(N, K, generator=g) * 0.02).bfloat16(), bits=4, group_size=64).to(DEV)
     dense = w.dequantize(torch.float32).cpu()
-    rows_out = []
-    for rows in ROWS:
-        x = torch.randn(rows, K, generator=g).bfloat16().float()
-        want = x @ dense.T
-        for (bn, kw, nw), stages, chain in itertools.product(BLOCKS, STAGES, CHAINS):
-            config = {"BLOCK_N": bn, "BLOCK_KW": kw, "num_warps": nw, "STAGES": stages, "CHAIN": chain, "SPLIT_K": 1}
-            try:
-                err = f"{check(rows, config, x, w, want):.3g}"
-            except Exception as e:   # noqa: BLE001 - a config that fails to compile is a row too
-                err = f"error: {type(e).__name__}: {str(e)[:80]}"
-            print(f"rows {rows:2d} BLOCK_N {bn:2d} BLOCK_KW {kw:3d} warps {nw} STAGES {stages} CHAIN {chain}: {err}",
-                  flush=True)
-            rows_out.append({"rows": rows, **config, "rel_err": err})
+    # each row written as it is measured: a run cut at its time limit keeps what it did (session 36's lost its CSV)
     with open(out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows_out[0]))
-        writer.writeheader()
-        writer.writerows(rows_out)
+        writer = csv.writer(f)
+        writer.writerow(["rows", "BLOCK_N", "BLOCK_KW", "num_warps", "STAGES", "CHAIN", "SPLIT_K", "rel_err"])
+        for rows in ROWS:
+            x = torch.randn(rows, K, generator=g).bfloat16().float()
+            want = x @ dense.T
+            for (bn, kw, nw), stages, chain in itertools.product(BLOCKS, STAGES, CHAINS):
+                config = {"BLOCK_N": bn, "BLOCK_KW": kw, "num_warps": nw, "STAGES": stages, "CHAIN": chain,
+                          "SPLIT_K": 1}
+                try:
+                    err = f"{check(rows, config, x, w, want):.3g}"
+                except Exception as e:   # noqa: BLE001 - a config that fails to compile is a row too
+                    err = f"error: {type(e).__name__}: {str(e)[:80]}"
+                print(f"rows {rows:2d} BLOCK_N {bn:2d} BLOCK_KW {kw:3d} warps {nw} STAGES {stages} CHAIN {chain}: {err}",
+                      flush=True)
+                writer.writerow([rows, *config.values(), err])
+                f.flush()
 
 
 if __name__ == "__main__":

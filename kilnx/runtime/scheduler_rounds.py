@@ -24,23 +24,22 @@ class SpeculativeRounds:
         # plain batched steps with a random model's guesses; on the CPU with real text (SmolLM2 repeating a
         # paragraph) 1.15x against 1.06x for rounds of a row alone (bench/results/2026-12-05_*_speculative*_s25.csv);
         # the GPU with real text is not measured. A proposer that forks runs one a request, else one is shared
-        self.speculate_rows = 1 if speculate_rows is None else speculate_rows
         self._per_request = proposer.fork() is not None
+        # a draft model has one cache, which follows one sequence: its rounds run for a row alone
+        self.most_rows = (1 if speculate_rows is None else speculate_rows) if self._per_request else 1
         self._proposing_for: Request | None = None   # the request whose sequence the shared proposer began
         self.drafted = self.accepted = 0             # guesses made, guesses kept
 
     def run(self, sched) -> bool:
-        """A speculative round of `sched`'s rows decoding, where at most `speculate_rows` do (one, for a draft
-        model: its one cache follows one sequence), none is under a grammar, each has room for a guess and at least
-        half of them guess something (a round of several rows costs all of them, and gains only where rows guess; on
-        an H100, rounds of four rows while any guessed served 0.63x plain). False: the turn's decode step runs
-        instead."""
+        """A speculative round of `sched`'s rows decoding, where at most `most_rows` do, none is under a grammar, each
+        has room for a guess and at least half of them guess something (a round of several rows costs all of them, and
+        gains only where rows guess; on an H100, rounds of four rows while any guessed served 0.63x plain). False: the
+        turn's decode step runs instead."""
         engine = sched.engine
-        most = self.speculate_rows if self._per_request else 1
 
         def eligible():
             live = [r for r in sched.rows if r is not None and r.wants_step(engine.max_seq)]
-            return live if 1 <= len(live) <= most and all(r.constraint is None for r in live) else None
+            return live if 1 <= len(live) <= self.most_rows and all(r.constraint is None for r in live) else None
         live = eligible()
         if live is not None and all(r.pacing.idle for r in live):
             for r in live:                     # every row owes plain steps: one, pipelined as usual

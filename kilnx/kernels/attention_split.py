@@ -170,6 +170,11 @@ def _merge_weights(part_max, part_sum, B, T, Hq, BLOCK_S: int):
 
 
 MERGE_CHUNK = 32   # key ranges the prepared merge reads per load
+# The prepared merge's (ranges, DW, PER/2) tile never has 2 ranges: compiled by triton 3.6 for sm_90, a 2-range
+# tile summed to wrong values (H200 and H100: 10.8-13.3% of elements off by up to 0.5 at 16 rows of a 137-slot
+# cache; bench/results/profiles/*_attention_gpu_tests_s3[67].log) where 1, 3 and 16 ranges (tiles of 1, 4, 16)
+# did not, and the interpreter was right at all; a masked third and fourth range cost two predicated-off loads
+PREP_MIN_RANGES = 4
 
 
 def _merge_prep_spec(part_acc, part_max, part_sum, q, *, PER, GROUP, **_):
@@ -181,7 +186,8 @@ def _merge_prep_spec(part_acc, part_max, part_sum, q, *, PER, GROUP, **_):
 
 @kd.kernel(tune={"num_warps": kd.choice(1, 2, 4, default=2)},
            key=lambda part_acc, *_, **__: {"NS": part_acc.shape[0], "D": part_acc.shape[-1]}, spec=_merge_prep_spec,
-           specialize=lambda part_acc, part_max, part_sum, q: {"BLOCK_S": pow2_at_least(part_acc.shape[0]),
+           specialize=lambda part_acc, part_max, part_sum, q: {"BLOCK_S": max(pow2_at_least(part_acc.shape[0]),
+                                                                              PREP_MIN_RANGES),
                                                                "HEAD_D": part_acc.shape[4]})
 def attention_merge_prep(part_acc, part_max, part_sum, q, *, PER: kd.constexpr, GROUP: kd.constexpr,
                          BLOCK_S: kd.constexpr, HEAD_D: kd.constexpr):

@@ -38,6 +38,25 @@ def test_the_prepared_merge_over_many_key_ranges_on_gpu(S, keys_per_split, pos):
     assert err <= 2e-2 * want.abs().max().item(), err
 
 
+@pytest.mark.parametrize("ranges", [1, 2, 3, 4, 5, 8])
+def test_both_merges_of_random_partial_results_on_gpu(ranges):
+    """Partial results as the split writes them (one range without keys: max MASKED_MAX, sum 0, acc 0), merged by
+    each merge against its numpy-side spec, the prepared one read back as x: 2 ranges is the count whose prepared
+    tile compiled wrong (PREP_MIN_RANGES); the others are its neighbours."""
+    g = torch.Generator().manual_seed(ranges)
+    B, T, Hq, D = 3, 1, 8, 128
+    part_acc = torch.randn(ranges, B, T, Hq, D, generator=g)
+    part_max = torch.randn(ranges, B, T, Hq, generator=g) * 3
+    part_sum = torch.rand(ranges, B, T, Hq, generator=g) * 4 + 0.5
+    part_max[-1, 1], part_sum[-1, 1], part_acc[-1, 1] = AS.MASKED_MAX, 0.0, 0.0
+    q = torch.zeros(B, T, Hq, D, dtype=torch.bfloat16)
+    parts = [t.cuda() for t in (part_acc, part_max, part_sum)]
+    want = AS._merge_spec(part_acc, part_max, part_sum, q).float()
+    torch.testing.assert_close(AS.attention_merge(*parts, q.cuda()).float().cpu(), want, rtol=1e-2, atol=1e-2)
+    x = AS.merge(parts, q.cuda(), (8, 64))
+    torch.testing.assert_close(H._x_of(x.planes, x.xs).cpu(), want.reshape(B * T, Hq * D), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("T", [1, 16])
 def test_parked_queries_over_a_long_cache_on_gpu(T):
     """A 32k-slot cache (the split kernel at T = 1, the one-pass kernel at 16 tokens): a row parked whole and a row

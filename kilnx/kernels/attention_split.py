@@ -173,7 +173,9 @@ MERGE_CHUNK = 32   # key ranges the prepared merge reads per load
 # The prepared merge's (ranges, DW, PER/2) tile never has 2 ranges: compiled by triton 3.6 for sm_90, a 2-range
 # tile summed to wrong values (H200 and H100: 10.8-13.3% of elements off by up to 0.5 at 16 rows of a 137-slot
 # cache; bench/results/profiles/*_attention_gpu_tests_s3[67].log) where 1, 3 and 16 ranges (tiles of 1, 4, 16)
-# did not, and the interpreter was right at all; a masked third and fourth range cost two predicated-off loads
+# did not, and the interpreter was right at all. Triton 3.6 lays the 2-range tile out otherwise (2 lanes on the ranges,
+# the warps across PER/2; triton 3.9 gives it the 4-range layout), and the sums then reshaped into groups come out
+# wrong. A masked third and fourth range cost two predicated-off loads
 PREP_MIN_RANGES = 4
 
 

@@ -215,10 +215,10 @@ def prefetching() -> int:
     three rounds (bench/results/2026-12-07_h100_e2e_prefetch_arms_s36.csv, llama-3.1-8b, prompt 128): 459.2 / 455.0 /
     456.2 tok/s against 457.5 / 457.2 / 456.9 off, with KILNX_NORM_PREFETCH too 456.5 / 457.3 / 458.6: no gain past
     the rounds' spread; on the H200 (2026-12-07_h200_e2e_prefetch_arms_s37.csv, two rounds) a loss: 510.1 / 510.4,
-    with the norms' 511.5 / 511.6, against 534.5 / 534.3 off (-4.5%). Both stay off. Also measured and dropped (fc14b05, the same files): extra programs in the
-    norms, the SwiGLU and the attention merge that asked L2 for the head of the next GEMV's weight while DRAM idles in
-    those kernels: 2 MB a GEMV decoded 443.6-446.7 tok/s, 8 MB 407.1-409.1 against 456-459: the cost grew with the
-    bytes asked for, as if the GEMV read them from DRAM again."""
+    with the norms' 511.5 / 511.6, against 534.5 / 534.3 off (-4.5%). Both stay off. Also measured and dropped
+    (fc14b05, the s36 files): extra programs in the norms, the SwiGLU and the attention merge that asked L2 for the head
+    of the next GEMV's weight while DRAM idles in those kernels: 2 MB a GEMV decoded 443.6-446.7 tok/s, 8 MB
+    407.1-409.1 against 456-459: the cost grew with the bytes asked for, as if the GEMV read them from DRAM again."""
     return early_switch("KILNX_GEMV_PREFETCH", {"0": PREFETCH_OFF, "1": PREFETCH_ALL, "all": PREFETCH_ALL,
                                                 "head": PREFETCH_HEAD})
 

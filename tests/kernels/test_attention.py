@@ -220,6 +220,26 @@ def test_the_prepared_merge_of_more_ranges_than_one_load_takes(backend):
     torch.testing.assert_close(H._x_of(got.planes, got.xs), H._x_of(want[0], want[2]), rtol=2e-3, atol=1e-6)
 
 
+@pytest.mark.parametrize("ranges,backend", [(1, "triton"), (2, "triton"), (3, "triton"), (5, "triton"),
+                                            (2, "numba")])
+def test_the_prepared_merge_of_random_partial_results(ranges, backend):
+    """Partial results as the split writes them, one range of row 1 without keys (max MASKED_MAX, sum 0): the
+    prepared merge gives the merge spec's values. Below 4 ranges its tile takes masked ranges (PREP_MIN_RANGES:
+    triton 3.6 compiled the 2-range tile wrong for sm_90), which must weigh 0."""
+    from kilnx.kernels import attention_split as AS
+    from kilnx.kernels import qmv_h2 as H
+    g = torch.Generator().manual_seed(ranges)
+    B, T, Hq, D = 3, 1, 8, 128
+    part_acc = torch.randn(ranges, B, T, Hq, D, generator=g)
+    part_max = torch.randn(ranges, B, T, Hq, generator=g) * 3
+    part_sum = torch.rand(ranges, B, T, Hq, generator=g) * 4 + 0.5
+    part_max[-1, 1], part_sum[-1, 1], part_acc[-1, 1] = AS.MASKED_MAX, 0.0, 0.0
+    q = torch.zeros(B, T, Hq, D, dtype=torch.bfloat16)
+    want = AS._merge_spec(part_acc, part_max, part_sum, q).float().reshape(B * T, Hq * D)
+    x = AS.merge([part_acc, part_max, part_sum], q, (8, 64), backend=backend)
+    torch.testing.assert_close(H._x_of(x.planes, x.xs), want, rtol=1e-2, atol=2e-2)
+
+
 # ---- parked queries (runtime/kv_cache.py's parking slot) ---------------------------------------------
 def parked_inputs(B, T, Hq, Hk, D, dtype, seed, parked_rows):
     """inputs() with the cache's last slot as the parking slot: the tokens of `parked_rows` (a whole row: a

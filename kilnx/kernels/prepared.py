@@ -101,7 +101,7 @@ def norm_prefetching() -> bool:
     """KILNX_NORM_PREFETCH=1: the residual norm asks L2 for its residual row and norm weight before its grid sync (with
     PDL, while the GEMV before it still runs): neither is written by that GEMV, and at decode both were last touched a
     layer's worth of streamed weights ago, so each is a DRAM round trip on the step's critical path. Off: with the
-    GEMVs' head prefetch it made no difference past the rounds' spread on the H100 (see _gemv.prefetching)."""
+    GEMVs' head prefetch it made no difference past the rounds' spread, on the H100 and the H200 (_gemv.prefetching)."""
     return gemv.early_switch("KILNX_NORM_PREFETCH", {"0": False, "1": True})
 
 

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from kilnx import ops_torch
 from kilnx.kernels import attention as A
+from attention_helpers import random_merge_parts
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="Triton kernels run on CPU only under TRITON_INTERPRET=1")
@@ -223,21 +224,14 @@ def test_the_prepared_merge_of_more_ranges_than_one_load_takes(backend):
 @pytest.mark.parametrize("ranges,backend", [(1, "triton"), (2, "triton"), (3, "triton"), (5, "triton"),
                                             (2, "numba")])
 def test_the_prepared_merge_of_random_partial_results(ranges, backend):
-    """Partial results as the split writes them, one range of row 1 without keys (max MASKED_MAX, sum 0): the
-    prepared merge gives the merge spec's values. Below 4 ranges its tile takes masked ranges (PREP_MIN_RANGES:
-    triton 3.6 compiled the 2-range tile wrong for sm_90), which must weigh 0."""
+    """Partial results with a range without keys: the prepared merge gives the merge spec's values. Below 4 ranges
+    its tile takes masked ranges (PREP_MIN_RANGES: triton 3.6 compiled the 2-range tile wrong for sm_90), which must
+    weigh 0."""
     from kilnx.kernels import attention_split as AS
     from kilnx.kernels import qmv_h2 as H
-    g = torch.Generator().manual_seed(ranges)
-    B, T, Hq, D = 3, 1, 8, 128
-    part_acc = torch.randn(ranges, B, T, Hq, D, generator=g)
-    part_max = torch.randn(ranges, B, T, Hq, generator=g) * 3
-    part_sum = torch.rand(ranges, B, T, Hq, generator=g) * 4 + 0.5
-    part_max[-1, 1], part_sum[-1, 1], part_acc[-1, 1] = AS.MASKED_MAX, 0.0, 0.0
-    q = torch.zeros(B, T, Hq, D, dtype=torch.bfloat16)
-    want = AS._merge_spec(part_acc, part_max, part_sum, q).float().reshape(B * T, Hq * D)
-    x = AS.merge([part_acc, part_max, part_sum], q, (8, 64), backend=backend)
-    torch.testing.assert_close(H._x_of(x.planes, x.xs), want, rtol=1e-2, atol=2e-2)
+    parts, q, want = random_merge_parts(ranges)
+    x = AS.merge(parts, q, (8, 64), backend=backend)
+    torch.testing.assert_close(H._x_of(x.planes, x.xs), want.flatten(2).flatten(0, 1), rtol=1e-2, atol=2e-2)
 
 
 # ---- parked queries (runtime/kv_cache.py's parking slot) ---------------------------------------------

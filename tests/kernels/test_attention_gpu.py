@@ -9,6 +9,7 @@ import torch
 from kilnx.kernels import attention as A
 from kilnx.kernels import attention_split as AS
 from kilnx.kernels import qmv_h2 as H
+from attention_helpers import random_merge_parts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
 
@@ -18,9 +19,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_the_prepared_merge_over_many_key_ranges_on_gpu(S, keys_per_split, pos):
     """40 and 80 ranges (chunked: MERGE_CHUNK at a time) and 16 (one load), with rows whose keys end in
     the first chunk and in a later one: the merge gives the reference's output in prepared form. And 2 ranges and 1:
-    at 16 rows of a 137-slot cache the split takes 2 ranges (128 keys each), where the prepared merge departed from
-    the plain one on the H100 (bench/results/profiles/2026-12-07_h100_attention_gpu_tests_s36.log) and at 8 rows (3
-    ranges) did not: these two cases say whether the range count alone does it."""
+    the 2-range case failed on the H200 before PREP_MIN_RANGES (bench/results/profiles/
+    2026-12-07_h200_attention_gpu_tests_s37.log: the range count, not the 16 rows of session 34, broke it)."""
     g = torch.Generator().manual_seed(5)
     D = 128
     q = torch.randn(2, 1, 8, D, generator=g).bfloat16().cuda()
@@ -40,21 +40,13 @@ def test_the_prepared_merge_over_many_key_ranges_on_gpu(S, keys_per_split, pos):
 
 @pytest.mark.parametrize("ranges", [1, 2, 3, 4, 5, 8])
 def test_both_merges_of_random_partial_results_on_gpu(ranges):
-    """Partial results as the split writes them (one range without keys: max MASKED_MAX, sum 0, acc 0), merged by
-    each merge against its numpy-side spec, the prepared one read back as x: 2 ranges is the count whose prepared
-    tile compiled wrong (PREP_MIN_RANGES); the others are its neighbours."""
-    g = torch.Generator().manual_seed(ranges)
-    B, T, Hq, D = 3, 1, 8, 128
-    part_acc = torch.randn(ranges, B, T, Hq, D, generator=g)
-    part_max = torch.randn(ranges, B, T, Hq, generator=g) * 3
-    part_sum = torch.rand(ranges, B, T, Hq, generator=g) * 4 + 0.5
-    part_max[-1, 1], part_sum[-1, 1], part_acc[-1, 1] = AS.MASKED_MAX, 0.0, 0.0
-    q = torch.zeros(B, T, Hq, D, dtype=torch.bfloat16)
-    parts = [t.cuda() for t in (part_acc, part_max, part_sum)]
-    want = AS._merge_spec(part_acc, part_max, part_sum, q).float()
-    torch.testing.assert_close(AS.attention_merge(*parts, q.cuda()).float().cpu(), want, rtol=1e-2, atol=1e-2)
-    x = AS.merge(parts, q.cuda(), (8, 64))
-    torch.testing.assert_close(H._x_of(x.planes, x.xs).cpu(), want.reshape(B * T, Hq * D), rtol=2e-2, atol=2e-2)
+    """Partial results with a range without keys, merged by each merge against the spec, the prepared one read back
+    as x: 2 ranges is the count whose prepared tile compiled wrong (PREP_MIN_RANGES); the others are its neighbours."""
+    parts, q, want = random_merge_parts(ranges)
+    parts, q = [t.cuda() for t in parts], q.cuda()
+    torch.testing.assert_close(AS.attention_merge(*parts, q).float().cpu(), want, rtol=1e-2, atol=1e-2)
+    x = AS.merge(parts, q, (8, 64))
+    torch.testing.assert_close(H._x_of(x.planes, x.xs).cpu(), want.flatten(2).flatten(0, 1), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("T", [1, 16])

@@ -49,6 +49,15 @@ class Recorder:
             w.writerows(self.rows)
 
 
+def device_tag() -> str:
+    """The GPU's short name for file names ("h100", "h200"; "cpu" without one): the files were all named h200 until
+    session 38, whose H100 call wrote a file so named."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    words = torch.cuda.get_device_name().lower().replace("nvidia", "").split()
+    return next((w for w in words if any(c.isdigit() for c in w)), words[0] if words else "gpu")
+
+
 def _fmt(v):
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
@@ -238,7 +247,7 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     date = datetime.date.today().isoformat()
     for suite in a.suite.split(","):
-        rec = Recorder(os.path.join(a.out, f"{date}_h200_{suite}.csv"))
+        rec = Recorder(os.path.join(a.out, f"{date}_{device_tag()}_{suite}.csv"))
         bw = copy_bandwidth(rec, a.smoke)
         if a.quick:
             global QUICK

@@ -140,6 +140,14 @@ def silu_mul_prepared(gate_up: torch.Tensor, fmt):
     return prepared.silu_mul_prepared(gate_up, fmt)
 
 
+def swiglu_prepared(x, gate_up_parts: list, down_parts: list):
+    """silu_mul(qmatmul(x, gate_up)) prepared for down's GEMV, in gate_up's GEMV launch (kernels/swiglu_prep.py):
+    a PreparedX for x prepared (add_rms_norm_prepared) for a single [gate | up] weight, else None (the caller runs
+    qmatmul and silu_mul_prepared). KILNX_FUSED_SWIGLU=0 turns it off."""
+    from kilnx.kernels import swiglu_prep
+    return swiglu_prep.swiglu_prepared(x, gate_up_parts, down_parts)
+
+
 def fuses_qkv_rope(x, w, inv_freq: torch.Tensor, k_cache: torch.Tensor, num_heads: int) -> bool:
     """Whether qkv_rope_cache computes x @ w.T, the rotation and the cache write in one launch: x prepared
     for w's GEMV, one (Hq + 2 Hk) * D row weight, full rotary width (KILNX_FUSED_QKV_ROPE=0 turns it off)."""

@@ -203,47 +203,6 @@ def gather_qmv_h2_combine(planes, sums, xs, wq, scales, biases, expert_ids, rout
     return out
 
 
-def _slots_spec(planes, sums, xs, wq, scales, biases, expert_ids, routing_weights, *, BITS, GROUP, **_):
-    from kilnx.kernels.moe_specs import gather_formula
-    y = gather_formula(H._x_of(planes, xs), wq, scales, biases, expert_ids, BITS, GROUP, False)
-    return (y * routing_weights.detach().cpu().double().reshape(-1, 1)).float().to(planes.device)
-
-
-def _slots_default(planes, sums, xs, wq, scales, biases, expert_ids, routing_weights, *, N_DIV, **_):
-    """The up GEMV's tuned config at nemotron-3's decode (16 rows x 64 words, 2 warps, 3 stages on the H100,
-    bench/results/2026-12-06_h100_tune_nemotron3_decode_s30.csv): the same kind of rows, by slot."""
-    if not planes.is_cuda:
-        return {"BLOCK_N": min(8, N_DIV), "BLOCK_KW": 32, "num_warps": 4, "STAGES": 1}
-    return {"BLOCK_N": min(16, N_DIV), "BLOCK_KW": 64, "num_warps": 2, "STAGES": 3}
-
-
-@kd.kernel(tune=TUNE, key=_key, spec=_slots_spec, default=_slots_default, specialize=_specialize)
-def gather_qmv_h2_slots(planes, sums, xs, wq, scales, biases, expert_ids, routing_weights, *, BITS: kd.constexpr,
-                        GROUP: kd.constexpr, SLOTS: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr,
-                        BLOCK_N, BLOCK_KW, STAGES, CHAIN):
-    """Prepared h (T * top_k rows, one per slot) and a stack wq (E, N, F) -> (T * top_k, N) fp32: slot t * top_k + k
-    is routing_weights[t, k] * h[t * top_k + k] @ W[expert_ids[t, k]]^T — the combine's products without its sum
-    (moe_combine.moe_sum_slots adds them). A program owns BLOCK_N rows of one slot, as gather_qmv_h2_act's do: where
-    top_k is no power of two the combine's tiles carry its SLOTS - top_k padding slots (nemotron-3: 8 for 6)."""
-    T, TOP_K = expert_ids.shape
-    N = wq.shape[1]
-    slot, cols, acc = _slot_rows(planes, sums, xs, wq, scales, biases, expert_ids, "gather_qmv_h2_slots", False,
-                                 BITS=BITS, GROUP=GROUP, N_DIV=N_DIV, KW_DIV=KW_DIV, BLOCK_N=BLOCK_N,
-                                 BLOCK_KW=BLOCK_KW, STAGES=STAGES, CHAIN=CHAIN)
-    out = kd.output((T * TOP_K, N), kd.f32)
-    kd.store(out, slot, cols, acc * kd.load(routing_weights, slot // TOP_K, slot % TOP_K).f32())
-    return out
-
-
-def down_by_slot() -> bool:
-    """Whether the ungated decode's down runs per slot then sums (gather_qmv_h2_slots + moe_sum_slots) rather than
-    in one combine launch: KILNX_MOE_DOWN=slots / combine (the default). Measured on an H100, nemotron-3-nano-30b-a3b
-    decode after a 128-token prompt in one call: 427.5 tok/s per slot against 450.0 with the combine
-    (bench/results/2026-12-06_h100_e2e_nemotron3_moe_down_s31.csv): the combine's padding slots cost less than the
-    second launch and the fp32 slot rows' round trip."""
-    return os.environ.get("KILNX_MOE_DOWN", "combine") == "slots"
-
-
 def _served(w) -> bool:
     return w.mode == "affine" and w.bits in BITS_SERVED and w.packed.is_cuda
 
@@ -303,13 +262,11 @@ def ungated_decode(x, w_up, w_down, expert_ids, routing_weights, activation: str
     h = gather_qmv_h2_act(planes, sums, xs, w_up.packed, w_up.scales, w_up.biases, expert_ids, ACT=activation,
                           backend=backend)
     hp = H.qmv_h2_prep(h, PER=32 // w_down.bits, GROUP=w_down.group_size, backend=backend)
-    dn = (w_down.packed, w_down.scales, w_down.biases)
-    if down_by_slot():
-        from kilnx.kernels.moe_combine import moe_sum_slots
-        y = moe_sum_slots(gather_qmv_h2_slots(*hp, *dn, expert_ids, routing_weights, backend=backend),
-                          TOP_K=expert_ids.shape[1], backend=backend)
-    else:
-        y = gather_qmv_h2_combine(*hp, *dn, expert_ids, routing_weights, backend=backend)
+    # the down as one combine launch: per slot then a sum (a second launch) decoded 0.95x as fast on the H100
+    # (nemotron-3-nano-30b-a3b, 424.8 / 425.3 tok/s against 445.1 / 445.0, two rounds alternated in one call,
+    # bench/results/2026-12-07_h100_e2e_nemotron3_moe_down_s38.csv) and was dropped
+    y = gather_qmv_h2_combine(*hp, w_down.packed, w_down.scales, w_down.biases, expert_ids, routing_weights,
+                              backend=backend)
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
@@ -335,9 +292,7 @@ def register_tuning():
     from kilnx.kernels.moe_specs import problems_by_kernel
     problems = problems_by_kernel()
     # the ungated kernel's product is squared (relu²): its error scales as a GLU's does
-    problems["gather_qmv_h2_slots"] = problems["gather_qmv_h2_combine"]
-    for kernel, glu in ((gather_qmv_h2_glu, True), (gather_qmv_h2_combine, False), (gather_qmv_h2_act, True),
-                        (gather_qmv_h2_slots, False)):
+    for kernel, glu in ((gather_qmv_h2_glu, True), (gather_qmv_h2_combine, False), (gather_qmv_h2_act, True)):
         kernel.tuning(make_args=make_args, problems=problems[kernel.name])
         kernel.tolerance = _tolerance(glu)
         kernel.seed_configs = lambda problem: [
@@ -348,5 +303,5 @@ def register_tuning():
 
 register_tuning()
 
-__all__ = ["gather_qmv_h2_glu", "gather_qmv_h2_act", "gather_qmv_h2_combine", "gather_qmv_h2_slots", "moe_decode", "ungated_decode", "serves",
+__all__ = ["gather_qmv_h2_glu", "gather_qmv_h2_act", "gather_qmv_h2_combine", "moe_decode", "ungated_decode", "serves",
            "two_kernels"]

@@ -67,6 +67,15 @@ def prepared_format(parts, x: torch.Tensor) -> tuple[int, int] | None:
     return _FORMATS.put(tuple(parts), (rows, k, x.device), _prepared_format(parts, x.reshape(rows, k)))
 
 
+def prepared_format_for(parts, rows: int, k: int, like: torch.Tensor):
+    """prepared_format for activations (rows, k) in like's dtype and device that do not exist yet (a producer that
+    asks before it computes them: kernels/swiglu_prep.py)."""
+    known = _FORMATS.get(tuple(parts), (rows, k, like.device))
+    if known is not PerObjectMemo.MISSING:
+        return known
+    return prepared_format(parts, torch.empty((rows, k), dtype=like.dtype, device=like.device))
+
+
 def _prepared_format(parts, x):
     from kilnx.kernels.routing import qmatmul_rows
     from kilnx.quant import QWeight

@@ -16,8 +16,8 @@ OP_NAMES = ("embedding", "rms_norm", "add_rms_norm", "silu_mul", "gelu_tanh_mul"
             "rope_and_cache_", "qmatmul", "attention", "attention_new_tokens", "argmax", "moe_route", "moe",
             "relu2", "conv1d_silu_", "ssm_scan_", "gated_rms_norm")
 # fusions only the kernels have (a model asks prepared_format first, and without them calls the plain ops)
-KILNX_ONLY = ("prepared_format", "add_rms_norm_prepared", "silu_mul_prepared", "fuses_qkv_rope", "qkv_rope_cache",
-              "qk_norm_rope_cache_")
+KILNX_ONLY = ("prepared_format", "add_rms_norm_prepared", "silu_mul_prepared", "swiglu_prepared", "fuses_qkv_rope",
+              "qkv_rope_cache", "qk_norm_rope_cache_")
 
 
 class _FallbackOps(types.SimpleNamespace):

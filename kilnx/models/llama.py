@@ -215,6 +215,11 @@ class LlamaModel:
             ids, weights = ops.moe_route(_linear(ops, x, [layer.router]), cfg.num_experts_per_tok,
                                          cfg.norm_topk_prob)
             return ops.moe(x, layer.experts_gate_up, layer.experts_down, ids, weights, cfg.hidden_act)
+        fused = getattr(ops, "swiglu_prepared", None)
+        if fused is not None and self.config.hidden_act != "gelu_tanh":
+            h = fused(x, layer.gate_up, [layer.down])          # gate_up's GEMV, SwiGLU and down's prep in one launch
+            if h is not None:
+                return _linear(ops, h, [layer.down])
         gate_up = _linear(ops, x, layer.gate_up)               # (B*T, 2F) laid out [gate | up]
         if self.config.hidden_act == "gelu_tanh":
             act = ops.gelu_tanh_mul(gate_up)

@@ -104,20 +104,6 @@ def test_packed_fp16_decode_kernels_on_gpu(cfg, T):
         8, 5, T)
 
 
-@pytest.mark.parametrize("cfg", [None, {"BLOCK_N": 8, "BLOCK_KW": 64, "num_warps": 2, "STAGES": 1}])
-@pytest.mark.parametrize("T", [1, 4])
-def test_down_by_slot_then_the_slots_sum_on_gpu(cfg, T):
-    """gather_qmv_h2_slots + moe_sum_slots (KILNX_MOE_DOWN=slots) give the combine's result."""
-    from kilnx.kernels import moe_h2 as MH
-    from kilnx.kernels import qmv_h2 as QH
-    from kilnx.kernels.moe_combine import moe_sum_slots
-    check_decode_pair(
-        lambda x, g, ids: MH.gather_qmv_h2_glu(*QH.qmv_h2_prep(x, PER=8, GROUP=64), *g, ids),
-        lambda h, d, ids, rw: moe_sum_slots(MH.gather_qmv_h2_slots(*QH.qmv_h2_prep(h, PER=4, GROUP=64), *d, ids, rw,
-                                                                   config=cfg), TOP_K=ids.shape[1]).bfloat16(),
-        8, 5, T)
-
-
 def test_public_moe_on_gpu_every_path():
     gu, dn = stack(2 * F, H, 4, seed=7), stack(H, F, 8, seed=8)
     for T in (1, 4, 5, 2048):

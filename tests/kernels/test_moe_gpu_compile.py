@@ -46,8 +46,7 @@ for bits in (2, 4, 8):
         from kilnx.kernels import qmv_h2 as QH
         px, ph = QH._prep_spec(x, PER=32 // bits, GROUP=64), QH._prep_spec(h, PER=32 // bits, GROUP=64)
         for kernel, args in ((MH.gather_qmv_h2_glu, (*px, *gu, ids)), (MH.gather_qmv_h2_combine, (*ph, *dn, ids, rw)),
-                             (MH.gather_qmv_h2_act, (*px, *gu, ids)),      # gate_up's rows stand in for an up stack
-                             (MH.gather_qmv_h2_slots, (*ph, *dn, ids, rw))):
+                             (MH.gather_qmv_h2_act, (*px, *gu, ids))):     # gate_up's rows stand in for an up stack
             for cfg in ({"STAGES": 1, "BLOCK_N": 8}, {"STAGES": 3, "BLOCK_N": 16, "BLOCK_KW": 16},
                         {"STAGES": 1, "BLOCK_N": 8, "BLOCK_KW": 64, "CHAIN": 4}):    # the combine's masked-K default
                 ck = compile_for_target(kernel, args, cfg, aligned=True)

@@ -115,17 +115,21 @@ def test_qmatmul_of_prepared_activations_and_mismatched_formats(monkeypatch):
 
 
 @CPU_ONLY
-def test_llama_forward_with_prepared_producers_matches_plain(monkeypatch):
+@pytest.mark.parametrize("fused_swiglu", ["1", "0"])
+def test_llama_forward_with_prepared_producers_matches_plain(fused_swiglu, monkeypatch):
     """A tiny random 4-bit llama whose GEMVs take prepared activations (forced, as the GPU route does)
-    gives the logits of the plain path, and its producers really emitted prepared activations."""
+    gives the logits of the plain path, and its producers really emitted prepared activations: the SwiGLU
+    in gate_up's GEMV (kernels/swiglu_prep.py), or with KILNX_FUSED_SWIGLU=0 in a launch of its own."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).parent.parent / "runtime"))
     from tiny_models import tiny_model
 
+    from kilnx.kernels import swiglu_prep
     from kilnx.kernels.routing import qmatmul_rows
     from kilnx.runtime.kv_cache import KVCache
     monkeypatch.setenv("TRITON_INTERPRET", "0")       # the numba lowering: the interpreter is slow here
+    monkeypatch.setenv("KILNX_FUSED_SWIGLU", fused_swiglu)
     model = tiny_model("llama", ops="kilnx", fmt="q4", seed=3)
     ids, pos = torch.tensor([[1, 5, 9]]), torch.arange(3)[None]
 
@@ -138,11 +142,18 @@ def test_llama_forward_with_prepared_producers_matches_plain(monkeypatch):
     from kilnx.dsl.kernel import forget_remembered_configs
     forget_remembered_configs()        # as the runtime does when it reloads tuned configs
     made = []
-    for name in ("add_rms_norm_prepared", "silu_mul_prepared"):
-        real = getattr(prepared, name)
-        monkeypatch.setattr(prepared, name, lambda *a, real=real, name=name, **k: made.append(name) or real(*a, **k))
+    for module, name in ((prepared, "add_rms_norm_prepared"), (prepared, "silu_mul_prepared"),
+                         (swiglu_prep, "swiglu_prepared")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **k: made.append((name, real(*a, **k)))
+                            or made[-1][1])
     fused = forward()
-    assert set(made) == {"add_rms_norm_prepared", "silu_mul_prepared"} and len(made) == 5   # 2 layers: 3 + 2
+    swiglu = [out for name, out in made if name == "swiglu_prepared"]
+    producers = sorted(name for name, out in made if name != "swiglu_prepared" or out is not None)
+    # 2 layers: 3 residual norms, 2 SwiGLUs (each in gate_up's GEMV, or its own launch)
+    assert len(swiglu) == 2 and all((out is not None) == (fused_swiglu == "1") for out in swiglu)
+    second = "swiglu_prepared" if fused_swiglu == "1" else "silu_mul_prepared"
+    assert producers == ["add_rms_norm_prepared"] * 3 + [second] * 2
     scale = plain.float().abs().max().item()
     assert torch.allclose(fused.float(), plain.float(), rtol=0, atol=3e-2 * scale)
 

@@ -88,9 +88,11 @@ def qmv_h2_swiglu_prep(x_planes, x_sums, x_scales, wq, scales, biases, done, *, 
     h = kd.output((M, F), scales.dtype, name="h")
     kd.store(h, m[:, None], pid * HB + kd.arange(0, HB)[None, :], kd.silu(gate) * up)
     blk = pid // PROGS
+    # the program's h stored before it is read back (by its own other threads: a program that makes a whole block
+    # alone read values its threads had not yet stored, on the H100) or its count is published
+    kd.barrier()
     last = None
     if PROGS > 1:
-        kd.barrier()                                 # the program's h stored before its count is published
         last = kd.atomic_add(done, blk, 1, check=False) == PROGS - 1
     words = blk * (GB // PER_OUT) + kd.arange(0, GB // PER_OUT)
     lo_i, hi_i = H.code_pairs_index(words, PER_OUT)

@@ -98,28 +98,31 @@ def _prepared_tiles(lo, hi, *, PER: int, GROUP: int, BIAS: int = 0):
     return kd.h2_pack(lo * inv_w, hi * inv_w), kd.sum(lo_g, axis=-1) + kd.sum(hi_g, axis=-1), xs
 
 
-def store_prepared(lo, hi, row, w0, w, M, K, *, PER: int, GROUP: int, BIAS: int = 0, mask=None):
+def store_prepared(lo, hi, row, w0, w, M, K, *, PER: int, GROUP: int, BIAS: int = 0):
     """Store x in qmv_h2's input form, from fp32 tiles lo/hi (BW, PER/2) = x[w*PER + p] and
-    x[w*PER + p + PER/2] of words w = w0 + arange(BW) (whole groups: w0 and BW multiples of GROUP/PER) of
-    activation row `row`, or (R, BW, PER/2) tiles of the rows in an (R,) tile `row` (rows past M not stored):
-    the packed fp16 planes scaled per group by a power of two, the group sums and the group scales. `mask`
-    (a scalar, or None) stores nothing where false. Shared by qmv_h2_prep and the producers that emit
-    prepared activations directly (kernels/prepared.py, kernels/swiglu_prep.py)."""
+    x[w*PER + p + PER/2] of words w = w0 + arange(BW) (whole groups: w0 and BW multiples of GROUP/PER):
+    the packed fp16 planes scaled per group by a power of two, the group sums and the group scales.
+    Shared by qmv_h2_prep and the producers that emit prepared activations directly (kernels/prepared.py)."""
+    return store_prepared_into(prepared_outputs(M, K, PER=PER, GROUP=GROUP), lo, hi, row, w0, w, PER=PER,
+                               GROUP=GROUP, BIAS=BIAS)
+
+
+def prepared_outputs(M, K, *, PER: int, GROUP: int):
+    """The kernel's outputs (planes, group sums, group scales) for prepared x (M, K)."""
+    return (kd.output((M, PER // 2, K // PER), kd.u32, name="planes"),
+            kd.output((M, K // GROUP), kd.f32, name="group_sums"),
+            kd.output((M, K // GROUP), kd.f32, name="group_scales"))
+
+
+def store_prepared_into(outputs, lo, hi, row, w0, w, *, PER: int, GROUP: int, BIAS: int = 0, mask=None):
+    """store_prepared into prepared_outputs made once (a kernel that stores several rows in a loop); `mask` (a
+    scalar, or None) stores nothing where false."""
+    planes, sums, scale = outputs
     packed, group_sums, xs = _prepared_tiles(lo, hi, PER=PER, GROUP=GROUP, BIAS=BIAS)
-    p = kd.arange(0, PER // 2)
-    g = w0 // (GROUP // PER) + kd.arange(0, xs.shape[-1])
-    planes = kd.output((M, PER // 2, K // PER), kd.u32, name="planes")
-    sums = kd.output((M, K // GROUP), kd.f32, name="group_sums")
-    scale = kd.output((M, K // GROUP), kd.f32, name="group_scales")
-    if len(lo.shape) == 2:
-        kd.store(planes, row, p[:, None], w[None, :], kd.trans(packed), mask=mask)
-        kd.store(sums, row, g, group_sums, mask=mask)
-        kd.store(scale, row, g, xs, mask=mask)
-    else:
-        kd.store(planes, row[:, None, None], p[None, :, None], w[None, None, :], kd.permute(packed, (0, 2, 1)),
-                 mask=mask)
-        kd.store(sums, row[:, None], g[None, :], group_sums, mask=mask)
-        kd.store(scale, row[:, None], g[None, :], xs, mask=mask)
+    kd.store(planes, row, kd.arange(0, PER // 2)[:, None], w[None, :], kd.trans(packed), mask=mask)
+    g = w0 // (GROUP // PER) + kd.arange(0, xs.shape[0])
+    kd.store(sums, row, g, group_sums, mask=mask)
+    kd.store(scale, row, g, xs, mask=mask)
     return planes, sums, scale
 
 

@@ -53,9 +53,15 @@ def _spec(planes, sums, xs, wq, scales, biases, done, *, BITS, GROUP, PER_OUT, G
     return (h, *(t.to(planes.device) for t in H._prep_spec(h.float().cpu(), PER=PER_OUT, GROUP=GROUP_OUT)))
 
 
-def _default(planes, sums, xs, wq, scales, biases, done, *, F_DIV, **_):
-    """The config qmv_h2 takes for the same [gate | up] weight (tuned, else its default): the tiles are the same
-    kind, rows paired differently. One split (the SwiGLU needs whole sums), rows that tile F."""
+def _default(planes, sums, xs, wq, scales, biases, done, *, F_DIV, GROUP_OUT, **_):
+    """One row (what the route sends here, serves()): a group of h a program, so no program counts in (the count,
+    an acquire-release atomic a program, cost more than silu_mul_prep's launch at every tile of fewer rows on the
+    H100: bench/results/2026-12-07_h100_swiglu_prep_s38.csv), 64-word chunks, 4 warps, the probe's best at
+    llama-3.2-1b's gate_up. More rows: the config qmv_h2 takes for the same [gate | up] weight (tuned, else its
+    default), rows paired differently, one split (the SwiGLU needs whole sums)."""
+    if planes.shape[0] == 1 and 2 * GROUP_OUT <= 128:
+        return {"BLOCK_N": max(2, min(2 * GROUP_OUT, 2 * F_DIV)), "BLOCK_KW": 64, "num_warps": 4, "STAGES": 3,
+                "CHAIN": 2}
     cfg = dict(H.qmv_h2._tuned_config((planes, sums, xs, wq, scales, biases), {}))
     cfg.pop("SPLIT_K", None)
     cfg["BLOCK_N"] = max(2, min(cfg.get("BLOCK_N", 16), 2 * F_DIV))
@@ -96,10 +102,13 @@ def qmv_h2_swiglu_prep(x_planes, x_sums, x_scales, wq, scales, biases, done, *, 
         last = kd.atomic_add(done, blk, 1, check=False) == PROGS - 1
     words = blk * (GB // PER_OUT) + kd.arange(0, GB // PER_OUT)
     lo_i, hi_i = H.code_pairs_index(words, PER_OUT)
-    lo = kd.load(h, m[:, None, None], lo_i[None, :, :], mask=last, check=(True, False)).f32()
-    hi = kd.load(h, m[:, None, None], hi_i[None, :, :], mask=last, check=(True, False)).f32()
-    prepared = H.store_prepared(lo, hi, m, blk * (GB // PER_OUT), words, M, F, PER=PER_OUT, GROUP=GROUP_OUT,
-                                mask=last)
+    # one activation row at a time: the rows' sums as one (rows, groups) tile came out wrong at 4 rows on the H100
+    # (triton 3.6) while the planes and scales were right
+    prepared = H.prepared_outputs(M, F, PER=PER_OUT, GROUP=GROUP_OUT)
+    for r in kd.range(0, M):
+        lo, hi = kd.load(h, r, lo_i, mask=last, check=False).f32(), kd.load(h, r, hi_i, mask=last, check=False).f32()
+        H.store_prepared_into(prepared, lo, hi, r, blk * (GB // PER_OUT), words, PER=PER_OUT, GROUP=GROUP_OUT,
+                              mask=last)
     if PROGS > 1:
         kd.store(done, blk, 0, mask=last, check=False)     # left as found, for the next call
     return (h, *prepared)
@@ -111,16 +120,22 @@ def enabled() -> bool:
 
 
 def serves(x, w, fmt) -> bool:
-    """Whether qmv_h2_swiglu_prep takes prepared x (kernels/prepared.PreparedX) through a single [gate | up]
-    QWeight w, with h prepared in `fmt` (PER, GROUP) for down: x prepared for w (qmatmul runs qmv_h2 on it),
-    F a multiple of the down's group. (The CPU's route never prepares x; tests force it there.)"""
+    """Whether the route takes qmv_h2_swiglu_prep for prepared x (kernels/prepared.PreparedX) through a single
+    [gate | up] QWeight w, with h prepared in `fmt` (PER, GROUP) for down: x prepared for w (qmatmul runs qmv_h2 on
+    it), F a multiple of the down's group; and the one-row tile of a group of h a program (_default) in one wave,
+    as many programs (F / GROUP) as the GPU has SMs or fewer. Measured on the H100 (the probe's file in _default):
+    llama-3.2-1b's gate_up (128 programs) 9.80 us against 11.20 for the GEMV and silu_mul_prep; llama-3.1-8b's (224)
+    29.5 against 27.4, so it keeps the two launches, as more rows do (at 4, the tile held 4 x 128 accumulators:
+    61.7 us against 19.4). (The CPU's route never prepares x; tests force it there, with 4 SMs.)"""
+    from kilnx.kernels.dense_mm import sm_count
     from kilnx.kernels.prepared import PreparedX
     from kilnx.quant import QWeight
     if not (enabled() and isinstance(x, PreparedX) and isinstance(w, QWeight) and fmt is not None):
         return False
     f = w.shape[0] // 2
-    return (w.mode == "affine" and len(w.shape) == 2 and w.shape[0] % 2 == 0
-            and (32 // w.bits, w.group_size) == x.format and f % fmt[1] == 0)
+    return (w.mode == "affine" and len(w.shape) == 2 and w.shape[0] % 2 == 0 and x.shape[0] == 1
+            and (32 // w.bits, w.group_size) == x.format and f % fmt[1] == 0 and 2 * fmt[1] <= 128
+            and f // fmt[1] <= sm_count(x.planes))
 
 
 def swiglu_prepared(x, gate_up_parts, down_parts):

@@ -8,14 +8,7 @@ chunk is decoded and multiplied; `Frame` is the rest.
 
 from __future__ import annotations
 
-import functools
-import os
-
 import kilnx.dsl as kd
-from kilnx.dsl.ir import ITEMSIZE
-
-# what a GEMV asks L2 for before its grid sync (`prefetching`): nothing, its whole range, the head of its range
-PREFETCH_OFF, PREFETCH_ALL, PREFETCH_HEAD = 0, 1, 2
 
 
 class Frame:
@@ -30,7 +23,14 @@ class Frame:
 
     Measured and dropped: programs streaming several row blocks through one flattened loop (to keep their
     pipelines full across blocks and the grid in one wave) were slower on every llama-3.1-8b shape on the
-    H200, 2 blocks per program by 0-40% (bench/results/2026-12-03_h200_quant_s10_blocks.csv)."""
+    H200, 2 blocks per program by 0-40% (bench/results/2026-12-03_h200_quant_s10_blocks.csv). So was asking L2
+    for the program's weights before the grid sync (kd.prefetch, while the kernel before runs under PDL;
+    KILNX_GEMV_PREFETCH until session 38): the whole range lost on the H200 (llama-3.1-8b decode 392.5 / 397.5
+    tok/s against 402.3 / 413.5, 2026-12-03_h200_e2e_s6_prefetch_ab*.csv), the first chunk only was even on the
+    H100 (2026-12-07_h100_e2e_prefetch_arms_s36.csv) and lost 4.5% on the H200 (510.1 / 510.4 against 534.5 /
+    534.3, 2026-12-07_h200_e2e_prefetch_arms_s37.csv), and so did the residual norm's prefetch of its row
+    (KILNX_NORM_PREFETCH): the GEMV's blocks start only once the kernel before has passed its own wait, and DRAM
+    is busy with that kernel's stream until its tail."""
 
     def __init__(self, N, KW, *, WPG: int, BLOCK_M: int, BLOCK_N: int, BLOCK_KW: int, SPLIT_K: int, N_DIV: int,
                  KW_DIV: int, STAGES: int = 1, rows_of=None):
@@ -48,27 +48,6 @@ class Frame:
         words_per_split = kd.cdiv(kd.cdiv(KW, SPLIT_K), self.CHUNK) * self.CHUNK
         self.w_start = pid_k * words_per_split
         self.w_stop = kd.minimum(self.w_start + words_per_split, KW)
-
-    def prefetch(self, t, start, stop, lines: int = 16):
-        """Ask L2 for this program's rows of `t` over columns [start, stop): one address per 128-byte
-        line, `lines` lines of a row per step. Placed before kd.grid_dependency_sync, the weights stream
-        in while the kernel that produces x still runs (the GEMV launched early under PDL)."""
-        rows = kd.minimum(self.n, self.N - 1) if not self.ROWS_IN else self.n   # kd.prefetch: indices in bounds
-        prefetch_lines(t, start, stop, lambda c: (rows[:, None], c[None, :]), lines)
-
-    def prefetch_weights(self, wq, *per_group, mode: int = PREFETCH_ALL):
-        """The program's packed words and their per-group tensors (scales, biases), then the sync: all of its range
-        (PREFETCH_ALL: each program asks for all of its words as it starts, 16 KB at gate_up's one-row tile; the
-        programs scheduled ahead of the sync do that in the previous kernel's shadow, every later one only repeats
-        its own loads) or only its first chunk (PREFETCH_HEAD: the loads its loop waits on right after the sync, a
-        quarter of a 4096-wide row at 128-word chunks)."""
-        stop = self.w_stop
-        if mode == PREFETCH_HEAD:
-            stop = kd.minimum(self.w_start + self.CHUNK, self.w_stop)
-        self.prefetch(wq, self.w_start, stop)
-        for t in per_group:
-            self.prefetch(t, self.w_start // self.WPG, kd.cdiv(stop, self.WPG))
-        kd.grid_dependency_sync()
 
     def chunks(self):
         """The loop over this program's chunks, yielding each chunk's first word."""
@@ -181,46 +160,6 @@ def word_slice(t, chain: int, j: int):
     """Words j, j + chain, j + 2 chain, ... along the last axis of a (..., CHUNK) tile: (..., CHUNK / chain)."""
     *lead, chunk = t.shape
     return kd.pick(kd.reshape(t, (*lead, chunk // chain, chain)), j, axis=-1)
-
-
-def prefetch_lines(t, start, stop, at, lines: int = 16):
-    """Ask L2 for the columns [start, stop) of `t` at the indices at(c) (the leading indices, then c): one address per
-    128-byte line, `lines` lines per step, clamped into the range (kd.prefetch takes no mask)."""
-    per_line = 128 // ITEMSIZE[t.dtype]
-    for c0 in kd.range(start, stop, per_line * lines):
-        kd.prefetch(t, *at(kd.minimum(c0 + kd.arange(0, lines) * per_line, stop - 1)))
-
-
-def early_switch(var: str, modes: dict):
-    """The mode an environment switch of work done before the grid sync names (`modes`: value -> mode, "0" off): off
-    without PDL, where nothing runs early; an unknown value is one error naming the choices."""
-    value = os.environ.get(var, "0").strip().lower()
-    if value not in modes:
-        raise ValueError(f"{var}={value!r}: expected one of {', '.join(modes)}")
-    from kilnx.codegen.triton_rt import pdl_enabled
-    return modes[value] if pdl_enabled() else modes["0"]
-
-
-@functools.lru_cache(maxsize=None)
-def prefetching() -> int:
-    """Whether and what GEMVs prefetch into L2 before the grid sync: KILNX_GEMV_PREFETCH=1 (or all) their whole range,
-    =head the chunk their loop loads first; off by default. It only makes sense when kernels launch early
-    (PDL, codegen/triton_rt.py). Measured on the H200 in one run, two rounds each
-    (bench/results/2026-12-03_h200_e2e_s6_prefetch_ab*.csv), the whole range: llama-3.1-8b decode 392.5/397.5 tok/s
-    with it against 402.3/413.5 without (prompt 128), 388.2/388.1 against 393.5/401.2 (prompt 2048); llama-3.2-1b
-    1248/1370 against 1222/1283. The GEMV's blocks are scheduled only once the previous kernel has passed its own
-    wait, which leaves a window of ~2 us, and a prefetch that lands after the sync only duplicates the loads; the
-    head asks only for what the loop loads first. The window is widest after the one-program kernels (the residual
-    norms, a row each) that precede three of a llama layer's four GEMVs. The head, measured on the H100 in one run of
-    three rounds (bench/results/2026-12-07_h100_e2e_prefetch_arms_s36.csv, llama-3.1-8b, prompt 128): 459.2 / 455.0 /
-    456.2 tok/s against 457.5 / 457.2 / 456.9 off, with KILNX_NORM_PREFETCH too 456.5 / 457.3 / 458.6: no gain past
-    the rounds' spread; on the H200 (2026-12-07_h200_e2e_prefetch_arms_s37.csv, two rounds) a loss: 510.1 / 510.4,
-    with the norms' 511.5 / 511.6, against 534.5 / 534.3 off (-4.5%). Both stay off. Also measured and dropped
-    (fc14b05, the s36 files): extra programs in the norms, the SwiGLU and the attention merge that asked L2 for the head
-    of the next GEMV's weight while DRAM idles in those kernels: 2 MB a GEMV decoded 443.6-446.7 tok/s, 8 MB
-    407.1-409.1 against 456-459: the cost grew with the bytes asked for, as if the GEMV read them from DRAM again."""
-    return early_switch("KILNX_GEMV_PREFETCH", {"0": PREFETCH_OFF, "1": PREFETCH_ALL, "all": PREFETCH_ALL,
-                                                "head": PREFETCH_HEAD})
 
 
 def into_row(row, m, BLOCK_M: int):

@@ -12,14 +12,12 @@ activation dtype before preparing it, as the stored-then-prepared activation was
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
 import kilnx.dsl as kd
 from kilnx.dsl.kernel import PerObjectMemo
-from kilnx.kernels import _gemv as gemv
 from kilnx.kernels import qmv_h2 as H
 from kilnx.kernels.sizes import pow2_at_least
 
@@ -105,30 +103,16 @@ def _norm_spec(x, res, w, *, eps, offset, PER, GROUP, **_):
     return (h.to(x.dtype), *H._prep_spec(y.float(), PER=PER, GROUP=GROUP))
 
 
-@functools.lru_cache(maxsize=None)
-def norm_prefetching() -> bool:
-    """KILNX_NORM_PREFETCH=1: the residual norm asks L2 for its residual row and norm weight before its grid sync (with
-    PDL, while the GEMV before it still runs): neither is written by that GEMV, and at decode both were last touched a
-    layer's worth of streamed weights ago, so each is a DRAM round trip on the step's critical path. Off: with the
-    GEMVs' head prefetch it made no difference past the rounds' spread, on the H100 and the H200 (_gemv.prefetching)."""
-    return gemv.early_switch("KILNX_NORM_PREFETCH", {"0": False, "1": True})
-
-
 @kd.kernel(tune={"num_warps": kd.choice(1, 2, 4, 8, 16, default=8)},
            key=lambda x, res, w, **kw: {"M": x.shape[0], "K": x.shape[1]}, spec=_norm_spec,
-           specialize=lambda x, res, w: {"K_P2": pow2_at_least(x.shape[1]),
-                                         "PREFETCH": x.is_cuda and norm_prefetching()})
+           specialize=lambda x, res, w: {"K_P2": pow2_at_least(x.shape[1])})
 def add_rms_norm_prep(x, res, w, *, eps: float, offset: float, PER: kd.constexpr, GROUP: kd.constexpr,
-                      K_P2: kd.constexpr, PREFETCH: kd.constexpr = False):
+                      K_P2: kd.constexpr):
     """h = x + res (returned in x.dtype) and rms_norm(h) * (offset + w), prepared for qmv_h2: one
     program per row, which holds the whole row (the norm needs all of it) in whole groups."""
     M, K = x.shape
     BW = max(K_P2 // PER, GROUP // PER)
     row = kd.grid(M)
-    if PREFETCH:
-        gemv.prefetch_lines(res, 0, K, lambda c: (row, c))
-        gemv.prefetch_lines(w, 0, K, lambda c: (c,))
-        kd.grid_dependency_sync()
     words = kd.arange(0, BW)
     lo_i, hi_i = H.code_pairs_index(words, PER)
     # the norm weight is loaded with the row: loaded after the residual's stores, it could not be issued

@@ -76,15 +76,14 @@ def _default(planes, sums, xs, wq, scales, biases, *_, **__):
 def _specialize(planes, sums, xs, wq, scales, biases, positions, rows, inv_freq, k_cache, v_cache):
     return {**H._format(planes, sums, xs, wq, scales, biases), "BLOCK_M": pow2_at_least(planes.shape[0]),
             "N_DIV": pow2_dividing(wq.shape[0]), "KW_DIV": pow2_dividing(wq.shape[1]), "D": k_cache.shape[3],
-            "R": 2 * inv_freq.shape[0], "HQ": wq.shape[0] // k_cache.shape[3] - 2 * k_cache.shape[1],
-            "PREFETCH": gemv.prefetching() if wq.is_cuda else 0}
+            "R": 2 * inv_freq.shape[0], "HQ": wq.shape[0] // k_cache.shape[3] - 2 * k_cache.shape[1]}
 
 
 @kd.kernel(tune=TUNE, key=_key, spec=_spec, default=_default, specialize=_specialize)
 def qkv_rope_cache_h2(planes, sums, xs, wq, scales, biases, positions, rows, inv_freq, k_cache, v_cache, *,
                       BITS: kd.constexpr, GROUP: kd.constexpr, BLOCK_M: kd.constexpr, N_DIV: kd.constexpr,
                       KW_DIV: kd.constexpr, D: kd.constexpr, R: kd.constexpr, HQ: kd.constexpr,
-                      INTERLEAVED: kd.constexpr = False, PREFETCH: kd.constexpr = 0, BLOCK_N, BLOCK_KW, STAGES, CHAIN):
+                      INTERLEAVED: kd.constexpr = False, BLOCK_N, BLOCK_KW, STAGES, CHAIN):
     """x @ w_qkv.T for prepared x (M rows, token m at positions[m] of cache row rows[m]) -> q (M, HQ*D)
     rotated; rotated k and v written into k_cache, v_cache (B, Hk, S, D)."""
     if D % BLOCK_N or R != D:
@@ -96,8 +95,6 @@ def qkv_rope_cache_h2(planes, sums, xs, wq, scales, biases, positions, rows, inv
     f = gemv.Frame(N, KW, WPG=GROUP * BITS // 32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW, SPLIT_K=1,
                    N_DIV=N_DIV, KW_DIV=KW_DIV, STAGES=STAGES,
                    rows_of=lambda pid: pair_rows(pid, BLOCK_N=BLOCK_N, D=D, INTERLEAVED=INTERLEAVED))
-    if PREFETCH:   # KILNX_GEMV_PREFETCH (kernels/_gemv.py prefetching)
-        f.prefetch_weights(wq, scales, biases, mode=PREFETCH)
     acc = H.accumulate(f, planes, sums, xs, wq, scales, biases, BITS=BITS, chain=min(CHAIN, f.WPG))
     # rounded as the stored qkv output was, then rotated in fp32 as rope_cache_kernel does
     a, b = kd.halves(kd.reshape(acc.astype(scales.dtype).f32(), (BLOCK_M, 2, BLOCK_N // 2)), axis=1)

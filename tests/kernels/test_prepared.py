@@ -55,23 +55,6 @@ def test_add_rms_norm_prepared_equals_norm_then_prep(m, groups, fmt, backend):
 
 
 @CPU_ONLY
-@pytest.mark.parametrize("backend", ["triton", "numba", "reference"])
-def test_prefetching_the_residual_and_norm_weight_changes_no_value(backend):
-    """KILNX_NORM_PREFETCH's L2 hints (clamped into a row of K = 192, not a power of two) before the grid sync."""
-    g = torch.Generator().manual_seed(11)
-    x, res = torch.randn(3, 192, generator=g).bfloat16(), torch.randn(3, 192, generator=g).bfloat16()
-    w = (torch.rand(192, generator=g) + 0.5).bfloat16()
-    kw = dict(eps=1e-5, offset=0.0, PER=8, GROUP=64, backend=backend)
-    plain = prepared.add_rms_norm_prep(x, res, w, **kw)
-    got = prepared.add_rms_norm_prep(x, res, w, PREFETCH=True, **kw)
-    assert all(torch.equal(a, b) for a, b in zip(got, plain))
-    src = prepared.add_rms_norm_prep.triton_source(x, res, w, eps=1e-5, offset=0.0, PER=8, GROUP=64, PREFETCH=True)
-    body = src.split("):\n", 1)[1]
-    sync = body.index("_rt.grid_dependency_sync()")
-    assert body.count("_rt.prefetch_l2(") == 2 and "tl.load(" not in body[:sync]
-
-
-@CPU_ONLY
 @settings(max_examples=6, deadline=None, derandomize=True)
 @given(m=st.sampled_from([1, 2]), f=st.sampled_from([64, 192, 448]), fmt=st.sampled_from([(8, 64), (4, 64)]),
        backend=st.sampled_from(["triton", "numba", "reference"]))

@@ -79,19 +79,6 @@ def test_fused_qkv_rope_cache_other_backends(backend, interleaved):
 
 
 @CPU_ONLY
-@pytest.mark.parametrize("mode", [1, 2])
-def test_prefetching_the_weights_changes_nothing(mode):
-    """KILNX_GEMV_PREFETCH's L2 hints (the whole range, or its head) before the grid sync: the same q and caches."""
-    args = case(2, 4, 2, 64, 4, seed=4)
-    cfg = {"BLOCK_N": 8, "BLOCK_KW": 16, "STAGES": 2}
-    a = list(args)
-    a[9], a[10] = args[9].clone(), args[10].clone()
-    q = QR.qkv_rope_cache_h2(*a, backend="triton", config=cfg, PREFETCH=mode)
-    want = fused(args, 4, False, "triton", cfg)
-    assert all(torch.equal(g, w) for g, w in zip((q, a[9], a[10]), want))
-
-
-@CPU_ONLY
 def test_partial_rotary_is_refused():
     """A rotary width below the head dim pairs rows the programs do not hold together."""
     args = case(1, 2, 1, 64, 4, seed=1)

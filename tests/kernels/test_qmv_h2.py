@@ -14,7 +14,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kilnx.kernels import _gemv as G
 from kilnx.kernels import qmv_h2 as H
 from kilnx.quant import QWeight
 
@@ -56,44 +55,6 @@ def test_qmv_h2_other_backends(backend, bits, m, split_k, stages, chain):
     got = H.run_qmv_h2(x, qw.packed, qw.scales, qw.biases, backend=backend,
                        config={"BLOCK_N": 8, "BLOCK_KW": 32, "SPLIT_K": split_k, "STAGES": stages, "CHAIN": chain})
     check(got, want, x, qw)
-
-
-@pytest.mark.parametrize("backend", ["triton", "reference", "numba"])
-@pytest.mark.parametrize("split_k", [1, 2])
-@pytest.mark.parametrize("mode,stages", [(G.PREFETCH_ALL, 1), (G.PREFETCH_HEAD, 1), (G.PREFETCH_HEAD, 2)])
-def test_prefetching_the_weights_before_the_grid_sync_changes_no_value(backend, split_k, mode, stages):
-    """PREFETCH (KILNX_GEMV_PREFETCH, with PDL on the GPU) adds L2 hints and moves the grid sync after them; the
-    prefetch covers each program's own word range (or its first chunk), clamped at its end."""
-    x, qw, _ = mlx_case(3, 24, 448, 4, 64, seed=9)
-    planes, sums, xs = H.qmv_h2_prep(x, PER=8, GROUP=64, backend="reference")
-    cfg = {"BLOCK_N": 8, "BLOCK_KW": 16, "SPLIT_K": split_k, "STAGES": stages}
-    plain = H.qmv_h2(planes, sums, xs, qw.packed, qw.scales, qw.biases, backend=backend, config=cfg)
-    got = H.qmv_h2(planes, sums, xs, qw.packed, qw.scales, qw.biases, backend=backend, config=cfg, PREFETCH=mode)
-    assert torch.equal(got, plain)
-    src = H.qmv_h2.triton_source(planes, sums, xs, qw.packed, qw.scales, qw.biases, config=cfg, PREFETCH=mode)
-    body = src.split("):\n", 1)[1]
-    sync = body.index("_rt.grid_dependency_sync()")
-    assert body.count("_rt.grid_dependency_sync()") == 1 and body.count("_rt.prefetch_l2(") == 3
-    assert "tl.load(" not in body[:sync] and body.rindex("_rt.prefetch_l2(") < sync
-
-
-def test_the_prefetch_switch_names_its_modes(monkeypatch):
-    """KILNX_GEMV_PREFETCH: 0 / 1 (all) / head with PDL, always off without it; anything else is one clear error."""
-    from kilnx.codegen import triton_rt
-    want = {"0": G.PREFETCH_OFF, "1": G.PREFETCH_ALL, "all": G.PREFETCH_ALL, "head": G.PREFETCH_HEAD}
-    try:
-        for pdl in (True, False):
-            monkeypatch.setattr(triton_rt, "pdl_enabled", lambda pdl=pdl: pdl)
-            for value, mode in want.items():
-                monkeypatch.setenv("KILNX_GEMV_PREFETCH", value)
-                G.prefetching.cache_clear()
-                assert G.prefetching() == (mode if pdl else G.PREFETCH_OFF), (value, pdl)
-        monkeypatch.setenv("KILNX_GEMV_PREFETCH", "bogus")
-        G.prefetching.cache_clear()
-        with pytest.raises(ValueError, match="KILNX_GEMV_PREFETCH='bogus'.*head"):
-            G.prefetching()
-    finally:
-        G.prefetching.cache_clear()
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton", "numba"])

@@ -13,6 +13,9 @@ group block (an acquire-release atomic, kernels/wg_direct.py's "last program fin
 program of a block to arrive reads the block's h back (from L2) and writes it prepared. The counters are left
 at zero for the next call, so a CUDA graph replays the kernel as it is.
 
+Off by default (enabled()): on the H100 the route's one-wave tile shortened the kernels but slowed llama-3.2-1b's
+decode under PDL. The count's tiles (fewer rows a program) lost at the kernel already (_default).
+
 Bit for bit the two-kernel path: gate and up are rounded to the activation dtype (as qmv_h2's output is)
 before the SwiGLU, and h to it before the prep (as silu_mul_prep's is).
 """
@@ -115,8 +118,14 @@ def qmv_h2_swiglu_prep(x_planes, x_sums, x_scales, wq, scales, biases, done, *, 
 
 
 def enabled() -> bool:
-    """KILNX_FUSED_SWIGLU=0 runs gate_up's GEMV and silu_mul_prep as two launches instead."""
-    return os.environ.get("KILNX_FUSED_SWIGLU", "1") != "0"
+    """KILNX_FUSED_SWIGLU=1 lets the route take this kernel (serves()); off by default. Measured on the H100 in one
+    call, llama-3.2-1b decode at prompt 128, two rounds of four arms alternated
+    (bench/results/2026-12-07_h100_e2e_fused_swiglu_arms_s38.csv): with PDL (the default) 1582.1 / 1579.3 tok/s against
+    1643.4 / 1642.5 for the two launches (-3.8%); with KILNX_PDL=0 1473.3 / 1476.1 against 1424.7 / 1430.0 (+3.3%).
+    The kernels' own time falls (a decode step's profile: 9.68 ms of kernel time over 16 steps against 9.99,
+    profiles/2026-12-07_h100_decode_llama1b_fused_swiglu_s38.txt): the loss is in how the one-wave kernel overlaps
+    its neighbours under PDL, not yet explained."""
+    return os.environ.get("KILNX_FUSED_SWIGLU", "0") == "1"
 
 
 def serves(x, w, fmt) -> bool:

@@ -134,7 +134,7 @@ class Interpreter:
         if op == "prefetch":   # a hint, but its indices must lie inside the tensor: checked here
             self._lanes(n, v, 0)
             return None
-        if op in ("grid_sync", "barrier"):   # launch and block ordering: a program here runs in order
+        if op in ("grid_sync", "barrier", "launch_deps"):   # launch and block ordering: a program here runs in order
             return None
         if op in ("store", "atomic_add"):
             return self.store(n, v)

@@ -76,7 +76,7 @@ def live_nodes(ir: KernelIR, hints: bool = False, boxes: bool = False) -> set[in
     (grid sizes, output shapes) is left out of the generated kernel. With `boxes` (a backend reading
     kd.load_tile's box from its offsets) a box load needs only its offsets, not its index tiles."""
     live: set[int] = set()
-    roots = ("store", "atomic_add", "assign") + (("prefetch", "grid_sync", "barrier") if hints else ())
+    roots = ("store", "atomic_add", "assign") + (("prefetch", "grid_sync", "barrier", "launch_deps") if hints else ())
     stack = [n for n in ir.walk() if n.op in roots]
     loops = [n for n in ir.walk() if n.op == "range"]
     while stack:

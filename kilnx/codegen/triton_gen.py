@@ -29,7 +29,7 @@ def generate(ir: KernelIR, *, fn_name: str | None = None, interpret: bool = Fals
     # first, before any memory access: the kernel may be scheduled before the previous one finished
     # (unless the author placed it, after prefetches: kd.grid_dependency_sync checks the order)
     explicit = any(n.op == "grid_sync" for n in ir.walk())
-    lines += ([] if explicit else ["    _rt.grid_dependency_sync()"]) + g.descriptors() + g.block(ir.body, 1)
+    lines += ([] if explicit else [f"    _rt.{g.sync}()"]) + g.descriptors() + g.block(ir.body, 1)
     lines.insert(2, "from kilnx.codegen import triton_rt as _rt")
     return "\n".join(lines) + "\n"
 
@@ -38,6 +38,9 @@ class _Gen(StatementEmitter):
     def __init__(self, ir: KernelIR, interpret: bool):
         self.ir, self.interpret = ir, interpret
         self.live = live_nodes(ir, hints=True, boxes=True)
+        # the sync waits, and also triggers the next kernel unless the author placed the trigger (kd.launch_dependents)
+        self.sync = ("grid_dependency_wait" if any(n.op == "launch_deps" for n in ir.walk())
+                     else "grid_dependency_sync")
         self.namer = Namer(ir, set(param_names(ir)) | {"tl", "triton", "range", "_rt"})
 
     def ref(self, n: Node) -> str:
@@ -137,7 +140,9 @@ class _Gen(StatementEmitter):
                 args.append(f"eviction_policy='{HINTS[hint]}'")
             return f"{name} = tl.load({', '.join(args)})"
         if op == "grid_sync":
-            return "_rt.grid_dependency_sync()"
+            return f"_rt.{self.sync}()"
+        if op == "launch_deps":
+            return "_rt.launch_dependents()"
         if op == "barrier":
             return "tl.debug_barrier()"
         if op == "prefetch":   # indices in bounds by contract (kd.prefetch): no mask

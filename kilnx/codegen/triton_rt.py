@@ -72,6 +72,20 @@ def grid_dependency_sync():
 
 
 @triton.jit
+def grid_dependency_wait():
+    """grid_dependency_sync without the trigger, for kernels that place it (launch_dependents)."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def launch_dependents():
+    """Let the next kernel in the stream be scheduled (kd.launch_dependents; a no-op unless launched with PDL)."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
 def _half(a, shift: tl.constexpr, dtype: tl.constexpr = tl.float16):
     """The 16-bit float (fp16 or bf16) in the half of each u32 at `shift`, widened to float64."""
     return ((a >> shift) & 0xFFFF).to(tl.uint16).to(dtype, bitcast=True).to(tl.float64)

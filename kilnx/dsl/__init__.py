@@ -12,7 +12,7 @@ from kilnx.dsl.lang import (abs, arange, argmax, assign, atomic_add, bf16, bitca
                             u8, u32, var, where, zeros)
 from kilnx.dsl.lang import bf2_fma, bf2_half, byte_perm, h2_fma, h2_pack, h2_sum, nibbles
 from kilnx.dsl.lang import cos, sin
-from kilnx.dsl.lang import barrier, grid_dependency_sync, load_tile, prefetch
+from kilnx.dsl.lang import barrier, grid_dependency_sync, launch_dependents, load_tile, prefetch
 from kilnx.dsl.tiles import halves, pick
 from kilnx.dsl.fusion import fusion, split
 from kilnx.dsl.kernel import kernel

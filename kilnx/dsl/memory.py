@@ -126,6 +126,20 @@ def grid_dependency_sync():
     b.emit("grid_sync", "i32", ())
 
 
+def launch_dependents():
+    """Where the kernel lets the next kernel in the stream be scheduled (PDL): by default at its grid dependency sync,
+    so the next kernel's programs take SM slots (and wait there) once every program of this one has started. A
+    kernel of one wave starts all of its programs at once: its successor's would then wait through the whole kernel
+    (llama-3.2-1b's fused SwiGLU, kernels/swiglu_prep.py, lost 3.8% of decode so). Called later, at the kernel's top
+    level and once, the trigger comes there instead. Nothing on other backends."""
+    b = builder()
+    if b.block is not b.ir.body:
+        raise dsl_error("kd.launch_dependents() must be at the kernel's top level, not inside a loop")
+    if any(n.op == "launch_deps" for n in b.ir.walk()):
+        raise dsl_error("kd.launch_dependents() is called twice")
+    b.emit("launch_deps", "i32", ())
+
+
 def output(shape, dtype, *, name: str = "out", zero: bool = False) -> TensorArg:
     """A tensor the kernel returns, allocated on the host before launch (zeroed if `zero`, e.g. for
     split-K atomics). `shape` entries are ints or runtime sizes (tensor dims and arithmetic on them)."""

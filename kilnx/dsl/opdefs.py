@@ -33,7 +33,8 @@ OPS: dict[str, OpDef] = {}
 
 STRUCTURAL = {"param", "dim", "const", "arange", "full", "program_id", "cast", "bitcast", "load", "store",
               "atomic_add", "range", "var", "assign", "reshape", "expand", "broadcast", "trans", "permute", "join",
-              "nibbles", "reduce", "dot", "where", "stride", "prefetch", "grid_sync", "barrier"}
+              "nibbles", "reduce", "dot", "where", "stride", "prefetch", "grid_sync", "barrier",
+              "launch_deps"}
 
 
 def register(name, arity, infer, reference, triton, numba):

@@ -40,7 +40,7 @@ def _specialize(planes, sums, xs, wq, scales, biases, done):
     f = wq.shape[0] // 2
     return {"BITS": 32 // (2 * planes.shape[1]), "GROUP": 2 * planes.shape[1] * planes.shape[2] // scales.shape[1],
             "BLOCK_M": pow2_at_least(planes.shape[0]), "F_DIV": pow2_dividing(f),
-            "KW_DIV": pow2_dividing(wq.shape[1])}
+            "KW_DIV": pow2_dividing(wq.shape[1]), "LATE_TRIGGER": late_trigger()}
 
 
 def _key(planes, sums, xs, wq, scales, biases, done, **kw):
@@ -74,7 +74,7 @@ def _default(planes, sums, xs, wq, scales, biases, done, *, F_DIV, GROUP_OUT, **
 @kd.kernel(tune=TUNE, key=_key, spec=_spec, default=_default, specialize=_specialize)
 def qmv_h2_swiglu_prep(x_planes, x_sums, x_scales, wq, scales, biases, done, *, BITS: kd.constexpr, GROUP: kd.constexpr,
                        PER_OUT: kd.constexpr, GROUP_OUT: kd.constexpr, BLOCK_M: kd.constexpr, F_DIV: kd.constexpr,
-                       KW_DIV: kd.constexpr, BLOCK_N, BLOCK_KW, STAGES, CHAIN):
+                       KW_DIV: kd.constexpr, LATE_TRIGGER: kd.constexpr = True, BLOCK_N, BLOCK_KW, STAGES, CHAIN):
     """Prepared x (M, K; x_planes, x_sums, x_scales: qmv_h2's inputs) and a [gate | up] weight (2F, K) -> (h (M, F) in scales' dtype, then h prepared for a
     weight of PER_OUT codes a word in GROUP_OUT groups: planes, group sums, group scales).
     done: int32 counters, at least F / max(GROUP_OUT, BLOCK_N / 2) of them, zero (and left zero)."""
@@ -90,6 +90,8 @@ def qmv_h2_swiglu_prep(x_planes, x_sums, x_scales, wq, scales, biases, done, *, 
                    N_DIV=BLOCK_N, KW_DIV=KW_DIV, STAGES=STAGES,
                    rows_of=lambda pid: pid * HB + lane % HB + lane // HB * F)       # [gate rows | up rows]
     acc = H.accumulate(f, x_planes, x_sums, x_scales, wq, scales, biases, BITS=BITS, chain=min(CHAIN, f.WPG))
+    if LATE_TRIGGER:
+        kd.launch_dependents()    # down's programs scheduled for the epilogue, not the whole (one-wave) kernel
     gate, up = kd.halves(kd.reshape(acc, (BLOCK_M, 2, HB)), axis=1)
     gate, up = gate.astype(scales.dtype).f32(), up.astype(scales.dtype).f32()
     pid = kd.program_id(0)
@@ -115,6 +117,15 @@ def qmv_h2_swiglu_prep(x_planes, x_sums, x_scales, wq, scales, biases, done, *, 
     if PROGS > 1:
         kd.store(done, blk, 0, mask=last, check=False)     # left as found, for the next call
     return (h, *prepared)
+
+
+def late_trigger() -> bool:
+    """Whether the kernel lets down's GEMV be scheduled after its main loop (kd.launch_dependents) rather than at its
+    start, where every kernel does: KILNX_SWIGLU_TRIGGER=late (the default) / start."""
+    value = os.environ.get("KILNX_SWIGLU_TRIGGER", "late")
+    if value not in ("late", "start"):
+        raise ValueError(f"KILNX_SWIGLU_TRIGGER={value!r}: expected late or start")
+    return value == "late"
 
 
 def enabled() -> bool:

@@ -129,8 +129,29 @@ def test_a_prefetch_index_outside_the_tensor_is_refused_by_the_reference():
         _prefetch_past_the_end(torch.zeros(40), backend="reference")
 
 
+@kd.kernel(tune={"B": kd.choice(16)})
+def _trigger_in_a_loop(x, *, B):
+    kd.grid(1)
+    out = kd.output((B,), kd.f32)
+    for i in kd.range(0, 2):
+        kd.launch_dependents()
+    kd.store(out, kd.arange(0, B), kd.load(x, kd.arange(0, B)))
+    return out
+
+
+@kd.kernel(tune={"B": kd.choice(16)})
+def _trigger_twice(x, *, B):
+    kd.grid(1)
+    out = kd.output((B,), kd.f32)
+    kd.launch_dependents()
+    kd.launch_dependents()
+    kd.store(out, kd.arange(0, B), kd.load(x, kd.arange(0, B)))
+    return out
+
+
 @pytest.mark.parametrize("kernel,message", [(_sync_after_a_load, "comes after a load of `x`"),
-                                            (_sync_in_a_loop, "top level")])
+                                            (_sync_in_a_loop, "top level"), (_trigger_in_a_loop, "top level"),
+                                            (_trigger_twice, "called twice")])
 def test_a_grid_sync_after_memory_access_or_in_a_loop_is_refused(kernel, message):
     with pytest.raises(kd.DSLError, match=message):
         kernel.triton_source(torch.zeros(16))

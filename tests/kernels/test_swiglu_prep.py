@@ -65,6 +65,22 @@ def test_against_the_float_formula(backend):
     assert not done.any()
 
 
+def test_the_next_kernel_is_let_in_after_the_main_loop():
+    """kd.launch_dependents after the GEMV's loop: the kernel opens with the wait alone and triggers there (the
+    start-of-kernel trigger with KILNX_SWIGLU_TRIGGER=start)."""
+    args = case(1, 64, 128, 4)
+    done = torch.zeros(1, dtype=torch.int32)
+    for late in (True, False):
+        src = S.qmv_h2_swiglu_prep.triton_source(*args, done, PER_OUT=8, GROUP_OUT=64, LATE_TRIGGER=late,
+                                                 config={"BLOCK_N": 128, "BLOCK_KW": 8, "STAGES": 3})
+        body = src.split("):\n", 1)[1]
+        if late:
+            assert body.count("_rt.launch_dependents()") == 1 and "_rt.grid_dependency_sync()" not in body
+            assert body.index("_rt.grid_dependency_wait()") < body.index("for ") < body.index("_rt.launch_dependents()")
+        else:
+            assert "_rt.launch_dependents()" not in body and body.count("_rt.grid_dependency_sync()") == 1
+
+
 @CPU_ONLY
 def test_row_blocks_that_do_not_tile_f_are_refused():
     args = case(1, 96, 64, 4)                                  # F = 96: 64 rows a half do not tile it

@@ -143,7 +143,7 @@ def silu_mul_prepared(gate_up: torch.Tensor, fmt):
 def swiglu_prepared(x, gate_up_parts: list, down_parts: list):
     """silu_mul(qmatmul(x, gate_up)) prepared for down's GEMV, in gate_up's GEMV launch (kernels/swiglu_prep.py):
     a PreparedX for x prepared (add_rms_norm_prepared) for a single [gate | up] weight, else None (the caller runs
-    qmatmul and silu_mul_prepared). Off unless KILNX_FUSED_SWIGLU=1 (kernels/swiglu_prep.enabled says why)."""
+    qmatmul and silu_mul_prepared). KILNX_FUSED_SWIGLU=0 turns it off (kernels/swiglu_prep.enabled: its A/Bs)."""
     from kilnx.kernels import swiglu_prep
     return swiglu_prep.swiglu_prepared(x, gate_up_parts, down_parts)
 

@@ -13,8 +13,9 @@ group block (an acquire-release atomic, kernels/wg_direct.py's "last program fin
 program of a block to arrive reads the block's h back (from L2) and writes it prepared. The counters are left
 at zero for the next call, so a CUDA graph replays the kernel as it is.
 
-Off by default (enabled()): on the H100 the route's one-wave tile shortened the kernels but slowed llama-3.2-1b's
-decode under PDL. The count's tiles (fewer rows a program) lost at the kernel already (_default).
+The route takes it at one row where the program count fits one wave (serves()), and there the kernel lets the next
+kernel in only after its main loop (kd.launch_dependents; enabled() has the A/Bs). The count's tiles (fewer rows a
+program) lost at the kernel already (_default), so the route does not take them.
 
 Bit for bit the two-kernel path: gate and up are rounded to the activation dtype (as qmv_h2's output is)
 before the SwiGLU, and h to it before the prep (as silu_mul_prep's is).
@@ -129,14 +130,18 @@ def late_trigger() -> bool:
 
 
 def enabled() -> bool:
-    """KILNX_FUSED_SWIGLU=1 lets the route take this kernel (serves()); off by default. Measured on the H100 in one
-    call, llama-3.2-1b decode at prompt 128, two rounds of four arms alternated
-    (bench/results/2026-12-07_h100_e2e_fused_swiglu_arms_s38.csv): with PDL (the default) 1582.1 / 1579.3 tok/s against
-    1643.4 / 1642.5 for the two launches (-3.8%); with KILNX_PDL=0 1473.3 / 1476.1 against 1424.7 / 1430.0 (+3.3%).
-    The kernels' own time falls (a decode step's profile: 9.68 ms of kernel time over 16 steps against 9.99,
-    profiles/2026-12-07_h100_decode_llama1b_fused_swiglu_s38.txt): the loss is in how the one-wave kernel overlaps
-    its neighbours under PDL, not yet explained."""
-    return os.environ.get("KILNX_FUSED_SWIGLU", "0") == "1"
+    """KILNX_FUSED_SWIGLU=0 keeps the two launches where the route would take this kernel (serves()). Measured on the
+    H100, llama-3.2-1b decode at prompt 128, arms alternated in one call, two rounds each:
+    - triggering the next kernel at the start, as every kernel does
+      (bench/results/2026-12-07_h100_e2e_fused_swiglu_arms_s38.csv): with PDL 1582.1 / 1579.3 tok/s against 1643.4 /
+      1642.5 for the two launches (-3.8%), with KILNX_PDL=0 1473.3 / 1476.1 against 1424.7 / 1430.0 (+3.3%), though the
+      kernels' own time fell (9.68 ms over 16 steps against 9.99,
+      profiles/2026-12-07_h100_decode_llama1b_fused_swiglu_s38.txt): down's programs, scheduled as soon as all of
+      this one-wave kernel's had started, waited on the SMs through all of it;
+    - triggering after the main loop (late_trigger; 2026-12-07_h100_e2e_fused_swiglu_trigger_s38.csv): **1667.6 /
+      1668.5 against 1636.0 / 1645.3 (+1.6%)**, the start trigger 1584.2 / 1577.6 in the same call.
+    Not yet measured on the H200."""
+    return os.environ.get("KILNX_FUSED_SWIGLU", "1") != "0"
 
 
 def serves(x, w, fmt) -> bool:

@@ -92,14 +92,17 @@ def _sync_after_a_load(x, *, B):
     return out
 
 
-@kd.kernel(tune={"B": kd.choice(16)})
-def _sync_in_a_loop(x, *, B):
-    kd.grid(1)
-    out = kd.output((B,), kd.f32)
-    for i in kd.range(0, 2):
-        kd.grid_dependency_sync()
-    kd.store(out, kd.arange(0, B), kd.load(x, kd.arange(0, B)))
-    return out
+def _in_a_loop(call):
+    """A kernel that makes `call` (a launch-ordering statement) inside a loop."""
+    @kd.kernel(tune={"B": kd.choice(16)})
+    def in_a_loop(x, *, B):
+        kd.grid(1)
+        out = kd.output((B,), kd.f32)
+        for i in kd.range(0, 2):
+            call()
+        kd.store(out, kd.arange(0, B), kd.load(x, kd.arange(0, B)))
+        return out
+    return in_a_loop
 
 
 @kd.kernel(tune={"B": kd.choice(16)})
@@ -130,16 +133,6 @@ def test_a_prefetch_index_outside_the_tensor_is_refused_by_the_reference():
 
 
 @kd.kernel(tune={"B": kd.choice(16)})
-def _trigger_in_a_loop(x, *, B):
-    kd.grid(1)
-    out = kd.output((B,), kd.f32)
-    for i in kd.range(0, 2):
-        kd.launch_dependents()
-    kd.store(out, kd.arange(0, B), kd.load(x, kd.arange(0, B)))
-    return out
-
-
-@kd.kernel(tune={"B": kd.choice(16)})
 def _trigger_twice(x, *, B):
     kd.grid(1)
     out = kd.output((B,), kd.f32)
@@ -150,7 +143,8 @@ def _trigger_twice(x, *, B):
 
 
 @pytest.mark.parametrize("kernel,message", [(_sync_after_a_load, "comes after a load of `x`"),
-                                            (_sync_in_a_loop, "top level"), (_trigger_in_a_loop, "top level"),
+                                            (_in_a_loop(kd.grid_dependency_sync), "top level"),
+                                            (_in_a_loop(kd.launch_dependents), "top level"),
                                             (_trigger_twice, "called twice")])
 def test_a_grid_sync_after_memory_access_or_in_a_loop_is_refused(kernel, message):
     with pytest.raises(kd.DSLError, match=message):

@@ -459,8 +459,8 @@ def tensor_param(name: str, dtype: str, ndim: int, output=False) -> TensorArg:
 
 # memory access, the half2 ops and the elementwise functions live beside this module; kernel authors see them all
 # as kd.*
-from .memory import (_mem_index, atomic_add, barrier, grid_dependency_sync, launch_dependents, load, load_tile,  # noqa: E402,F401
-                     output, prefetch, store)
+from .memory import (_mem_index, atomic_add, barrier, grid_dependency_sync, launch_dependents,  # noqa: E402,F401
+                     load, load_tile, output, prefetch, store)
 from .half2 import bf2_fma, bf2_half, byte_perm, h2_fma, h2_pack, h2_sum, nibbles  # noqa: E402,F401
 from .elementwise import (abs, argmax, cos, erf, exp, gelu_tanh, log, max, maximum, mean,  # noqa: E402,F401,A004
                           min, minimum, rsqrt, sigmoid, silu, sin, softplus, sqrt, sum, tanh)

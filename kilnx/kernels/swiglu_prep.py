@@ -76,8 +76,9 @@ def _default(planes, sums, xs, wq, scales, biases, done, *, F_DIV, GROUP_OUT, **
 def qmv_h2_swiglu_prep(x_planes, x_sums, x_scales, wq, scales, biases, done, *, BITS: kd.constexpr, GROUP: kd.constexpr,
                        PER_OUT: kd.constexpr, GROUP_OUT: kd.constexpr, BLOCK_M: kd.constexpr, F_DIV: kd.constexpr,
                        KW_DIV: kd.constexpr, LATE_TRIGGER: kd.constexpr = True, BLOCK_N, BLOCK_KW, STAGES, CHAIN):
-    """Prepared x (M, K; x_planes, x_sums, x_scales: qmv_h2's inputs) and a [gate | up] weight (2F, K) -> (h (M, F) in scales' dtype, then h prepared for a
-    weight of PER_OUT codes a word in GROUP_OUT groups: planes, group sums, group scales).
+    """Prepared x (M, K; x_planes, x_sums, x_scales: qmv_h2's inputs) and a [gate | up] weight (2F, K) -> (h (M, F)
+    in scales' dtype, then h prepared for a weight of PER_OUT codes a word in GROUP_OUT groups: planes, group sums,
+    group scales).
     done: int32 counters, at least F / max(GROUP_OUT, BLOCK_N / 2) of them, zero (and left zero)."""
     M = x_planes.shape[0]
     N2, KW = wq.shape

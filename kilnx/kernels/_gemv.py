@@ -8,6 +8,8 @@ chunk is decoded and multiplied; `Frame` is the rest.
 
 from __future__ import annotations
 
+import os
+
 import kilnx.dsl as kd
 
 
@@ -160,6 +162,19 @@ def word_slice(t, chain: int, j: int):
     """Words j, j + chain, j + 2 chain, ... along the last axis of a (..., CHUNK) tile: (..., CHUNK / chain)."""
     *lead, chunk = t.shape
     return kd.pick(kd.reshape(t, (*lead, chunk // chain, chain)), j, axis=-1)
+
+
+def late_trigger(wq) -> bool:
+    """Whether the GEMVs (qmv_h2, qkv_rope_cache_h2) let the next kernel be scheduled after their main loop
+    (kd.launch_dependents) rather than at their grid sync, where every kernel does: KILNX_GEMV_TRIGGER=late / start
+    (the default); on the GPU only. Why ask: a decode GEMV's programs mostly fit the SMs at once (llama-3.1-8b's o at 8
+    rows a program: 512), so with the start trigger the next kernel's programs are placed as it begins and wait
+    through all of it, which cost the one-wave fused SwiGLU 5% of llama-3.2-1b decode against its late trigger on the
+    H100 (kernels/swiglu_prep.enabled). Not yet measured for the GEMVs."""
+    value = os.environ.get("KILNX_GEMV_TRIGGER", "start")
+    if value not in ("late", "start"):
+        raise ValueError(f"KILNX_GEMV_TRIGGER={value!r}: expected late or start")
+    return value == "late" and wq.is_cuda
 
 
 def into_row(row, m, BLOCK_M: int):

@@ -65,13 +65,14 @@ def prepared_format(parts, x: torch.Tensor) -> tuple[int, int] | None:
     return _FORMATS.put(tuple(parts), (rows, k, x.device), _prepared_format(parts, x.reshape(rows, k)))
 
 
-def prepared_format_for(parts, rows: int, k: int, like: torch.Tensor):
-    """prepared_format for activations (rows, k) in like's dtype and device that do not exist yet (a producer that
-    asks before it computes them: kernels/swiglu_prep.py)."""
-    known = _FORMATS.get(tuple(parts), (rows, k, like.device))
+def prepared_format_for(parts, rows: int, k: int, device: torch.device, dtype: torch.dtype):
+    """prepared_format for activations (rows, k) that do not exist yet (a producer that asks before it computes
+    them: kernels/swiglu_prep.py). A tensor is made only the first time (a step recorded for replay on the CPU may
+    call no torch function outside the kernels, runtime/engine.py's _TorchGuard)."""
+    known = _FORMATS.get(tuple(parts), (rows, k, device))
     if known is not PerObjectMemo.MISSING:
         return known
-    return prepared_format(parts, torch.empty((rows, k), dtype=like.dtype, device=like.device))
+    return prepared_format(parts, torch.empty((rows, k), dtype=dtype, device=device))
 
 
 def _prepared_format(parts, x):

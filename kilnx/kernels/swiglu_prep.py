@@ -174,7 +174,7 @@ def swiglu_prepared(x, gate_up_parts, down_parts):
         return None
     w = gate_up_parts[0]
     f = w.shape[0] // 2
-    fmt = prepared_format_for(down_parts, x.shape[0], f, x.planes.new_empty(0, dtype=x.dtype)) if enabled() else None
+    fmt = prepared_format_for(down_parts, x.shape[0], f, x.device, x.dtype) if enabled() else None
     if not serves(x, w, fmt):
         return None
     per, group = fmt

@@ -73,14 +73,9 @@ def gather_qmv_h2_glu_prep(x_planes, x_sums, x_scales, wq, scales, biases, exper
     kd.launch_dependents()    # the combine's programs scheduled for the epilogue, not the whole (one-wave) kernel
     gate, up = kd.halves(acc, axis=0)
     h = kd.output((T * TOP_K, F), scales.dtype, name="h")
-    cols = blk * HB + kd.arange(0, HB)
-    kd.store(h, slot, cols, ACTIVATIONS[ACT](gate) * up)
-    kd.barrier()              # read back below by the program's other threads
-    words = blk * (HB // PER_OUT) + kd.arange(0, HB // PER_OUT)
-    lo_i, hi_i = H.code_pairs_index(words, PER_OUT)
+    kd.store(h, slot, blk * HB + kd.arange(0, HB), ACTIVATIONS[ACT](gate) * up)
     prepared = H.prepared_outputs(T * TOP_K, F, PER=PER_OUT, GROUP=GROUP_OUT)
-    lo, hi = kd.load(h, slot, lo_i, check=False).f32(), kd.load(h, slot, hi_i, check=False).f32()
-    H.store_prepared_into(prepared, lo, hi, slot, blk * (HB // PER_OUT), words, PER=PER_OUT, GROUP=GROUP_OUT)
+    H.prepare_stored(h, prepared, slot, blk * (HB // PER_OUT), HB // PER_OUT, PER=PER_OUT, GROUP=GROUP_OUT)
     return (h, *prepared)
 
 

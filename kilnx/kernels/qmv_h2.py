@@ -114,16 +114,27 @@ def prepared_outputs(M, K, *, PER: int, GROUP: int):
             kd.output((M, K // GROUP), kd.f32, name="group_scales"))
 
 
-def store_prepared_into(outputs, lo, hi, row, w0, w, *, PER: int, GROUP: int, BIAS: int = 0, mask=None):
-    """store_prepared into prepared_outputs made once (a kernel that stores several rows in a loop); `mask` (a
-    scalar, or None) stores nothing where false."""
+def store_prepared_into(outputs, lo, hi, row, w0, w, *, PER: int, GROUP: int, BIAS: int = 0):
+    """store_prepared into prepared_outputs made once (a kernel that stores several rows in a loop)."""
     planes, sums, scale = outputs
     packed, group_sums, xs = _prepared_tiles(lo, hi, PER=PER, GROUP=GROUP, BIAS=BIAS)
-    kd.store(planes, row, kd.arange(0, PER // 2)[:, None], w[None, :], kd.trans(packed), mask=mask)
+    kd.store(planes, row, kd.arange(0, PER // 2)[:, None], w[None, :], kd.trans(packed))
     g = w0 // (GROUP // PER) + kd.arange(0, xs.shape[0])
-    kd.store(sums, row, g, group_sums, mask=mask)
-    kd.store(scale, row, g, xs, mask=mask)
+    kd.store(sums, row, g, group_sums)
+    kd.store(scale, row, g, xs)
     return planes, sums, scale
+
+
+def prepare_stored(x, outputs, row, w0, n_words: int, *, PER: int, GROUP: int):
+    """Words w0 .. w0 + n_words (whole groups) of row `row` of x, which this program has just stored, read back in
+    the prep's order and stored prepared into prepared_outputs: for kernels whose tile holds its values in another
+    order (kernels/swiglu_prep.py, moe_glu_prep.py). The barrier lets every thread read what the others stored
+    (without it, a program read values not yet stored, on the H100)."""
+    kd.barrier()
+    w = w0 + kd.arange(0, n_words)
+    lo_i, hi_i = code_pairs_index(w, PER)
+    lo, hi = kd.load(x, row, lo_i, check=False).f32(), kd.load(x, row, hi_i, check=False).f32()
+    return store_prepared_into(outputs, lo, hi, row, w0, w, PER=PER, GROUP=GROUP)
 
 
 def code_pairs_index(w, PER: int):

@@ -84,10 +84,10 @@ from kilnx.kernels import swiglu_prep as SP
 wgu = QWeight.quantize(torch.randn(2 * 256, 256), bits=4, group_size=64)
 wgu = QWeight.from_mlx(wgu.packed, wgu.scales.bfloat16(), wgu.biases.bfloat16(), bits=4, group_size=64)
 xp = H._prep_spec(torch.randn(4, 256), PER=8, GROUP=64)
-for rows, cfg in ((1, {"BLOCK_N": 16, "STAGES": 3, "CHAIN": 2}), (4, {"BLOCK_N": 128, "STAGES": 1})):
-    ptx = compile_for_target(SP.qmv_h2_swiglu_prep, (*(t[:rows] for t in xp), wgu.packed, wgu.scales, wgu.biases,
-                             torch.zeros(8, dtype=torch.int32)), cfg, kw={"PER_OUT": 8, "GROUP_OUT": 64}).asm["ptx"]
-    assert ("atom" in ptx) == (cfg["BLOCK_N"] < 128), "the last-program count where a group spans programs"
+for rows, cfg in ((1, {"BLOCK_N": 128, "STAGES": 3, "CHAIN": 2}), (4, {"BLOCK_N": 128, "STAGES": 1})):
+    ptx = compile_for_target(SP.qmv_h2_swiglu_prep, (*(t[:rows] for t in xp), wgu.packed, wgu.scales, wgu.biases),
+                             cfg, kw={"PER_OUT": 8, "GROUP_OUT": 64}).asm["ptx"]
+    assert "fma.rn.f16x2" in ptx and "bar.sync" in ptx, "qmv_h2_swiglu_prep off packed fp16 or its read-back barrier"
 from kilnx.kernels import attention as A, attention_split as AS
 q, kc = torch.randn(1, 1, 32, 128).bfloat16(), torch.randn(1, 8, 1024, 128).bfloat16()
 kw = A._kernel_kwargs(q, kc, 128 ** -0.5, None, None)

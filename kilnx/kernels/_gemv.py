@@ -164,16 +164,18 @@ def word_slice(t, chain: int, j: int):
     return kd.pick(kd.reshape(t, (*lead, chunk // chain, chain)), j, axis=-1)
 
 
-def late_trigger(wq) -> bool:
-    """Whether the GEMVs (qmv_h2, qkv_rope_cache_h2) let the next kernel be scheduled after their main loop
-    (kd.launch_dependents) rather than at their grid sync, where every kernel does: KILNX_GEMV_TRIGGER=late / start
-    (the default); on the GPU only. Why ask: a decode GEMV's programs mostly fit the SMs at once (llama-3.1-8b's o at 8
-    rows a program: 512), so with the start trigger the next kernel's programs are placed as it begins and wait
-    through all of it, which cost the one-wave fused SwiGLU 5% of llama-3.2-1b decode against its late trigger on the
-    H100 (kernels/swiglu_prep.enabled). Not yet measured for the GEMVs."""
-    value = os.environ.get("KILNX_GEMV_TRIGGER", "start")
+def late_trigger(wq, switch: str = "KILNX_GEMV_TRIGGER") -> bool:
+    """Whether a kernel lets the next one be scheduled after its main loop (kd.launch_dependents) rather than at
+    its grid sync, where every kernel does: `switch`=late / start (the default); on the GPU only. The GEMVs (qmv_h2,
+    qkv_rope_cache_h2) ask KILNX_GEMV_TRIGGER, the split decode attention KILNX_ATTENTION_TRIGGER. Why ask: a decode
+    GEMV's programs mostly fit the SMs at once (llama-3.1-8b's o at 8 rows a program: 512), the split attention's
+    number about the SMs by design (attention_split.keys_per_split), so with the start trigger the next kernel's
+    programs are placed as it begins and wait through all of it, which cost the one-wave fused SwiGLU 5% of
+    llama-3.2-1b decode against its late trigger on the H100 (kernels/swiglu_prep.enabled). Not yet measured for
+    these."""
+    value = os.environ.get(switch, "start")
     if value not in ("late", "start"):
-        raise ValueError(f"KILNX_GEMV_TRIGGER={value!r}: expected late or start")
+        raise ValueError(f"{switch}={value!r}: expected late or start")
     return value == "late" and wq.is_cuda
 
 

@@ -92,8 +92,9 @@ from kilnx.kernels import attention as A, attention_split as AS
 q, kc = torch.randn(1, 1, 32, 128).bfloat16(), torch.randn(1, 8, 1024, 128).bfloat16()
 kw = A._kernel_kwargs(q, kc, 128 ** -0.5, None, None)
 parts = AS._split_spec(q, kc, kc, torch.tensor([[700]]), KEYS_PER_SPLIT=128, **kw)
-compile_for_target(AS.attention_split_kernel, (q, kc, kc, torch.tensor([[700]])),
-                   {"BLOCK_M": 16, "BLOCK_N": 64, "KEYS_PER_SPLIT": 128}, kw=kw)
+for late in (False, True):   # KILNX_ATTENTION_TRIGGER=late
+    compile_for_target(AS.attention_split_kernel, (q, kc, kc, torch.tensor([[700]])),
+                       {"BLOCK_M": 16, "BLOCK_N": 64, "KEYS_PER_SPLIT": 128}, kw={**kw, "LATE_TRIGGER": late})
 compile_for_target(AS.attention_merge, (*parts, q), {})
 from kilnx.kernels import attention_decode as AD
 for inter in (False, True):

@@ -104,11 +104,17 @@ def enabled() -> bool:
     - triggering after the main loop (2026-12-07_h100_e2e_fused_swiglu_trigger_s38.csv; the other arm's switch,
       KILNX_SWIGLU_TRIGGER=start, went in session 38's review): **1667.6 /
       1668.5 against 1636.0 / 1645.3 (+1.6%)**, the start trigger 1584.2 / 1577.6 in the same call.
-    Not yet measured on the H200."""
+    Not yet measured on the H200. KILNX_FUSED_SWIGLU=any also takes it past one wave (serves()'s `one_wave`), for an
+    A/B of llama-3.1-8b with the late trigger."""
     return os.environ.get("KILNX_FUSED_SWIGLU", "1") != "0"
 
 
-def serves(x, w, fmt) -> bool:
+def one_wave_only() -> bool:
+    """Whether serves() asks for one wave of programs (all but KILNX_FUSED_SWIGLU=any)."""
+    return os.environ.get("KILNX_FUSED_SWIGLU", "1") != "any"
+
+
+def serves(x, w, fmt, *, one_wave: bool = True) -> bool:
     """Whether the route takes qmv_h2_swiglu_prep for prepared x (kernels/prepared.PreparedX) through a single
     [gate | up] QWeight w, with h prepared in `fmt` (PER, GROUP) for down: x prepared for w (qmatmul runs qmv_h2 on
     it), one row, F a multiple of the down's group, and its programs (a group of h each, F / GROUP of them) no more
@@ -124,7 +130,7 @@ def serves(x, w, fmt) -> bool:
     f = w.shape[0] // 2
     return (w.mode == "affine" and len(w.shape) == 2 and w.shape[0] % 2 == 0 and x.shape[0] == 1
             and (32 // w.bits, w.group_size) == x.format and f % fmt[1] == 0 and 2 * fmt[1] <= 128
-            and f // fmt[1] <= sm_count(x.planes))
+            and (not one_wave or f // fmt[1] <= sm_count(x.planes)))
 
 
 def swiglu_prepared(x, gate_up_parts, down_parts):
@@ -135,7 +141,7 @@ def swiglu_prepared(x, gate_up_parts, down_parts):
         return None
     w = gate_up_parts[0]
     fmt = prepared_format_for(down_parts, x.shape[0], w.shape[0] // 2, x.device, x.dtype)
-    if not serves(x, w, fmt):
+    if not serves(x, w, fmt, one_wave=one_wave_only()):
         return None
     _, planes, sums, xs = qmv_h2_swiglu_prep(x.planes, x.sums, x.xs, w.packed, w.scales, w.biases, PER_OUT=fmt[0],
                                              GROUP_OUT=fmt[1])

@@ -271,29 +271,7 @@ def _bench_decode_h2(rec, case, sets, gu, dn, h_ref, y_ref, smoke):
     rec.add("moe", case, "us_h2_gate_up_swiglu", t_gu * 1e6, "best_config", str(cfg_gu))
     rec.add("moe", case, "us_h2_down_combine", t_dn * 1e6, "best_config", str(cfg_dn))
     rec.add("moe", case, "us_h2_prep_x", t_prep_x * 1e6)
-    _bench_glu_prep(rec, case, preps, g, d, cfg_gu, y_ref)
     return t_step, t_gu + t_dn
-
-
-def _bench_glu_prep(rec, case, preps, g, d, cfg_gu, y_ref):
-    """gate_up + activation with h prepared in one launch (kernels/moe_glu_prep.py, KILNX_MOE_GLU_PREP=1) against
-    the glu then the prep of h, and the two-kernel step after prepared x with each."""
-    from kilnx.kernels import moe_glu_prep as MG
-    from kilnx.kernels import moe_h2 as MH
-    from kilnx.kernels import qmv_h2 as QH
-    t_two = time_calls(lambda p, ids, rw: QH.qmv_h2_prep(MH.gather_qmv_h2_glu(*p, *g, ids, config=cfg_gu), PER=8,
-                                                          GROUP=GS), preps)
-    t_one = time_calls(lambda p, ids, rw: MG.gather_qmv_h2_glu_prep(*p, *g, ids, PER_OUT=8, GROUP_OUT=GS), preps)
-    rec.add("moe", case, "us_h2_glu_then_prep_h", t_two * 1e6, "best_glu_config", str(cfg_gu))
-    rec.add("moe", case, "us_h2_glu_prep_one_launch", t_one * 1e6)
-    for on in ("0", "1"):
-        os.environ["KILNX_MOE_GLU_PREP"] = on
-        try:
-            assert _rel_err(MH.two_kernels(*preps[0][0], *g, *d, *preps[0][1:]), y_ref) < 3e-2, f"glu_prep={on} wrong"
-            t = time_calls(lambda p, ids, rw: MH.two_kernels(*p, *g, *d, ids, rw), preps)
-        finally:
-            del os.environ["KILNX_MOE_GLU_PREP"]
-        rec.add("moe", case, f"us_h2_step_after_prep_x_glu_prep{on}", t * 1e6)
 
 
 # the one-pass decode MoE's sweep (kernels/moe_onepass.py): features per program, chunk words, output rows

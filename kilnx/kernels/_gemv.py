@@ -8,8 +8,6 @@ chunk is decoded and multiplied; `Frame` is the rest.
 
 from __future__ import annotations
 
-import os
-
 import kilnx.dsl as kd
 
 
@@ -32,7 +30,10 @@ class Frame:
     H100 (2026-12-07_h100_e2e_prefetch_arms_s36.csv) and lost 4.5% on the H200 (510.1 / 510.4 against 534.5 /
     534.3, 2026-12-07_h200_e2e_prefetch_arms_s37.csv), and so did the residual norm's prefetch of its row
     (KILNX_NORM_PREFETCH): the GEMV's blocks start only once the kernel before has passed its own wait, and DRAM
-    is busy with that kernel's stream until its tail."""
+    is busy with that kernel's stream until its tail. And so did letting the next kernel in after the main loop
+    (kd.launch_dependents, as the one-wave fused SwiGLU does; KILNX_GEMV_TRIGGER in session 39): llama-3.1-8b decode
+    441.8 / 443.9 tok/s against 456.9 / 459.8 on the H100, llama-3.2-1b 1661.4 / 1663.4 against 1651.5 / 1657.0
+    (2026-12-07_h100_e2e_trigger_arms_{8b,1b}_s39.csv)."""
 
     def __init__(self, N, KW, *, WPG: int, BLOCK_M: int, BLOCK_N: int, BLOCK_KW: int, SPLIT_K: int, N_DIV: int,
                  KW_DIV: int, STAGES: int = 1, rows_of=None):
@@ -162,21 +163,6 @@ def word_slice(t, chain: int, j: int):
     """Words j, j + chain, j + 2 chain, ... along the last axis of a (..., CHUNK) tile: (..., CHUNK / chain)."""
     *lead, chunk = t.shape
     return kd.pick(kd.reshape(t, (*lead, chunk // chain, chain)), j, axis=-1)
-
-
-def late_trigger(wq, switch: str = "KILNX_GEMV_TRIGGER") -> bool:
-    """Whether a kernel lets the next one be scheduled after its main loop (kd.launch_dependents) rather than at
-    its grid sync, where every kernel does: `switch`=late / start (the default); on the GPU only. The GEMVs (qmv_h2,
-    qkv_rope_cache_h2) ask KILNX_GEMV_TRIGGER, the split decode attention KILNX_ATTENTION_TRIGGER. Why ask: a decode
-    GEMV's programs mostly fit the SMs at once (llama-3.1-8b's o at 8 rows a program: 512), the split attention's
-    number about the SMs by design (attention_split.keys_per_split), so with the start trigger the next kernel's
-    programs are placed as it begins and wait through all of it, which cost the one-wave fused SwiGLU 5% of
-    llama-3.2-1b decode against its late trigger on the H100 (kernels/swiglu_prep.enabled). Not yet measured for
-    these."""
-    value = os.environ.get(switch, "start")
-    if value not in ("late", "start"):
-        raise ValueError(f"{switch}={value!r}: expected late or start")
-    return value == "late" and wq.is_cuda
 
 
 def into_row(row, m, BLOCK_M: int):

@@ -78,10 +78,6 @@ def _specialize(q, *_):
     return {"BLOCK_D": max(pow2_at_least(q.shape[3]), 16), "scale": q.shape[3] ** -0.5}
 
 
-def _split_specialize(q, *_):
-    return {**_specialize(q), "LATE_TRIGGER": AS.late_trigger(q, "KILNX_ATTENTION_TRIGGER")}
-
-
 @kd.kernel(tune=TUNE, key=_args_key, spec=_spec, specialize=_specialize,
            default=lambda q, kn, vn, positions, rows, inv, k_cache, v_cache, **_: _attn_default(q, k_cache, v_cache,
                                                                                                 positions))
@@ -107,14 +103,13 @@ def _split_spec(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, *,
     return AS._split_spec(qr, kc, vc, positions, **kw)
 
 
-@kd.kernel(tune=AS.TUNE, constraints=AS.CONSTRAINTS, key=_args_key, spec=_split_spec, specialize=_split_specialize,
+@kd.kernel(tune=AS.TUNE, constraints=AS.CONSTRAINTS, key=_args_key, spec=_split_spec, specialize=_specialize,
            default=lambda q, kn, vn, positions, rows, inv, k_cache, v_cache, **_: AS._split_default(q, k_cache, v_cache,
                                                                                                     positions))
 def attention_split_new_kv_kernel(q, k_new, v_new, positions, rows, inv_freq, k_cache, v_cache, *, scale: float,
                                   cap: float = 0.0, window: int = NO_WINDOW, limit: int = NO_LIMIT,
                                   BLOCK_D: kd.constexpr = 64, SOFTCAP: kd.constexpr = False,
-                                  INTERLEAVED: kd.constexpr = False, LATE_TRIGGER: kd.constexpr = False, BLOCK_M,
-                                  BLOCK_N, KEYS_PER_SPLIT):
+                                  INTERLEAVED: kd.constexpr = False, BLOCK_M, BLOCK_N, KEYS_PER_SPLIT):
     """attention_split_kernel for one new token per row, from the projection's q, k, v: only the program
     whose key range holds the new position writes the caches (no other program reads that position)."""
     B, T, Hq, D = q.shape
@@ -126,7 +121,7 @@ def attention_split_new_kv_kernel(q, k_new, v_new, positions, rows, inv_freq, k_
                                                    BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, INTERLEAVED=INTERLEAVED)
     return AS._attend_range(q_tile, token, head, token < T, d, parked(pos, limit), k_cache, v_cache, b, kv_head,
                             split, B, T, Hq, D, scale=scale, cap=cap, window=window, SOFTCAP=SOFTCAP, BLOCK_N=BLOCK_N,
-                            KEYS_PER_SPLIT=KEYS_PER_SPLIT, LATE_TRIGGER=LATE_TRIGGER)
+                            KEYS_PER_SPLIT=KEYS_PER_SPLIT)
 
 
 def attention_new_tokens(q, k, v, positions, rows, inv_freq, k_cache, v_cache, scale, *, softcap=None, window=None,

@@ -246,17 +246,16 @@ def moe_decode(x, w_gate_up, w_down, expert_ids, routing_weights, activation: st
 
 def two_kernels(planes, sums, xs, wq, scales, biases, d_packed, d_scales, d_biases, expert_ids, routing_weights, *,
                 activation: str = "silu", configs=(None, None), backend=None):
-    """Prepared x -> (T, H) in scales' dtype: gate_up + activation, the prep of h, down + the weighted sum (the first
-    two in one launch with KILNX_MOE_GLU_PREP=1, kernels/moe_glu_prep.py)."""
-    from kilnx.kernels import moe_glu_prep
-    if moe_glu_prep.serves(wq, d_scales, configs):
-        hp = moe_glu_prep.glu_prepared(planes, sums, xs, wq, scales, biases, expert_ids, d_packed, d_scales,
-                                       activation, backend=backend)
-    else:
-        h = gather_qmv_h2_glu(planes, sums, xs, wq, scales, biases, expert_ids, ACT=activation, config=configs[0],
-                              backend=backend)
-        f = h.shape[1]                                       # down's K
-        hp = H.qmv_h2_prep(h, PER=f // d_packed.shape[2], GROUP=f // d_scales.shape[2], backend=backend)
+    """Prepared x -> (T, H) in scales' dtype: gate_up + activation, the prep of h, down + the weighted sum.
+
+    The first two in one launch (a group of h a program, which stores h, reads it back and preps it; session 38's
+    gather_qmv_h2_glu_prep) lost on the H100 at one qwen3-30b-a3b token: 10.0 us against 9.53 for the two kernels,
+    the MoE step 18.3 against 15.0, decode 506.4 / 508.7 tok/s against 520.7 / 519.3
+    (bench/results/2026-12-07_h100_moe_decode_s39.csv, _e2e_moe_glu_prep_arms_s39.csv); it went in session 39."""
+    h = gather_qmv_h2_glu(planes, sums, xs, wq, scales, biases, expert_ids, ACT=activation, config=configs[0],
+                          backend=backend)
+    f = h.shape[1]                                           # down's K
+    hp = H.qmv_h2_prep(h, PER=f // d_packed.shape[2], GROUP=f // d_scales.shape[2], backend=backend)
     return gather_qmv_h2_combine(*hp, d_packed, d_scales, d_biases, expert_ids, routing_weights, config=configs[1],
                                  backend=backend)
 

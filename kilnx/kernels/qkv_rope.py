@@ -76,15 +76,14 @@ def _default(planes, sums, xs, wq, scales, biases, *_, **__):
 def _specialize(planes, sums, xs, wq, scales, biases, positions, rows, inv_freq, k_cache, v_cache):
     return {**H._format(planes, sums, xs, wq, scales, biases), "BLOCK_M": pow2_at_least(planes.shape[0]),
             "N_DIV": pow2_dividing(wq.shape[0]), "KW_DIV": pow2_dividing(wq.shape[1]), "D": k_cache.shape[3],
-            "R": 2 * inv_freq.shape[0], "HQ": wq.shape[0] // k_cache.shape[3] - 2 * k_cache.shape[1],
-            "LATE_TRIGGER": gemv.late_trigger(wq)}
+            "R": 2 * inv_freq.shape[0], "HQ": wq.shape[0] // k_cache.shape[3] - 2 * k_cache.shape[1]}
 
 
 @kd.kernel(tune=TUNE, key=_key, spec=_spec, default=_default, specialize=_specialize)
 def qkv_rope_cache_h2(planes, sums, xs, wq, scales, biases, positions, rows, inv_freq, k_cache, v_cache, *,
                       BITS: kd.constexpr, GROUP: kd.constexpr, BLOCK_M: kd.constexpr, N_DIV: kd.constexpr,
                       KW_DIV: kd.constexpr, D: kd.constexpr, R: kd.constexpr, HQ: kd.constexpr,
-                      INTERLEAVED: kd.constexpr = False, LATE_TRIGGER: kd.constexpr = False, BLOCK_N, BLOCK_KW, STAGES,
+                      INTERLEAVED: kd.constexpr = False, BLOCK_N, BLOCK_KW, STAGES,
                       CHAIN):
     """x @ w_qkv.T for prepared x (M rows, token m at positions[m] of cache row rows[m]) -> q (M, HQ*D)
     rotated; rotated k and v written into k_cache, v_cache (B, Hk, S, D)."""
@@ -98,8 +97,6 @@ def qkv_rope_cache_h2(planes, sums, xs, wq, scales, biases, positions, rows, inv
                    N_DIV=N_DIV, KW_DIV=KW_DIV, STAGES=STAGES,
                    rows_of=lambda pid: pair_rows(pid, BLOCK_N=BLOCK_N, D=D, INTERLEAVED=INTERLEAVED))
     acc = H.accumulate(f, planes, sums, xs, wq, scales, biases, BITS=BITS, chain=min(CHAIN, f.WPG))
-    if LATE_TRIGGER:                 # KILNX_GEMV_TRIGGER=late (_gemv.late_trigger)
-        kd.launch_dependents()
     # rounded as the stored qkv output was, then rotated in fp32 as rope_cache_kernel does
     a, b = kd.halves(kd.reshape(acc.astype(scales.dtype).f32(), (BLOCK_M, 2, BLOCK_N // 2)), axis=1)
     first, offset = first_members(kd.program_id(0), kd.arange(0, BLOCK_N // 2), BLOCK_N=BLOCK_N, D=D,

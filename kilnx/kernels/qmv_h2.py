@@ -128,7 +128,7 @@ def store_prepared_into(outputs, lo, hi, row, w0, w, *, PER: int, GROUP: int, BI
 def prepare_stored(x, outputs, row, w0, n_words: int, *, PER: int, GROUP: int):
     """Words w0 .. w0 + n_words (whole groups) of row `row` of x, which this program has just stored, read back in
     the prep's order and stored prepared into prepared_outputs: for kernels whose tile holds its values in another
-    order (kernels/swiglu_prep.py, moe_glu_prep.py). The barrier lets every thread read what the others stored
+    order (kernels/swiglu_prep.py). The barrier lets every thread read what the others stored
     (without it, a program read values not yet stored, on the H100)."""
     kd.barrier()
     w = w0 + kd.arange(0, n_words)
@@ -221,17 +221,14 @@ def _default(planes, sums, xs, wq, scales, biases, **_):
     key=_key, spec=_spec, default=_default,
     specialize=lambda p, su, xs, wq, sc, b: {**_format(p, su, xs, wq, sc, b), "BLOCK_M": pow2_at_least(p.shape[0]),
                                              "N_DIV": pow2_dividing(wq.shape[0]),
-                                             "KW_DIV": pow2_dividing(wq.shape[1]),
-                                             "LATE_TRIGGER": gemv.late_trigger(wq)})
+                                             "KW_DIV": pow2_dividing(wq.shape[1])})
 def qmv_h2(planes, sums, xs, wq, scales, biases, *, BITS: kd.constexpr, GROUP: kd.constexpr,
-           BLOCK_M: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr, LATE_TRIGGER: kd.constexpr = False,
+           BLOCK_M: kd.constexpr, N_DIV: kd.constexpr, KW_DIV: kd.constexpr,
            BLOCK_N, BLOCK_KW, SPLIT_K, STAGES, CHAIN):
     N, KW = wq.shape
     f = gemv.Frame(N, KW, WPG=GROUP * BITS // 32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_KW=BLOCK_KW,
                    SPLIT_K=SPLIT_K, N_DIV=N_DIV, KW_DIV=KW_DIV, STAGES=STAGES)
     acc = accumulate(f, planes, sums, xs, wq, scales, biases, BITS=BITS, chain=min(CHAIN, f.WPG))
-    if LATE_TRIGGER:                 # KILNX_GEMV_TRIGGER=late (_gemv.late_trigger)
-        kd.launch_dependents()
     return f.store(acc, planes.shape[0], N, scales.dtype, SPLIT_K)
 
 

@@ -11,7 +11,7 @@ import importlib
 MODULES = ("norms", "activations", "rope", "attention", "attention_split", "attention_decode", "prepared", "qmatmul",
            "qmv_h2", "qkv_rope", "qk_norm_rope", "qmv_tc", "qmatmul_path", "qmatmul_fp4", "fp4_qmv_h2", "routing",
            "moe_align", "moe", "moe_combine", "moe_h2", "moe_onepass", "moe_decode_route", "moe_route", "qmv_cpu",
-           "embedding", "qmv_wg", "wg_direct", "ssm", "swiglu_prep", "moe_glu_prep")
+           "embedding", "qmv_wg", "wg_direct", "ssm", "swiglu_prep")
 
 
 # Kernels tuned in a model's decode step (tuner/step_paths.py), never call by call, and only when named

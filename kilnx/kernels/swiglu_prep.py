@@ -104,23 +104,19 @@ def enabled() -> bool:
     - triggering after the main loop (2026-12-07_h100_e2e_fused_swiglu_trigger_s38.csv; the other arm's switch,
       KILNX_SWIGLU_TRIGGER=start, went in session 38's review): **1667.6 /
       1668.5 against 1636.0 / 1645.3 (+1.6%)**, the start trigger 1584.2 / 1577.6 in the same call.
-    Not yet measured on the H200. KILNX_FUSED_SWIGLU=any also takes it past one wave (serves()'s `one_wave`), for an
-    A/B of llama-3.1-8b with the late trigger."""
+    Not yet measured on the H200."""
     return os.environ.get("KILNX_FUSED_SWIGLU", "1") != "0"
 
 
-def one_wave_only() -> bool:
-    """Whether serves() asks for one wave of programs (all but KILNX_FUSED_SWIGLU=any)."""
-    return os.environ.get("KILNX_FUSED_SWIGLU", "1") != "any"
-
-
-def serves(x, w, fmt, *, one_wave: bool = True) -> bool:
+def serves(x, w, fmt) -> bool:
     """Whether the route takes qmv_h2_swiglu_prep for prepared x (kernels/prepared.PreparedX) through a single
     [gate | up] QWeight w, with h prepared in `fmt` (PER, GROUP) for down: x prepared for w (qmatmul runs qmv_h2 on
     it), one row, F a multiple of the down's group, and its programs (a group of h each, F / GROUP of them) no more
     than the GPU's SMs: one wave. Measured on the H100 (the probe's file in the module doc): llama-3.2-1b's gate_up
     (128 programs) 9.73 us against 11.24 for the GEMV and silu_mul_prep; llama-3.1-8b's (224) 28.6 against 26.9, so
-    it keeps the two launches, as more rows do (at 4, the tile held 4 x 128 accumulators: 61.7 us against 19.4).
+    it keeps the two launches, as more rows do (at 4, the tile held 4 x 128 accumulators: 61.7 us against 19.4). Taken
+    past one wave anyway (session 39, an A/B switch since gone), llama-3.1-8b decoded 445.6 / 446.3 tok/s against 456.9
+    / 459.8 on the H100 (bench/results/2026-12-07_h100_e2e_trigger_arms_8b_s39.csv, arm `any`).
     (The CPU's route never prepares x; tests force it there, with 4 SMs.)"""
     from kilnx.kernels.dense_mm import sm_count
     from kilnx.kernels.prepared import PreparedX
@@ -130,7 +126,7 @@ def serves(x, w, fmt, *, one_wave: bool = True) -> bool:
     f = w.shape[0] // 2
     return (w.mode == "affine" and len(w.shape) == 2 and w.shape[0] % 2 == 0 and x.shape[0] == 1
             and (32 // w.bits, w.group_size) == x.format and f % fmt[1] == 0 and 2 * fmt[1] <= 128
-            and (not one_wave or f // fmt[1] <= sm_count(x.planes)))
+            and f // fmt[1] <= sm_count(x.planes))
 
 
 def swiglu_prepared(x, gate_up_parts, down_parts):
@@ -141,7 +137,7 @@ def swiglu_prepared(x, gate_up_parts, down_parts):
         return None
     w = gate_up_parts[0]
     fmt = prepared_format_for(down_parts, x.shape[0], w.shape[0] // 2, x.device, x.dtype)
-    if not serves(x, w, fmt, one_wave=one_wave_only()):
+    if not serves(x, w, fmt):
         return None
     _, planes, sums, xs = qmv_h2_swiglu_prep(x.planes, x.sums, x.xs, w.packed, w.scales, w.biases, PER_OUT=fmt[0],
                                              GROUP_OUT=fmt[1])

@@ -163,26 +163,3 @@ def test_fused_path_is_on_by_default_only_where_measured(monkeypatch):
     assert not AD.enabled("cpu", split=False) and not AD.enabled("cuda", split=False)
     monkeypatch.setenv("KILNX_FUSED_ROPE", "1")
     assert AD.enabled("cuda", split=True)
-
-
-@pytest.mark.parametrize("fused", [True, False])
-def test_the_split_attention_late_trigger_lets_the_merge_in_after_the_keys(fused, monkeypatch):
-    """KILNX_ATTENTION_TRIGGER=late (GPU only): the split kernels open with the wait alone and let the merge in after
-    their key loop, before the partial results are stored; the same partial results."""
-    args = case(1, 4, 2, 16, 16, "f32", seed=3)
-    q, k_cache = args[0], args[-2]
-    kw = A._kernel_kwargs(q, k_cache, q.shape[-1] ** -0.5, None, None, None)
-    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "KEYS_PER_SPLIT": 16}
-    kernel, a = ((AD.attention_split_new_kv_kernel, args) if fused
-                 else (AS.attention_split_kernel, (q, k_cache, args[-1], args[3])))
-    body = kernel.triton_source(*a, config=cfg, LATE_TRIGGER=True, **kw).split("):\n", 1)[1]
-    assert "_rt.grid_dependency_sync()" not in body
-    assert body.index("_rt.grid_dependency_wait()") < body.index("for ") < body.index("_rt.launch_dependents()")
-    assert body.index("_rt.launch_dependents()") < body.index("part_acc")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        late = kernel(*(t.clone() for t in a), config=cfg, LATE_TRIGGER=True, backend="triton", **kw)
-        for g, w in zip(late, kernel(*(t.clone() for t in a), config=cfg, backend="triton", **kw)):
-            assert torch.equal(g, w)
-    monkeypatch.setenv("KILNX_ATTENTION_TRIGGER", "late")
-    assert AS.late_trigger(q, "KILNX_ATTENTION_TRIGGER") is False       # a CPU tensor: nothing to trigger
-    assert AS.late_trigger(type("W", (), {"is_cuda": True})(), "KILNX_ATTENTION_TRIGGER") is True

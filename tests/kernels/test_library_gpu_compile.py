@@ -55,7 +55,6 @@ for bits in (3, 4, 8):
                 ck = compile_for_target(H.qmv_h2, pargs, cfg)
                 assert ck.asm["ptx"].count("fma.rn.f16x2") >= 2, "qmv_h2 without packed fp16 math"
                 assert ("cp.async" in ck.asm["ptx"]) == (cfg.get("STAGES", 1) > 1), "STAGES is not what pipelines"
-            compile_for_target(H.qmv_h2, pargs, {"STAGES": 3}, kw={"LATE_TRIGGER": True})   # KILNX_GEMV_TRIGGER=late
 from kilnx.kernels.dense_mm import _mm_default
 for dt in (torch.bfloat16, torch.float32):   # the dense GEMM's GPU defaults fit an H100's / H200's shared memory
     for rows in (512, 4096):
@@ -92,9 +91,8 @@ from kilnx.kernels import attention as A, attention_split as AS
 q, kc = torch.randn(1, 1, 32, 128).bfloat16(), torch.randn(1, 8, 1024, 128).bfloat16()
 kw = A._kernel_kwargs(q, kc, 128 ** -0.5, None, None)
 parts = AS._split_spec(q, kc, kc, torch.tensor([[700]]), KEYS_PER_SPLIT=128, **kw)
-for late in (False, True):   # KILNX_ATTENTION_TRIGGER=late
-    compile_for_target(AS.attention_split_kernel, (q, kc, kc, torch.tensor([[700]])),
-                       {"BLOCK_M": 16, "BLOCK_N": 64, "KEYS_PER_SPLIT": 128}, kw={**kw, "LATE_TRIGGER": late})
+compile_for_target(AS.attention_split_kernel, (q, kc, kc, torch.tensor([[700]])),
+                   {"BLOCK_M": 16, "BLOCK_N": 64, "KEYS_PER_SPLIT": 128}, kw=kw)
 compile_for_target(AS.attention_merge, (*parts, q), {})
 from kilnx.kernels import attention_decode as AD
 for inter in (False, True):
@@ -112,7 +110,6 @@ for inter in (False, True):
     qa = QR._problem_args({"M": 1, "Hq": 32, "Hk": 8, "D": 128, "K": 256, "S": 64}, "cpu")
     for cfg in ({}, {"BLOCK_N": 64, "STAGES": 1}):
         compile_for_target(QR.qkv_rope_cache_h2, qa, cfg, kw={"INTERLEAVED": inter})
-    compile_for_target(QR.qkv_rope_cache_h2, qa, {}, kw={"INTERLEAVED": inter, "LATE_TRIGGER": True})
 from kilnx.kernels import rope
 q, k, v = torch.randn(3, 8, 128).bfloat16(), torch.randn(3, 2, 128).bfloat16(), torch.randn(3, 2, 128).bfloat16()
 pos, rows, inv = torch.arange(3), torch.zeros(3, dtype=torch.long), torch.ones(64)

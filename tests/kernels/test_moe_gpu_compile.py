@@ -52,12 +52,6 @@ for bits in (2, 4, 8):
                 ck = compile_for_target(kernel, args, cfg, aligned=True)
                 assert ck.asm["ptx"].count("fma.rn.f16x2") >= 2, kernel.name
                 assert ("cp.async" in ck.asm["ptx"]) == (cfg["STAGES"] > 1), kernel.name
-        # the gate_up + activation that writes h prepared for down (kernels/moe_glu_prep.py): one group a program
-        from kilnx.kernels import moe_glu_prep as MG
-        for cfg in ({"STAGES": 1, "BLOCK_N": 128}, {"STAGES": 3, "BLOCK_N": 128, "BLOCK_KW": 16}):
-            ck = compile_for_target(MG.gather_qmv_h2_glu_prep, (*px, *gu, ids), cfg, aligned=True,
-                                    kw={"PER_OUT": 32 // bits, "GROUP_OUT": 64})
-            assert ck.asm["ptx"].count("fma.rn.f16x2") >= 2 and "bar.sync" in ck.asm["ptx"], "glu_prep"
         # the one-pass decode MoE: its down partials reach the output as relaxed reductions (no acq_rel)
         from kilnx.kernels import moe_onepass as MO
         for cfg in ({"STAGES": 1, "BLOCK_F": 16}, {"STAGES": 3, "BLOCK_F": 32, "BLOCK_KW": 16, "BLOCK_H": 64},

@@ -57,28 +57,6 @@ def test_qmv_h2_other_backends(backend, bits, m, split_k, stages, chain):
     check(got, want, x, qw)
 
 
-def test_the_late_trigger_lets_the_next_kernel_in_after_the_main_loop(monkeypatch):
-    """KILNX_GEMV_TRIGGER=late (GPU only): the GEMV opens with the wait alone and triggers after its chunk loop; the
-    same values; anything but late / start is one clear error."""
-    from kilnx.kernels import _gemv as G
-    x, qw, _ = mlx_case(1, 16, 128, 4, 64, seed=2)
-    planes, sums, xs = H.qmv_h2_prep(x, PER=8, GROUP=64, backend="reference")
-    args, cfg = (planes, sums, xs, qw.packed, qw.scales, qw.biases), {"BLOCK_N": 8, "BLOCK_KW": 16, "STAGES": 2}
-    body = H.qmv_h2.triton_source(*args, config=cfg, LATE_TRIGGER=True).split("):\n", 1)[1]
-    assert "_rt.grid_dependency_sync()" not in body
-    assert body.index("_rt.grid_dependency_wait()") < body.index("for ") < body.index("_rt.launch_dependents()")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        assert torch.equal(H.qmv_h2(*args, config=cfg, LATE_TRIGGER=True, backend="triton"),
-                           H.qmv_h2(*args, config=cfg, backend="triton"))
-    for value, late in (("late", True), ("start", False)):
-        monkeypatch.setenv("KILNX_GEMV_TRIGGER", value)
-        assert G.late_trigger(qw.packed) is False       # a CPU tensor: nothing to trigger
-        assert G.late_trigger(type("W", (), {"is_cuda": True})()) is late
-    monkeypatch.setenv("KILNX_GEMV_TRIGGER", "early")
-    with pytest.raises(ValueError, match="KILNX_GEMV_TRIGGER='early': expected late or start"):
-        G.late_trigger(qw.packed)
-
-
 @pytest.mark.parametrize("backend", ["reference", "triton", "numba"])
 def test_prep_is_exact_fp16_planes_times_a_power_of_two(backend):
     x = (torch.randn(3, 256) * torch.tensor([1e-4, 1.0, 5e4])[:, None]).bfloat16().float()

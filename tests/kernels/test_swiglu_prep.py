@@ -81,21 +81,21 @@ def test_row_blocks_that_split_a_group_or_do_not_tile_f_are_refused():
                              config={"BLOCK_N": 64, "BLOCK_KW": 8})
 
 
-def test_the_route_takes_one_wave_of_programs_unless_asked_for_any(monkeypatch):
+def test_the_route_takes_one_wave_of_programs(monkeypatch):
     """serves(): one row of x prepared for the weight, F a multiple of down's group and F / group programs no more
-    than the SMs; KILNX_FUSED_SWIGLU=any lifts the last (llama-3.1-8b's A/B), 0 turns the kernel off."""
+    than the SMs; KILNX_FUSED_SWIGLU=0 turns the kernel off."""
     from kilnx.kernels import dense_mm
     from kilnx.quant import QWeight
     planes, sums, xs, wq, scales, biases = case(1, 256, 64, 4)
     x, w = prepared.PreparedX(planes, sums, xs, torch.float32), QWeight.from_mlx(wq, scales, biases, bits=4,
                                                                                   group_size=64)
     monkeypatch.setattr(dense_mm, "sm_count", lambda t: 3)      # 256 / 64 = 4 programs: past one wave
-    assert S.serves(x, w, (8, 64), one_wave=False) and not S.serves(x, w, (8, 64))
+    assert not S.serves(x, w, (8, 64))
     monkeypatch.setattr(dense_mm, "sm_count", lambda t: 4)
     assert S.serves(x, w, (8, 64)) and not S.serves(x, w, (8, 96)) and not S.serves(x, w, None)
-    for value, enabled, one_wave in (("1", True, True), ("any", True, False), ("0", False, True)):
+    for value, enabled in (("1", True), ("0", False)):
         monkeypatch.setenv("KILNX_FUSED_SWIGLU", value)
-        assert (S.enabled(), S.one_wave_only()) == (enabled, one_wave)
+        assert S.enabled() is enabled
 
 
 @pytest.mark.gpu

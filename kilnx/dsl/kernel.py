@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import os
 import sys
 import weakref
 from typing import Any, Callable
@@ -188,6 +187,8 @@ class KernelBase:
         self.make_args: Callable | None = None
         self._problems: list[dict] = []
         self.peer: Callable | None = None
+        self._finish: Callable | None = None
+        self._finished_reference: Callable | None = None
 
     @property
     def source_hash(self) -> str:
@@ -221,10 +222,33 @@ class KernelBase:
     def sample_problems(self) -> list[dict]:
         return list(self._problems)
 
-    def tuning(self, *, make_args: Callable, problems: list[dict], peer: Callable | None = None):
-        """Declare how the tuner makes inputs for a problem (a dict of sizes) and which sizes to tune."""
+    def tuning(self, *, make_args: Callable, problems: list[dict], peer: Callable | None = None,
+               finish: Callable | None = None, finished_reference: Callable | None = None):
+        """Declare how the tuner makes inputs for a problem (a dict of sizes) and which sizes to tune.
+
+        finish(outputs, *args), with finished_reference(*args): for a kernel whose own outputs depend on a tunable
+        (the split decode attention's partial results on its keys per range), the step that makes them independent
+        of it (the merge). The tuner then checks and times the kernel followed by `finish` against
+        finished_reference, not the kernel alone against its spec (which holds for one config only)."""
+        if (finish is None) != (finished_reference is None):
+            raise ValueError(f"{self.name}.tuning: finish and finished_reference go together")
         self.make_args, self._problems, self.peer = make_args, list(problems), peer
+        self._finish, self._finished_reference = finish, finished_reference
         return self
+
+    def tuning_call(self, config: dict | None, *args):
+        """What a tuning trial checks and times: the kernel on `config`, then its `finish` where declared."""
+        fn = self.compile(config, *args)
+        if self._finish is None:
+            return fn
+        finish = self._finish
+        return lambda *a: finish(fn(*a), *a)
+
+    def tuning_reference(self, *args):
+        """The outputs a tuning trial must match: finished_reference where declared, else the spec's."""
+        if self._finished_reference is None:
+            return self.reference(*args)
+        return self._finished_reference(*args)
 
     def compile(self, config: dict | None, *args, backend: str | None = None, **kw):
         launch = self._launch(config, args, kw, backend)

@@ -18,8 +18,8 @@ import os
 import torch
 
 import kilnx.dsl as kd
-from kilnx.kernels.attention import (MASKED_MAX, NO_WINDOW, _attn_key, attend, parked, parked_formula, query_tile,
-                                     visible_keys)
+from kilnx.kernels.attention import (MASKED_MAX, NO_WINDOW, _attn_key, _attn_problem_args, attend, attention_formula,
+                                     parked, parked_formula, query_tile, visible_keys)
 from kilnx.kernels.sizes import NO_LIMIT, pow2_at_least
 
 
@@ -83,6 +83,13 @@ def _sm_count(device) -> int:
     return _SMS[device]
 
 
+def _split_key(q, k_cache, v_cache, positions, **_):
+    """attention's bucket and the cache's length as the power of two nearest it: the keys per range that suit one
+    length (about one program per SM, keys_per_split) do not suit another, so a tuned config serves its own
+    length class only (exact_buckets, below)."""
+    return {**_attn_key(q, k_cache, v_cache, positions), "S": 1 << round(math.log2(max(k_cache.shape[2], 1)))}
+
+
 TUNE = {"BLOCK_M": kd.pow2(16, 64, default=16), "BLOCK_N": kd.pow2(16, 128, default=64),
         "KEYS_PER_SPLIT": kd.pow2(16, 8192, default=512),
         "num_warps": kd.choice(2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=3)}
@@ -91,7 +98,7 @@ CONSTRAINTS = [lambda KEYS_PER_SPLIT, BLOCK_N: KEYS_PER_SPLIT >= BLOCK_N]
 
 @kd.kernel(
     tune=TUNE, constraints=CONSTRAINTS,
-    key=_attn_key, default=_split_default, spec=_split_spec,
+    key=_split_key, default=_split_default, spec=_split_spec,
     specialize=lambda q, k_cache, v_cache, positions: {"BLOCK_D": max(pow2_at_least(q.shape[3]), 16),
                                                        "scale": q.shape[3] ** -0.5})
 def attention_split_kernel(q, k_cache, v_cache, positions, *, scale: float, cap: float = 0.0, window: int = NO_WINDOW,
@@ -270,3 +277,21 @@ def use_split(q, k_cache) -> bool:
 # Not registered for tuning: its partial results depend on KEYS_PER_SPLIT (a tunable, chosen by
 # keys_per_split), so no one reference can check every config; `kilnx tune` reported every trial as
 # failing its correctness gate. Tuning it needs the merged result as the tuned object.
+
+
+def _merged(parts, q, k_cache, v_cache, positions):
+    return attention_merge(*parts, q)
+
+
+def _merged_formula(q, k_cache, v_cache, positions):
+    return attention_formula(q, k_cache, v_cache, positions, q.shape[3] ** -0.5)
+
+
+# Tuned as the split and its merge: the partial results depend on KEYS_PER_SPLIT, a tunable, so no one spec checks
+# every config, while the merged output is the attention formula's whatever the ranges; and the merge's time grows
+# with the ranges a config makes. Decode at llama-3.1-8b's heads, one row, at the caches `kilnx bench` decodes on
+# (a 128-token prompt: 256 slots; 2048: 2113, bucketed as 2048).
+attention_split_kernel.exact_buckets = True
+attention_split_kernel.tuning(
+    make_args=_attn_problem_args, finish=_merged, finished_reference=_merged_formula,
+    problems=[{"B": 1, "T": 1, "Hq": 32, "Hk": 8, "D": 128, "S": S, "ctx": S, "dtype": "bf16"} for S in (256, 2048)])

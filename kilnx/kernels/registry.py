@@ -96,9 +96,17 @@ def problems_for_model(model: str, gpu: bool = True) -> list[tuple[str, dict]]:
         scan = "ssm_chunk_scan_kernel" if T >= chunked_scan_from() else "ssm_scan_kernel"   # the form the route runs
         return [(scan, p), ("conv1d_silu_kernel", p)]
 
+    def split_attention() -> list[tuple[str, dict]]:
+        """The GPU's one-row decode attention, split over key ranges (kernels/attention_split.py), at the caches of
+        a 128- and a 2048-token prompt (tuned with its merge; a config serves its own cache length class)."""
+        if not gpu:
+            return []
+        return [("attention_split_kernel", {"B": 1, "T": 1, "Hq": cfg.num_heads, "Hk": cfg.num_kv_heads,
+                                            "D": cfg.head_dim, "S": S, "ctx": S, "dtype": "bf16"}) for S in (256, 2048)]
+
     # Most important first: a tune whose budget runs out skips the tail (tuner/session.py). One-token
     # decode is what a user waits on token after token; then 4-row decode, MoE, and prefill.
-    out = decode(1) + rows(1) + mixer(1) + (decode(4) + mixer(1, 4) if gpu else [])
+    out = decode(1) + rows(1) + split_attention() + mixer(1) + (decode(4) + mixer(1, 4) if gpu else [])
     out += [("qmm_wg_direct", {"M": 16, "N": g["N"], "K": g["K"]}) for g in problems(cfg) if wgmma(g)]
     if cfg.is_moe:
         from kilnx.kernels.moe_specs import moe_problems

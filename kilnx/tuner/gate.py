@@ -2,7 +2,8 @@
 
 Configs that are fast because they are wrong (a skipped tail tile, a race, an unwritten output) are
 the classic way an autotuner fools itself. So every candidate runs on fresh random inputs and each
-output is compared with `kernel.reference(...)` within tolerance. NaN never passes, even where the
+output is compared with `kernel.reference(...)` within tolerance (with a kernel's declared `finish`, the finished
+outputs with its finished reference: kd.kernel's tuning()). NaN never passes, even where the
 reference has one. To catch outputs the kernel never writes, the allocator is poisoned before each
 call (blocks of the output sizes are filled with NaN, then a huge value, and freed, so a fresh
 `empty` tends to get them back), and the candidate must pass under both poisons, on two input draws
@@ -87,6 +88,19 @@ def _poison_allocator(refs: Sequence[Any], device: str, value: float) -> None:
     del blocks  # freed blocks go back to the caching allocator (GPU) or malloc (CPU) holding `value`
 
 
+def trial_call(kernel: Any, config: dict, args: Sequence[Any]) -> Callable[..., Any]:
+    """The call a trial checks and times: the kernel's tuning_call where it has one (kd.kernel: the kernel and its
+    declared finish), else its compiled config (routes, injected kernels)."""
+    call = getattr(kernel, "tuning_call", None)
+    return call(config, *args) if call is not None else kernel.compile(config, *args)
+
+
+def reference_of(kernel: Any, args: Sequence[Any]):
+    """The outputs a trial must match: the kernel's tuning_reference where it has one, else its reference."""
+    ref = getattr(kernel, "tuning_reference", None)
+    return ref(*args) if ref is not None else kernel.reference(*args)
+
+
 def _clone(args: Sequence[Any]) -> tuple:
     return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
 
@@ -100,7 +114,7 @@ class GateCases:
         self.cases = []
         for draw in range(draws):
             args = tuple(make_args(draw))
-            self.cases.append((args, as_tuple(kernel.reference(*_clone(args)))))
+            self.cases.append((args, as_tuple(reference_of(kernel, _clone(args)))))
 
     def __iter__(self):
         for args, refs in self.cases:

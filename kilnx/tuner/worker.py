@@ -120,7 +120,7 @@ def _run_trial(job: TrialJob, st: _WorkerState) -> Outcome:
     kernel = st.kernel(job.kernel_ref)
     args = st.make_args(kernel, job.problem, job.seed)
     try:
-        fn = kernel.compile(dict(job.config), *args)
+        fn = gate.trial_call(kernel, dict(job.config), args)
     except Exception as e:  # noqa: BLE001 - any compile failure fails the trial, not the tune
         return Outcome(False, kind=_classify(e, "compile"), error=_short(e), recycle=_needs_recycle(e))
     try:
@@ -137,13 +137,13 @@ def _run_trial(job: TrialJob, st: _WorkerState) -> Outcome:
 
 
 def _run_rerank(job: RerankJob, st: _WorkerState) -> Outcome:
-    from kilnx.tuner import timing
+    from kilnx.tuner import gate, timing
     kernel = st.kernel(job.kernel_ref)
     args = st.make_args(kernel, job.problem, job.seed)
     fns, slots = [], []
     for i, cfg in enumerate(job.configs):
         try:
-            f = kernel.compile(dict(cfg), *args)
+            f = gate.trial_call(kernel, dict(cfg), args)
             f(*args)
         except Exception:  # noqa: BLE001 - a finalist that stops working just drops out
             continue

@@ -1,0 +1,58 @@
+"""A kernel whose own outputs depend on a tunable is tuned through its declared finish (kd.kernel's tuning()):
+the split decode attention's partial results change with KEYS_PER_SPLIT, so the tuner checks and times the split
+followed by its merge against the attention formula, and every keys-per-range passes where the output is right."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kilnx.kernels import attention_split as AS
+from kilnx.tuner import gate
+
+PROBLEM = {"B": 1, "T": 1, "Hq": 4, "Hk": 2, "D": 16, "S": 64, "ctx": 50, "dtype": "f32"}
+
+
+def cases(kernel, draws=2):
+    return gate.GateCases(kernel, lambda d: (torch.manual_seed(100 + d), kernel.make_args(PROBLEM, "cpu"))[1], draws)
+
+
+@pytest.mark.parametrize("keys", [16, 32, 64])
+def test_every_keys_per_range_passes_the_gate_with_its_merge(keys):
+    kernel = AS.attention_split_kernel
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "KEYS_PER_SPLIT": keys}
+    args = kernel.make_args(PROBLEM, "cpu")
+    got = gate.trial_call(kernel, cfg, args)(*args)
+    assert got.shape == args[0].shape              # the merged output, not the (ranges, ...) partials
+    assert gate.check(kernel, gate.trial_call(kernel, cfg, args), cases(kernel), "cpu") < 1e-3
+    # the partials alone could be checked against the spec of one keys-per-range only (here the default's, 64)
+    default = kernel.default_config(*args)["KEYS_PER_SPLIT"]
+    spec = gate.as_tuple(kernel.reference(*args, KEYS_PER_SPLIT=default))
+    if keys != default:
+        with pytest.raises(gate.GateFailure, match="shape"):
+            gate.check(kernel, kernel.compile(cfg, *args), [(args, spec)], "cpu")
+
+
+def test_a_wrong_merge_is_caught():
+    """The finished output is what the gate compares: a finish that drops a range's weight fails."""
+    kernel = AS.attention_split_kernel
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "KEYS_PER_SPLIT": 16}
+    args = kernel.make_args(PROBLEM, "cpu")
+    good = gate.trial_call(kernel, cfg, args)
+    bad = lambda *a: good(*a) * 1.5     # noqa: E731
+    with pytest.raises(gate.GateFailure, match="out of tolerance"):
+        gate.check(kernel, bad, cases(kernel), "cpu")
+
+
+def test_the_bucket_is_the_cache_length_class_and_serves_only_itself():
+    q, k, v, pos = AS.attention_split_kernel.make_args(PROBLEM, "cpu")
+    assert AS.attention_split_kernel.key(q, k, v, pos) == "B=1,T=1,Hq=4,Hk=2,D=16,S=64"
+    long = torch.zeros(1, 2, 2113, 16)
+    assert AS.attention_split_kernel.key(q, long, long, pos).endswith("S=2048")
+    assert AS.attention_split_kernel.exact_buckets
+
+
+def test_finish_and_its_reference_are_declared_together():
+    from kilnx.dsl.kernel import KernelBase
+    with pytest.raises(ValueError, match="go together"):
+        KernelBase.tuning(AS.attention_merge, make_args=lambda p, d: (), problems=[], finish=lambda outs, *a: outs)

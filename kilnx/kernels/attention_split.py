@@ -274,11 +274,6 @@ def use_split(q, k_cache) -> bool:
     return B * Hk < _sm_count(q.device)
 
 
-# Not registered for tuning: its partial results depend on KEYS_PER_SPLIT (a tunable, chosen by
-# keys_per_split), so no one reference can check every config; `kilnx tune` reported every trial as
-# failing its correctness gate. Tuning it needs the merged result as the tuned object.
-
-
 def _merged(parts, q, k_cache, v_cache, positions):
     return attention_merge(*parts, q)
 
@@ -288,7 +283,8 @@ def _merged_formula(q, k_cache, v_cache, positions):
 
 
 # Tuned as the split and its merge: the partial results depend on KEYS_PER_SPLIT, a tunable, so no one spec checks
-# every config, while the merged output is the attention formula's whatever the ranges; and the merge's time grows
+# every config (checked alone, every trial but the default's failed the gate), while the merged output is the
+# attention formula's whatever the ranges; and the merge's time grows
 # with the ranges a config makes. Decode at llama-3.1-8b's heads, one row, at the caches `kilnx bench` decodes on
 # (a 128-token prompt: 256 slots; 2048: 2113, bucketed as 2048).
 attention_split_kernel.exact_buckets = True

@@ -56,3 +56,22 @@ def test_finish_and_its_reference_are_declared_together():
     from kilnx.dsl.kernel import KernelBase
     with pytest.raises(ValueError, match="go together"):
         KernelBase.tuning(AS.attention_merge, make_args=lambda p, d: (), problems=[], finish=lambda outs, *a: outs)
+
+
+def test_a_tune_of_the_split_attention_admits_other_keys_per_range(sqlite_url, cpu):
+    """Through the tuner's worker processes: trials of keys per range other than the default's pass the gate (timed,
+    outcome ok), and the winner is stored for the cache's length class."""
+    from kilnx.cache import TuningDB
+    from kilnx.tuner.budget import Budget
+    from kilnx.tuner.session import TargetSpec, tune_session
+    from kilnx.tuner.study import TuneSettings
+    from tests.tuner.helpers import load_trials
+    spec = TargetSpec("attention_split_kernel", PROBLEM)
+    with TuningDB(sqlite_url) as db:
+        [r] = tune_session(cpu, [spec], db, Budget(120, 1), TuneSettings(trials=6, trial_timeout_s=60, rerank_rounds=2),
+                           workers=1)
+        stored = {s.bucket: s.config for s in db.valid_results(cpu)}
+    assert r.error == "" and stored == {"B=1,T=1,Hq=4,Hk=2,D=16,S=64": r.config}
+    ok = [t.params for t in load_trials(sqlite_url, r.study_name) if t.user_attrs.get("outcome") == "ok"]
+    assert len({p["KEYS_PER_SPLIT"] for p in ok}) >= 2, ok
+    assert not [t for t in load_trials(sqlite_url, r.study_name) if t.user_attrs.get("outcome") == "wrong"]

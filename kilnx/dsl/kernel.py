@@ -189,6 +189,7 @@ class KernelBase:
         self.peer: Callable | None = None
         self._finish: Callable | None = None
         self._finished_reference: Callable | None = None
+        self._finished_values: Callable | None = None
 
     @property
     def source_hash(self) -> str:
@@ -223,26 +224,38 @@ class KernelBase:
         return list(self._problems)
 
     def tuning(self, *, make_args: Callable, problems: list[dict], peer: Callable | None = None,
-               finish: Callable | None = None, finished_reference: Callable | None = None):
+               finish: Callable | None = None, finished_reference: Callable | None = None,
+               finished_values: Callable | None = None):
         """Declare how the tuner makes inputs for a problem (a dict of sizes) and which sizes to tune.
 
         finish(outputs, *args), with finished_reference(*args): for a kernel whose own outputs depend on a tunable
         (the split decode attention's partial results on its keys per range), the step that makes them independent
         of it (the merge). The tuner then checks and times the kernel followed by `finish` against
-        finished_reference, not the kernel alone against its spec (which holds for one config only)."""
+        finished_reference, not the kernel alone against its spec (which holds for one config only). Time the
+        finish the runtime runs (its cost can decide the winner); where that one writes another form than the
+        reference's (the prepared merge), finished_values(finished, *args) maps it to the reference's for the
+        check, untimed."""
         if (finish is None) != (finished_reference is None):
             raise ValueError(f"{self.name}.tuning: finish and finished_reference go together")
+        if finished_values is not None and finish is None:
+            raise ValueError(f"{self.name}.tuning: finished_values needs a finish")
         self.make_args, self._problems, self.peer = make_args, list(problems), peer
         self._finish, self._finished_reference = finish, finished_reference
+        self._finished_values = finished_values
         return self
 
     def tuning_call(self, config: dict | None, *args):
-        """What a tuning trial checks and times: the kernel on `config`, then its `finish` where declared."""
+        """What a tuning trial checks and times: the kernel on `config`, then its `finish` where declared. The call
+        carries `finished_values` where declared: the gate maps its outputs through it before comparing them."""
         fn = self.compile(config, *args)
         if self._finish is None:
             return fn
         finish = self._finish
-        return lambda *a: finish(fn(*a), *a)
+
+        def finished(*a):
+            return finish(fn(*a), *a)
+        finished.finished_values = self._finished_values
+        return finished
 
     def tuning_reference(self, *args):
         """The outputs a tuning trial must match: finished_reference where declared, else the spec's."""

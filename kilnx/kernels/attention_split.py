@@ -274,8 +274,21 @@ def use_split(q, k_cache) -> bool:
     return B * Hk < _sm_count(q.device)
 
 
+# The merge a decode step runs after the split where the o projection takes prepared x (a 4- or 8-bit model at one
+# row): the prepared merge, which reads the ranges MERGE_CHUNK at a time. Timing the plain merge instead misled: on
+# the H100 a tune picked 32 keys per range at 2048 slots (13.1 us with the plain merge against the default's 14.5) and
+# llama-3.1-8b then decoded 390.1 / 390.9 tok/s against 417.9 / 416.0 untuned (67 ranges: three dependent chunk
+# loads in the prepared merge, where the default's 17 take one): 2026-12-07_h100_e2e_attention_tuned_plain_s40.csv.
+TUNING_PREPARED = (8, 64)
+
+
 def _merged(parts, q, k_cache, v_cache, positions):
-    return attention_merge(*parts, q)
+    return merge(parts, q, TUNING_PREPARED)
+
+
+def _merged_values(prepared, q, *_):
+    from kilnx.kernels.qmv_h2 import _x_of
+    return _x_of(prepared.planes, prepared.xs).to(q.dtype).view(q.shape)
 
 
 def _merged_formula(q, k_cache, v_cache, positions):
@@ -284,10 +297,10 @@ def _merged_formula(q, k_cache, v_cache, positions):
 
 # Tuned as the split and its merge: the partial results depend on KEYS_PER_SPLIT, a tunable, so no one spec checks
 # every config (checked alone, every trial but the default's failed the gate), while the merged output is the
-# attention formula's whatever the ranges; and the merge's time grows
-# with the ranges a config makes. Decode at llama-3.1-8b's heads, one row, at the caches `kilnx bench` decodes on
-# (a 128-token prompt: 256 slots; 2048: 2113, bucketed as 2048).
+# attention formula's whatever the ranges; and the merge's time grows with the ranges a config makes. Checked on the
+# prepared merge's values (finished_values), timed as the step runs it. Decode at llama-3.1-8b's heads, one row, at the
+# caches `kilnx bench` decodes on (a 128-token prompt: 256 slots; 2048: 2113, bucketed as 2048).
 attention_split_kernel.exact_buckets = True
 attention_split_kernel.tuning(
-    make_args=_attn_problem_args, finish=_merged, finished_reference=_merged_formula,
+    make_args=_attn_problem_args, finish=_merged, finished_reference=_merged_formula, finished_values=_merged_values,
     problems=[{"B": 1, "T": 1, "Hq": 32, "Hk": 8, "D": 128, "S": S, "ctx": S, "dtype": "bf16"} for S in (256, 2048)])

@@ -1,6 +1,7 @@
 """A kernel whose own outputs depend on a tunable is tuned through its declared finish (kd.kernel's tuning()):
 the split decode attention's partial results change with KEYS_PER_SPLIT, so the tuner checks and times the split
-followed by its merge against the attention formula, and every keys-per-range passes where the output is right."""
+followed by the merge a decode step runs (the prepared merge, for the o projection's GEMV) against the attention
+formula, and every keys-per-range passes where the output is right."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from kilnx.kernels import attention_split as AS
+from kilnx.kernels.prepared import PreparedX
 from kilnx.tuner import gate
 
 PROBLEM = {"B": 1, "T": 1, "Hq": 4, "Hk": 2, "D": 16, "S": 64, "ctx": 50, "dtype": "f32"}
@@ -22,8 +24,10 @@ def test_every_keys_per_range_passes_the_gate_with_its_merge(keys):
     kernel = AS.attention_split_kernel
     cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "KEYS_PER_SPLIT": keys}
     args = kernel.make_args(PROBLEM, "cpu")
-    got = gate.trial_call(kernel, cfg, args)(*args)
-    assert got.shape == args[0].shape              # the merged output, not the (ranges, ...) partials
+    call = gate.trial_call(kernel, cfg, args)
+    got = call(*args)
+    assert isinstance(got, PreparedX)              # timed as the step runs it: merged, prepared for the o GEMV
+    assert call.finished_values(got, *args).shape == args[0].shape     # checked as values, not the partials
     assert gate.check(kernel, gate.trial_call(kernel, cfg, args), cases(kernel), "cpu") < 1e-3
     # the partials alone could be checked against the spec of one keys-per-range only (here the default's, 64)
     default = kernel.default_config(*args)["KEYS_PER_SPLIT"]
@@ -38,7 +42,7 @@ def test_a_wrong_merge_is_caught(monkeypatch):
     kernel = AS.attention_split_kernel
     cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "KEYS_PER_SPLIT": 16}           # 4 ranges over the 50-token context
     args = kernel.make_args(PROBLEM, "cpu")
-    monkeypatch.setattr(kernel, "_finish", lambda parts, q, *_: AS.attention_merge(*(t[:1] for t in parts), q))
+    monkeypatch.setattr(kernel, "_finish", lambda parts, q, *_: AS.merge([t[:1] for t in parts], q, AS.TUNING_PREPARED))
     with pytest.raises(gate.GateFailure, match="out of tolerance"):
         gate.check(kernel, gate.trial_call(kernel, cfg, args), cases(kernel), "cpu")
 
@@ -55,6 +59,8 @@ def test_finish_and_its_reference_are_declared_together():
     from kilnx.dsl.kernel import KernelBase
     with pytest.raises(ValueError, match="go together"):
         KernelBase.tuning(AS.attention_merge, make_args=lambda p, d: (), problems=[], finish=lambda outs, *a: outs)
+    with pytest.raises(ValueError, match="needs a finish"):
+        KernelBase.tuning(AS.attention_merge, make_args=lambda p, d: (), problems=[], finished_values=lambda o, *a: o)
 
 
 def test_a_tune_of_the_split_attention_admits_other_keys_per_range(sqlite_url, cpu):

@@ -93,6 +93,9 @@ kw = A._kernel_kwargs(q, kc, 128 ** -0.5, None, None)
 parts = AS._split_spec(q, kc, kc, torch.tensor([[700]]), KEYS_PER_SPLIT=128, **kw)
 compile_for_target(AS.attention_split_kernel, (q, kc, kc, torch.tensor([[700]])),
                    {"BLOCK_M": 16, "BLOCK_N": 64, "KEYS_PER_SPLIT": 128}, kw=kw)
+one_warp = compile_for_target(AS.attention_split_kernel, (q, kc, kc, torch.tensor([[700]])),   # in the tune's space
+                              {"BLOCK_M": 16, "BLOCK_N": 64, "KEYS_PER_SPLIT": 64, "num_warps": 1}, kw=kw).asm["ptx"]
+assert "mma.sync" in one_warp, "the one-warp split attention off tensor cores"
 compile_for_target(AS.attention_merge, (*parts, q), {})
 from kilnx.kernels import attention_decode as AD
 for inter in (False, True):

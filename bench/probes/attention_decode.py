@@ -6,6 +6,7 @@ that writes the o projection's prepared input) over a sweep of their configs, at
   GPU:  python bench/probes/attention_decode.py OUT_CSV
         python bench/probes/attention_decode.py OUT_CSV kv   (the route as it runs, default configs, over a bf16 and
                                                               an fp8 cache at 256 / 2113 / 8256 slots)
+        python bench/probes/attention_decode.py OUT_CSV long|warps   (the split's configs at 8k / 32k keys; its warps)
 Timing: kilnx.tuner.timing.benchmark (CUDA-graph replays, L2 flushed between, median).
 """
 from __future__ import annotations
@@ -139,7 +140,31 @@ def long_contexts(path: str):
     write_csv(path, ["ctx", "cache", "kv", "trial", "config", "us", "kv_GBps", "error"], rows)
 
 
+def warps(path: str):
+    """The split kernel with one warp a program (no cross-warp softmax reductions) against 2 and 4, and the default, at
+    256 / 2113 / 8256 slots, bf16 cache, with the prepared merge: what the tune would choose from."""
+    kw = A._kernel_kwargs(q=torch.empty(1, 1, 32, 128), k_cache=torch.empty(1, 8, 1, 128), scale=128 ** -0.5,
+                          softcap=None, window=None)
+    rows = []
+    for ctx, S in ((130, 256), (2050, 2113), (8193, 8256)):
+        q, k, v, pos = inputs(ctx, S)
+        default = AS.attention_split_kernel.default_config(q, k, v, pos, **kw)
+        keys = sorted({default["KEYS_PER_SPLIT"] // 2, default["KEYS_PER_SPLIT"], default["KEYS_PER_SPLIT"] * 2} - {32})
+        trials = [("default", None)] + [("sweep", {**default, "KEYS_PER_SPLIT": ks, "num_warps": w})
+                                        for w, ks in itertools.product((1, 2, 4), keys)]
+        for name, cfg in trials:
+            try:
+                split(q, k, v, pos, kw, cfg)
+                us = benchmark(lambda: split(q, k, v, pos, kw, cfg), "cuda") * 1e6
+            except Exception as e:   # a config the compiler refuses: recorded
+                rows.append([ctx, S, name, cfg or default, "", f"{type(e).__name__}: {str(e)[:80]}"])
+                continue
+            rows.append([ctx, S, name, cfg or default, f"{us:.2f}", ""])
+            print(*rows[-1][:5], flush=True)
+    write_csv(path, ["ctx", "cache", "trial", "config", "us", "error"], rows)
+
+
 if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else "attention_decode.csv"
     mode = sys.argv[2:]
-    kv_dtypes(out) if mode == ["kv"] else long_contexts(out) if mode == ["long"] else main(out)
+    {"kv": kv_dtypes, "long": long_contexts, "warps": warps}.get(mode[0] if mode else "", main)(out)

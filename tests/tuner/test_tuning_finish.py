@@ -15,20 +15,22 @@ from kilnx.tuner import gate
 PROBLEM = {"B": 1, "T": 1, "Hq": 4, "Hk": 2, "D": 16, "S": 64, "ctx": 50, "dtype": "f32"}
 
 
-def cases(kernel, draws=2):
-    return gate.GateCases(kernel, lambda d: (torch.manual_seed(100 + d), kernel.make_args(PROBLEM, "cpu"))[1], draws)
+def cases(kernel, draws=2, problem=PROBLEM):
+    return gate.GateCases(kernel, lambda d: (torch.manual_seed(100 + d), kernel.make_args(problem, "cpu"))[1], draws)
 
 
 @pytest.mark.parametrize("keys", [16, 32, 64])
-def test_every_keys_per_range_passes_the_gate_with_its_merge(keys):
+@pytest.mark.parametrize("head_dim", [16, 64])     # 64: whole groups a head, merged and prepared in one kernel
+def test_every_keys_per_range_passes_the_gate_with_its_merge(keys, head_dim):
     kernel = AS.attention_split_kernel
+    problem = {**PROBLEM, "D": head_dim}
     cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "KEYS_PER_SPLIT": keys}
-    args = kernel.make_args(PROBLEM, "cpu")
+    args = kernel.make_args(problem, "cpu")
     call = gate.trial_call(kernel, cfg, args)
     got = call(*args)
     assert isinstance(got, PreparedX)              # timed as the step runs it: merged, prepared for the o GEMV
     assert call.finished_values(got, *args).shape == args[0].shape     # checked as values, not the partials
-    assert gate.check(kernel, gate.trial_call(kernel, cfg, args), cases(kernel), "cpu") < 1e-3
+    assert gate.check(kernel, gate.trial_call(kernel, cfg, args), cases(kernel, problem=problem), "cpu") < 1e-3
     # the partials alone could be checked against the spec of one keys-per-range only (here the default's, 64)
     default = kernel.default_config(*args)["KEYS_PER_SPLIT"]
     spec = gate.as_tuple(kernel.reference(*args, KEYS_PER_SPLIT=default))

@@ -22,7 +22,10 @@ from kilnx.kernels import attention_split as AS
 from kilnx.tuner.timing import benchmark
 
 CASES = [(130, 256), (190, 256), (2050, 2113)]      # (context incl. the new token, cache slots)
-PREP = (8, 64)                                      # the o projection's prepared format (4-bit, group 64)
+PREP = AS.TUNING_PREPARED                           # the o projection's prepared format (4-bit, group 64)
+# llama-3.1-8b's attention arguments (scale; no softcap, no window)
+KW = A._kernel_kwargs(q=torch.empty(1, 1, 32, 128), k_cache=torch.empty(1, 8, 1, 128), scale=128 ** -0.5, softcap=None,
+                      window=None)
 
 
 def inputs(ctx: int, S: int):
@@ -44,9 +47,17 @@ def split(q, k, v, pos, kw, cfg):
     return AS.attention_split(q, k, v, pos, kw, config=cfg, prepared=PREP)
 
 
+def timed(fn) -> tuple[str, str]:
+    """(us, "") for fn run once then benchmarked, or ("", the error) for a config the compiler refuses (shared
+    memory, registers): recorded, not fatal."""
+    try:
+        fn()
+        return f"{benchmark(fn, 'cuda') * 1e6:.2f}", ""
+    except Exception as e:   # noqa: BLE001
+        return "", f"{type(e).__name__}: {str(e)[:80]}"
+
+
 def main(path: str):
-    kw = A._kernel_kwargs(q=torch.empty(1, 1, 32, 128), k_cache=torch.empty(1, 8, 1, 128), scale=128 ** -0.5,
-                          softcap=None, window=None)
     rows = []
     for ctx, S in CASES:
         q, k, v, pos = inputs(ctx, S)
@@ -59,14 +70,10 @@ def main(path: str):
                     if bn <= ks and S // ks <= 128)]
         for path_name, cfg in trials:
             fn = one_program if path_name == "one_program" else split
-            try:
-                fn(q, k, v, pos, kw, cfg)
-                us = benchmark(lambda: fn(q, k, v, pos, kw, cfg), "cuda") * 1e6
-            except Exception as e:   # a config the compiler refuses (shared memory, registers): recorded
-                rows.append([ctx, S, path_name, cfg, "", f"{type(e).__name__}: {str(e)[:80]}"])
-                continue
-            rows.append([ctx, S, path_name, cfg, f"{us:.2f}", ""])
-            print(ctx, S, path_name, cfg, f"{us:.2f} us", flush=True)
+            us, error = timed(lambda: fn(q, k, v, pos, KW, cfg))
+            rows.append([ctx, S, path_name, cfg, us, error])
+            if us:
+                print(ctx, S, path_name, cfg, f"{us} us", flush=True)
     write_csv(path, ["ctx", "cache", "path", "config", "us", "error"], rows)
     for ctx, S in CASES:
         for p in ("one_program", "split"):
@@ -110,8 +117,6 @@ def kv_dtypes(path: str):
 def long_contexts(path: str):
     """The split kernel's configs at long contexts (8k and 32k keys) on a bf16 and an fp8 cache: whether the
     default (ranges sized so the programs number about the SMs) streams K and V near the copy ceiling."""
-    kw = A._kernel_kwargs(q=torch.empty(1, 1, 32, 128), k_cache=torch.empty(1, 8, 1, 128), scale=128 ** -0.5,
-                          softcap=None, window=None)
     sweeps = {(8193, 8256): ((128, 256, 512, 1024), (32, 64, 128), (4, 8), (2, 3, 4)),
               (32769, 32832): ((512, 1024, 2048), (64, 128), (4, 8), (2, 3))}
     rows = []
@@ -119,19 +124,14 @@ def long_contexts(path: str):
         q, k, v, pos = inputs(ctx, S)
         for kv in ("bf16", "fp8"):
             kc, vc = (k, v) if kv == "bf16" else (k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn))
-            default = AS.attention_split_kernel.default_config(q, kc, vc, pos, **kw)
+            default = AS.attention_split_kernel.default_config(q, kc, vc, pos, **KW)
             trials = [("default", None)] + [("sweep", {"BLOCK_M": 16, "BLOCK_N": bn, "KEYS_PER_SPLIT": ks,
                                                        "num_warps": w, "num_stages": st})
                                             for ks, bn, w, st in itertools.product(*grid) if bn <= ks]
             for name, cfg in trials:
-                try:
-                    split(q, kc, vc, pos, kw, cfg)
-                    us = benchmark(lambda: split(q, kc, vc, pos, kw, cfg), "cuda") * 1e6
-                except Exception as e:   # a config the compiler refuses: recorded
-                    rows.append([ctx, S, kv, name, cfg or default, "", "", f"{type(e).__name__}: {str(e)[:80]}"])
-                    continue
-                gbps = 2 * 8 * ctx * 128 * kc.element_size() / us / 1e3
-                rows.append([ctx, S, kv, name, cfg or default, f"{us:.2f}", f"{gbps:.0f}", ""])
+                us, error = timed(lambda: split(q, kc, vc, pos, KW, cfg))
+                gbps = f"{2 * 8 * ctx * 128 * kc.element_size() / float(us) / 1e3:.0f}" if us else ""
+                rows.append([ctx, S, kv, name, cfg or default, us, gbps, error])
             ok = [r for r in rows if r[0] == ctx and r[2] == kv and r[5]]
             best = min(ok, key=lambda r: float(r[5]))
             dflt = next(r for r in ok if r[3] == "default")
@@ -143,23 +143,16 @@ def long_contexts(path: str):
 def warps(path: str):
     """The split kernel with one warp a program (no cross-warp softmax reductions) against 2 and 4, and the default, at
     256 / 2113 / 8256 slots, bf16 cache, with the prepared merge: what the tune would choose from."""
-    kw = A._kernel_kwargs(q=torch.empty(1, 1, 32, 128), k_cache=torch.empty(1, 8, 1, 128), scale=128 ** -0.5,
-                          softcap=None, window=None)
     rows = []
     for ctx, S in ((130, 256), (2050, 2113), (8193, 8256)):
         q, k, v, pos = inputs(ctx, S)
-        default = AS.attention_split_kernel.default_config(q, k, v, pos, **kw)
-        keys = sorted({default["KEYS_PER_SPLIT"] // 2, default["KEYS_PER_SPLIT"], default["KEYS_PER_SPLIT"] * 2} - {32})
-        trials = [("default", None)] + [("sweep", {**default, "KEYS_PER_SPLIT": ks, "num_warps": w})
-                                        for w, ks in itertools.product((1, 2, 4), keys)]
+        default = AS.attention_split_kernel.default_config(q, k, v, pos, **KW)
+        keys = (default["KEYS_PER_SPLIT"] // 2, default["KEYS_PER_SPLIT"], default["KEYS_PER_SPLIT"] * 2)
+        trials = [("default", None)] + [("sweep", {**default, "KEYS_PER_SPLIT": ks, "BLOCK_N": min(default["BLOCK_N"], ks),
+                                                   "num_warps": w}) for w, ks in itertools.product((1, 2, 4), keys)]
         for name, cfg in trials:
-            try:
-                split(q, k, v, pos, kw, cfg)
-                us = benchmark(lambda: split(q, k, v, pos, kw, cfg), "cuda") * 1e6
-            except Exception as e:   # a config the compiler refuses: recorded
-                rows.append([ctx, S, name, cfg or default, "", f"{type(e).__name__}: {str(e)[:80]}"])
-                continue
-            rows.append([ctx, S, name, cfg or default, f"{us:.2f}", ""])
+            us, error = timed(lambda: split(q, k, v, pos, KW, cfg))
+            rows.append([ctx, S, name, cfg or default, us, error])
             print(*rows[-1][:5], flush=True)
     write_csv(path, ["ctx", "cache", "trial", "config", "us", "error"], rows)
 

@@ -7,6 +7,7 @@ that writes the o projection's prepared input) over a sweep of their configs, at
         python bench/probes/attention_decode.py OUT_CSV kv   (the route as it runs, default configs, over a bf16 and
                                                               an fp8 cache at 256 / 2113 / 8256 slots)
         python bench/probes/attention_decode.py OUT_CSV long|warps   (the split's configs at 8k / 32k keys; its warps)
+        python bench/probes/attention_decode.py OUT_CSV merge   (the split and the prepared merge timed apart)
 Timing: kilnx.tuner.timing.benchmark (CUDA-graph replays, L2 flushed between, median).
 """
 from __future__ import annotations
@@ -157,7 +158,27 @@ def warps(path: str):
     write_csv(path, ["ctx", "cache", "trial", "config", "us", "error"], rows)
 
 
+def merges(path: str):
+    """The split alone, the prepared merge alone over its configs (a program a head, GROUPS 16, against a program a
+    quantization group or two; 1-8 warps), and the two together as the route runs them, at 256 / 2113 / 8256 slots
+    (bf16 cache, default split): whether the merge's time grows with the ranges because 32 programs walk them."""
+    rows = []
+    for ctx, S in ((130, 256), (2050, 2113), (8193, 8256)):
+        q, k, v, pos = inputs(ctx, S)
+        default = AS.attention_split_kernel.default_config(q, k, v, pos, **KW)
+        parts = AS.attention_split_kernel(q, k, v, pos, **KW)
+        rows.append([ctx, S, "split", default, *timed(lambda: AS.attention_split_kernel(q, k, v, pos, **KW))])
+        for groups, w in itertools.product((16, 2, 1), (1, 2, 4, 8)):
+            cfg = {"GROUPS": groups, "num_warps": w}
+            rows.append([ctx, S, "merge_prep", cfg, *timed(
+                lambda: AS.attention_merge_prep(*parts, q, PER=PREP[0], GROUP=PREP[1], config=cfg))])
+        rows.append([ctx, S, "split+merge (route)", "default", *timed(lambda: split(q, k, v, pos, KW, None))])
+        for r in rows[-14:]:
+            print(*r[:5], flush=True)
+    write_csv(path, ["ctx", "cache", "kernel", "config", "us", "error"], rows)
+
+
 if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else "attention_decode.csv"
     mode = sys.argv[2:]
-    {"kv": kv_dtypes, "long": long_contexts, "warps": warps}.get(mode[0] if mode else "", main)(out)
+    {"kv": kv_dtypes, "long": long_contexts, "warps": warps, "merge": merges}.get(mode[0] if mode else "", main)(out)

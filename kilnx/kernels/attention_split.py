@@ -160,7 +160,7 @@ def _merge_spec(part_acc, part_max, part_sum, q, **_):
 def attention_merge(part_acc, part_max, part_sum, q, *, BLOCK_S: kd.constexpr, BLOCK_D: kd.constexpr):
     """out[b, t, h] = sum_s w_s acc_s / sum_s w_s l_s with w_s = exp(m_s - max_s m_s), in q.dtype."""
     B, T, Hq, D = q.shape
-    b, t, h, top, w, norm = _merge_weights(part_max, part_sum, B, T, Hq, BLOCK_S)
+    b, t, h, top, w, norm = _merge_weights(part_max, part_sum, kd.grid(B * T * Hq), T, Hq, BLOCK_S)
     d = kd.arange(0, BLOCK_D)
     s = kd.arange(0, BLOCK_S)
     acc = kd.sum(kd.load(part_acc, s[:, None], b, t, h, d[None, :]) * w[:, None], axis=0)
@@ -169,11 +169,10 @@ def attention_merge(part_acc, part_max, part_sum, q, *, BLOCK_S: kd.constexpr, B
     return out
 
 
-def _merge_weights(part_max, part_sum, B, T, Hq, BLOCK_S: int):
-    """The merge of one (row, token, head) per program: (b, t, h, the ranges' largest max, each range's
+def _merge_weights(part_max, part_sum, r, T, Hq, BLOCK_S: int):
+    """The merge weights of (row, token, head) number r: (b, t, h, the ranges' largest max, each range's
     weight exp(m_s - max) as a (BLOCK_S,) tile, 1 / sum_s weight_s l_s). A range without keys has
     m = MASKED_MAX and l = 0: weight 0. A head that saw no key at all divides by 1, not 0."""
-    r = kd.grid(B * T * Hq)
     b, t, h = r // (T * Hq), (r // Hq) % T, r % Hq
     s = kd.arange(0, BLOCK_S)
     m = kd.load(part_max, s, b, t, h, other=MASKED_MAX)
@@ -200,21 +199,36 @@ def _merge_prep_spec(part_acc, part_max, part_sum, q, *, PER, GROUP, **_):
     return _prep_spec(out.reshape(B * T, Hq * D).float(), PER=PER, GROUP=GROUP)
 
 
-@kd.kernel(tune={"num_warps": kd.choice(1, 2, 4, default=2)},
+def groups_per_program(head_groups: int, asked: int) -> int:
+    """The prepared merge's quantization groups per program: the largest power of two up to `asked` that divides a
+    head's groups, so the programs split each head into equal runs of whole groups whose words a tile holds (a power
+    of two: a 96-wide head in groups of 32 is three runs of one group)."""
+    return max(g for g in range(1, min(asked, head_groups) + 1) if head_groups % g == 0 and g & (g - 1) == 0)
+
+
+# GROUPS: a head's quantization groups per program. One program a head (16 groups asked: every head of a zoo model)
+# merged llama-3.1-8b's 32 heads in 32 programs of 2 warps each: at a 2113-slot cache (17 ranges) 3.5 us on the H200
+# against 1.8 at 256 slots (4 ranges) (bench/results/profiles/2026-12-03_h200_decode_llama8b_2113_profile_s11.txt),
+# the (ranges, words, PER/2) tiles walked by 64 threads. A program a group halves each program's tile and doubles the
+# programs.
+@kd.kernel(tune={"num_warps": kd.choice(1, 2, 4, 8, default=2), "GROUPS": kd.choice(1, 2, 4, 16, default=16)},
            key=lambda part_acc, *_, **__: {"NS": part_acc.shape[0], "D": part_acc.shape[-1]}, spec=_merge_prep_spec,
            specialize=lambda part_acc, part_max, part_sum, q: {"BLOCK_S": max(pow2_at_least(part_acc.shape[0]),
                                                                               PREP_MIN_RANGES),
                                                                "HEAD_D": part_acc.shape[4]})
 def attention_merge_prep(part_acc, part_max, part_sum, q, *, PER: kd.constexpr, GROUP: kd.constexpr,
-                         BLOCK_S: kd.constexpr, HEAD_D: kd.constexpr):
+                         BLOCK_S: kd.constexpr, HEAD_D: kd.constexpr, GROUPS):
     """attention_merge's output (rows b*T + t, columns h*D + d), rounded to q.dtype and written in
-    qmv_h2's prepared form for the o projection: each program merges one head, whose D values are whole
-    quantization groups (HEAD_D % GROUP == 0), so it also owns their planes, sums and scales."""
+    qmv_h2's prepared form for the o projection: each program merges a run of whole quantization groups of one head
+    (HEAD_D % GROUP == 0), so it also owns their planes, sums and scales."""
     from kilnx.kernels import qmv_h2 as H
     B, T, Hq, D = q.shape
-    b, t, h, top, w, norm = _merge_weights(part_max, part_sum, B, T, Hq, BLOCK_S)
-    DW = HEAD_D // PER                          # packed words of one head
-    lo_i, hi_i = H.code_pairs_index(kd.arange(0, DW), PER)
+    RUNS = HEAD_D // GROUP // groups_per_program(HEAD_D // GROUP, GROUPS)     # programs a head
+    DW = HEAD_D // PER // RUNS                  # packed words of one program
+    r, run = kd.grid(B * T * Hq, RUNS)
+    b, t, h, top, w, norm = _merge_weights(part_max, part_sum, r, T, Hq, BLOCK_S)
+    words = run * DW + kd.arange(0, DW)         # the program's words within its head
+    lo_i, hi_i = H.code_pairs_index(words, PER)
     lo_i, hi_i = lo_i[None, :, :], hi_i[None, :, :]    # (1, DW, PER/2): broadcast over the ranges
     # the ranges' (DW, PER/2) tiles in (ranges, DW, PER/2) loads, MERGE_CHUNK ranges at a time: a loop
     # over single ranges waited for each range's loads in turn (17 round trips at a 2113-token cache:
@@ -234,7 +248,8 @@ def attention_merge_prep(part_acc, part_max, part_sum, q, *, PER: kd.constexpr, 
             hi += kd.sum(kd.load(part_acc, s[:, None, None], b, t, h, hi_i) * ws, axis=0)
     y_lo = (lo * norm).astype(q.dtype).f32()
     y_hi = (hi * norm).astype(q.dtype).f32()
-    return H.store_prepared(y_lo, y_hi, b * T + t, h * DW, h * DW + kd.arange(0, DW), B * T, Hq * HEAD_D,
+    w0 = h * (HEAD_D // PER) + run * DW
+    return H.store_prepared(y_lo, y_hi, b * T + t, w0, w0 + kd.arange(0, DW), B * T, Hq * HEAD_D,
                             PER=PER, GROUP=GROUP)
 
 

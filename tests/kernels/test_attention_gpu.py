@@ -38,15 +38,22 @@ def test_the_prepared_merge_over_many_key_ranges_on_gpu(S, keys_per_split, pos):
     assert err <= 2e-2 * want.abs().max().item(), err
 
 
-@pytest.mark.parametrize("ranges", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("ranges", [1, 2, 3, 4, 5, 8, 17, 40])
 def test_both_merges_of_random_partial_results_on_gpu(ranges):
     """Partial results with a range without keys, merged by each merge against the spec, the prepared one read back
-    as x: 2 ranges is the count whose prepared tile compiled wrong (PREP_MIN_RANGES); the others are its neighbours."""
+    as x: 2 ranges is the count whose prepared tile compiled wrong (PREP_MIN_RANGES); the others are its neighbours.
+    The prepared merge also with a program per quantization group (GROUPS 1: (ranges, 8, 4) tiles, not 16 words) and
+    per two groups of 32."""
     parts, q, want = random_merge_parts(ranges)
     parts, q = [t.cuda() for t in parts], q.cuda()
     torch.testing.assert_close(AS.attention_merge(*parts, q).float().cpu(), want, rtol=1e-2, atol=1e-2)
     x = AS.merge(parts, q, (8, 64))
     torch.testing.assert_close(H._x_of(x.planes, x.xs).cpu(), want.flatten(2).flatten(0, 1), rtol=2e-2, atol=2e-2)
+    for fmt, groups, warps in (((8, 64), 1, 2), ((8, 64), 1, 4), ((8, 32), 2, 2), ((8, 32), 1, 1)):
+        planes, _, xs = AS.attention_merge_prep(*parts, q, PER=fmt[0], GROUP=fmt[1],
+                                                config={"GROUPS": groups, "num_warps": warps})
+        torch.testing.assert_close(H._x_of(planes, xs).cpu(), want.flatten(2).flatten(0, 1), rtol=2e-2, atol=2e-2,
+                                   msg=lambda m: f"{fmt} GROUPS {groups} num_warps {warps}: {m}")
 
 
 @pytest.mark.parametrize("T", [1, 16])

@@ -90,13 +90,13 @@ def _split_key(q, k_cache, v_cache, positions, **_):
     return {**_attn_key(q, k_cache, v_cache, positions), "S": 1 << round(math.log2(max(k_cache.shape[2], 1)))}
 
 
-# One warp a program is in the space for the one-token decode tile: with 16 query rows a program's warps split the
-# keys, so every key block's row max and sum cross warps through shared memory (the sm_90 PTX of llama-3.1-8b's tile,
-# 64 keys a block: 7 bar.syncs a block at 2 and 4 warps, 2 at one, those of the copy pipeline); one warp keeps them in
-# its registers, and more ranges give the SMs their parallelism back. Not yet timed on a GPU: the tune decides.
+# One warp a program (no cross-warp row max and sum: 2 bar.syncs a 64-key block in the sm_90 PTX against 7 at 2 and 4
+# warps) lost at every length and range size on the H100, split + prepared merge: 11.87 us against 8.48 for the
+# default at 256 slots, 18.75 against 15.14 at 2113, 28.70 against 26.05 at 8256
+# (bench/results/2026-12-07_h100_attention_warps_s41.csv): not in the space.
 TUNE = {"BLOCK_M": kd.pow2(16, 64, default=16), "BLOCK_N": kd.pow2(16, 128, default=64),
         "KEYS_PER_SPLIT": kd.pow2(16, 8192, default=512),
-        "num_warps": kd.choice(1, 2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=3)}
+        "num_warps": kd.choice(2, 4, 8, default=4), "num_stages": kd.choice(1, 2, 3, 4, default=3)}
 CONSTRAINTS = [lambda KEYS_PER_SPLIT, BLOCK_N: KEYS_PER_SPLIT >= BLOCK_N]
 
 
@@ -206,13 +206,22 @@ def groups_per_program(head_groups: int, asked: int) -> int:
     return max(g for g in range(1, min(asked, head_groups) + 1) if head_groups % g == 0 and g & (g - 1) == 0)
 
 
-# GROUPS: a head's quantization groups per program. One program a head (16 groups asked: every head of a zoo model)
-# merged llama-3.1-8b's 32 heads in 32 programs of 2 warps each: at a 2113-slot cache (17 ranges) 3.5 us on the H200
-# against 1.8 at 256 slots (4 ranges) (bench/results/profiles/2026-12-03_h200_decode_llama8b_2113_profile_s11.txt),
-# the (ranges, words, PER/2) tiles walked by 64 threads. A program a group halves each program's tile and doubles the
-# programs.
-@kd.kernel(tune={"num_warps": kd.choice(1, 2, 4, 8, default=2), "GROUPS": kd.choice(1, 2, 4, 16, default=16)},
+def _merge_prep_default(part_acc, *_, **__):
+    """A program a quantization group, 8 warps from 16 ranges, else 2. Measured on the H100 (llama-3.1-8b's heads,
+    4-bit gs64, the merge alone: bench/results/2026-12-07_h100_attention_merge_s41.csv): at a 2113-slot cache (17
+    ranges) 5.57 us against 7.23 for a program a head with 2 warps (its best, 8 warps, 6.02); at 8256 (17 ranges of
+    512) 5.44 against 6.62; at 256 (4 ranges) every config 4.8-5.3 (launch-bound), 2 warps the default as before.
+    Times include a graph launch each (~3.5 us: the split and the merge timed apart add to more than together)."""
+    return {"GROUPS": 1, "num_warps": 8 if part_acc.shape[0] >= 16 else 2}
+
+
+# GROUPS: a head's quantization groups per program (rounded down to a power of two dividing them), one or the whole
+# head (16). Two groups of 32 a program compiled wrong with triton 3.6 for sm_90 (21.6% of values off on the H100 at
+# one range: bench/results/profiles/2026-12-07_h100_attention_gpu_tests_s41.log), as a (2, 16) group tile, where one
+# group of 32 and two of 64 did not: kept out of the space.
+@kd.kernel(tune={"num_warps": kd.choice(1, 2, 4, 8, default=2), "GROUPS": kd.choice(1, 16, default=1)},
            key=lambda part_acc, *_, **__: {"NS": part_acc.shape[0], "D": part_acc.shape[-1]}, spec=_merge_prep_spec,
+           default=_merge_prep_default,
            specialize=lambda part_acc, part_max, part_sum, q: {"BLOCK_S": max(pow2_at_least(part_acc.shape[0]),
                                                                               PREP_MIN_RANGES),
                                                                "HEAD_D": part_acc.shape[4]})

@@ -236,12 +236,12 @@ def test_the_prepared_merge_of_random_partial_results(ranges, backend):
 
 @settings(max_examples=10, deadline=None, derandomize=True)
 @given(ranges=st.sampled_from([1, 3, 17, 40]), fmt=st.sampled_from([(8, 64), (8, 32), (4, 32)]),
-       groups=st.sampled_from([1, 2, 4, 16]), D=st.sampled_from([64, 128, 96]))
+       groups=st.sampled_from([1, 16]), D=st.sampled_from([64, 128, 96, 256]))
 def test_the_prepared_merge_split_into_runs_of_groups(ranges, fmt, groups, D):
-    """The prepared merge with each head's quantization groups split over programs (GROUPS per program, rounded down
-    to a power of two dividing the head's groups: a 96-wide head in groups of 32 takes one a program whatever is
-    asked, which its whole-head tile of 12 words could not) gives the merge spec's values, over one load of the ranges
-    and the chunked loads past MERGE_CHUNK."""
+    """The prepared merge a program a quantization group and a program a head (GROUPS 16, rounded down to a power of
+    two dividing the head's groups: a 96-wide head in groups of 32 takes one a program, which its whole-head tile of
+    12 words could not) gives the merge spec's values, over one load of the ranges and the chunked loads past
+    MERGE_CHUNK."""
     from kilnx.kernels import attention_split as AS
     from kilnx.kernels import qmv_h2 as H
     if D % fmt[1]:

@@ -93,9 +93,6 @@ kw = A._kernel_kwargs(q, kc, 128 ** -0.5, None, None)
 parts = AS._split_spec(q, kc, kc, torch.tensor([[700]]), KEYS_PER_SPLIT=128, **kw)
 compile_for_target(AS.attention_split_kernel, (q, kc, kc, torch.tensor([[700]])),
                    {"BLOCK_M": 16, "BLOCK_N": 64, "KEYS_PER_SPLIT": 128}, kw=kw)
-one_warp = compile_for_target(AS.attention_split_kernel, (q, kc, kc, torch.tensor([[700]])),   # in the tune's space
-                              {"BLOCK_M": 16, "BLOCK_N": 64, "KEYS_PER_SPLIT": 64, "num_warps": 1}, kw=kw).asm["ptx"]
-assert "mma.sync" in one_warp, "the one-warp split attention off tensor cores"
 compile_for_target(AS.attention_merge, (*parts, q), {})
 from kilnx.kernels import attention_decode as AD
 for inter in (False, True):
@@ -106,8 +103,8 @@ for inter in (False, True):
     compile_for_target(AD.attention_new_kv_kernel, new_kv, {"BLOCK_M": 16, "BLOCK_N": 128}, kw={**kw, "INTERLEAVED": inter})
 long_kc = torch.randn(1, 8, 8192, 128).bfloat16()   # 64 ranges: the merge reads them in chunks
 long_parts = AS._split_spec(q, long_kc, long_kc, torch.tensor([[8000]]), KEYS_PER_SPLIT=128, **kw)
-for merge_parts in (parts, long_parts):    # a program a head (the default) and a program a quantization group
-    for merge_cfg in ({}, {"GROUPS": 1, "num_warps": 4}):
+for merge_parts in (parts, long_parts):    # a program a quantization group (the default) and a program a head
+    for merge_cfg in ({}, {"GROUPS": 16, "num_warps": 4}):
         compile_for_target(AS.attention_merge_prep, (*merge_parts, q), merge_cfg, kw={"PER": 8, "GROUP": 64})
 from kilnx.kernels import qkv_rope as QR
 for inter in (False, True):

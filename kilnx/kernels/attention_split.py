@@ -207,19 +207,22 @@ def groups_per_program(head_groups: int, asked: int) -> int:
 
 
 def _merge_prep_default(part_acc, *_, **__):
-    """A program a quantization group, 8 warps from 16 ranges, else 2. Measured on the H100 (llama-3.1-8b's heads,
-    4-bit gs64, the merge alone: bench/results/2026-12-07_h100_attention_merge_s41.csv): at a 2113-slot cache (17
-    ranges) 5.57 us against 7.23 for a program a head with 2 warps (its best, 8 warps, 6.02); at 8256 (17 ranges of
-    512) 5.44 against 6.62; at 256 (4 ranges) every config 4.8-5.3 (launch-bound), 2 warps the default as before.
-    Times include a graph launch each (~3.5 us: the split and the merge timed apart add to more than together)."""
-    return {"GROUPS": 1, "num_warps": 8 if part_acc.shape[0] >= 16 else 2}
+    """A program a head; 4 warps from 16 ranges, else 2. Measured on the H100 (llama-3.1-8b's heads, 4-bit gs64, the
+    merge alone, each time with a graph launch of ~3.5 us: bench/results/2026-12-07_h100_attention_merge_s41.csv): at
+    a 2113-slot cache (17 ranges) 6.18 us against 7.23 with 2 warps, at 8256 (17 ranges of 512) 6.18 against 6.62 (8
+    warps: 6.02 and 15.04); at 256 (4 ranges) every config 4.8-5.3 (launch-bound), and a program a group there lost
+    1.9% of llama-3.1-8b's decode (455.5 / 455.1 tok/s against 464.8 / 462.8,
+    2026-12-07_h100_e2e_merge_groups_s41.csv). A program a group with 8 warps was the fastest alone at 17 ranges (5.57
+    and 5.44 us) but fed the o projection wrong at 8 rows on the H100 (bench/results/profiles/
+    2026-12-07_h100_attention_gpu_tests_s41.log): not a default."""
+    return {"GROUPS": 16, "num_warps": 4 if part_acc.shape[0] >= 16 else 2}
 
 
 # GROUPS: a head's quantization groups per program (rounded down to a power of two dividing them), one or the whole
 # head (16). Two groups of 32 a program compiled wrong with triton 3.6 for sm_90 (21.6% of values off on the H100 at
 # one range: bench/results/profiles/2026-12-07_h100_attention_gpu_tests_s41.log), as a (2, 16) group tile, where one
 # group of 32 and two of 64 did not: kept out of the space.
-@kd.kernel(tune={"num_warps": kd.choice(1, 2, 4, 8, default=2), "GROUPS": kd.choice(1, 16, default=1)},
+@kd.kernel(tune={"num_warps": kd.choice(1, 2, 4, 8, default=2), "GROUPS": kd.choice(1, 16, default=16)},
            key=lambda part_acc, *_, **__: {"NS": part_acc.shape[0], "D": part_acc.shape[-1]}, spec=_merge_prep_spec,
            default=_merge_prep_default,
            specialize=lambda part_acc, part_max, part_sum, q: {"BLOCK_S": max(pow2_at_least(part_acc.shape[0]),

@@ -159,21 +159,21 @@ def warps(path: str):
 
 
 def merges(path: str):
-    """The split alone, the prepared merge alone over its configs (a program a head, GROUPS 16, against a program a
-    quantization group or two; 1-8 warps), and the two together as the route runs them, at 256 / 2113 / 8256 slots
-    (bf16 cache, default split): whether the merge's time grows with the ranges because 32 programs walk them."""
+    """The split alone, the prepared merge alone over its warps, and the two together as the route runs them, at
+    256 / 2113 / 8256 slots (bf16 cache, default split): whether the merge's time grows with the ranges because 32
+    programs walk them. (Session 41 ran it with a GROUPS tunable, since removed: a program a group or two.)"""
     rows = []
     for ctx, S in ((130, 256), (2050, 2113), (8193, 8256)):
         q, k, v, pos = inputs(ctx, S)
         default = AS.attention_split_kernel.default_config(q, k, v, pos, **KW)
         parts = AS.attention_split_kernel(q, k, v, pos, **KW)
         rows.append([ctx, S, "split", default, *timed(lambda: AS.attention_split_kernel(q, k, v, pos, **KW))])
-        for groups, w in itertools.product((16, 2, 1), (1, 2, 4, 8)):
-            cfg = {"GROUPS": groups, "num_warps": w}
+        for w in (1, 2, 4):
+            cfg = {"num_warps": w}
             rows.append([ctx, S, "merge_prep", cfg, *timed(
                 lambda: AS.attention_merge_prep(*parts, q, PER=PREP[0], GROUP=PREP[1], config=cfg))])
         rows.append([ctx, S, "split+merge (route)", "default", *timed(lambda: split(q, k, v, pos, KW, None))])
-        for r in rows[-14:]:
+        for r in rows[-5:]:
             print(*r[:5], flush=True)
     write_csv(path, ["ctx", "cache", "kernel", "config", "us", "error"], rows)
 

@@ -199,48 +199,28 @@ def _merge_prep_spec(part_acc, part_max, part_sum, q, *, PER, GROUP, **_):
     return _prep_spec(out.reshape(B * T, Hq * D).float(), PER=PER, GROUP=GROUP)
 
 
-def groups_per_program(head_groups: int, asked: int) -> int:
-    """The prepared merge's quantization groups per program: the largest power of two up to `asked` that divides a
-    head's groups, so the programs split each head into equal runs of whole groups whose words a tile holds (a power
-    of two: a 96-wide head in groups of 32 is three runs of one group)."""
-    return max(g for g in range(1, min(asked, head_groups) + 1) if head_groups % g == 0 and g & (g - 1) == 0)
-
-
-def _merge_prep_default(part_acc, *_, **__):
-    """A program a head; 4 warps from 16 ranges, else 2. Measured on the H100 (llama-3.1-8b's heads, 4-bit gs64, the
-    merge alone, each time with a graph launch of ~3.5 us: bench/results/2026-12-07_h100_attention_merge_s41.csv): at
-    a 2113-slot cache (17 ranges) 6.18 us against 7.23 with 2 warps, at 8256 (17 ranges of 512) 6.18 against 6.62 (8
-    warps: 6.02 and 15.04); at 256 (4 ranges) every config 4.8-5.3 (launch-bound), and a program a group there lost
-    1.9% of llama-3.1-8b's decode (455.5 / 455.1 tok/s against 464.8 / 462.8,
-    2026-12-07_h100_e2e_merge_groups_s41.csv). A program a group with 8 warps was the fastest alone at 17 ranges (5.57
-    and 5.44 us) but fed the o projection wrong at 8 rows on the H100 (bench/results/profiles/
-    2026-12-07_h100_attention_gpu_tests_s41.log): not a default."""
-    return {"GROUPS": 16, "num_warps": 4 if part_acc.shape[0] >= 16 else 2}
-
-
-# GROUPS: a head's quantization groups per program (rounded down to a power of two dividing them), one or the whole
-# head (16). Two groups of 32 a program compiled wrong with triton 3.6 for sm_90 (21.6% of values off on the H100 at
-# one range: bench/results/profiles/2026-12-07_h100_attention_gpu_tests_s41.log), as a (2, 16) group tile, where one
-# group of 32 and two of 64 did not: kept out of the space.
-@kd.kernel(tune={"num_warps": kd.choice(1, 2, 4, 8, default=2), "GROUPS": kd.choice(1, 16, default=16)},
+# One program a head. A program a quantization group (a GROUPS tunable, session 41) merged faster alone at 17 ranges
+# on the H100 (5.57 us with 8 warps against 7.23 for this kernel's default, each with a ~3.5 us graph launch:
+# bench/results/2026-12-07_h100_attention_merge_s41.csv) but lost 1.9% of llama-3.1-8b's decode at short contexts
+# (455.5 / 455.1 tok/s against 464.8 / 462.8, 2026-12-07_h100_e2e_merge_groups_s41.csv) and, compiled by triton 3.6,
+# fed the o projection wrong products at 8 rows, as two groups of 32 a program gave wrong values
+# (bench/results/profiles/2026-12-07_h100_attention_gpu_tests_s41.log): removed. More warps a head at many ranges
+# (6.18 us with 4) were not checked on a GPU before the session's device time ran out.
+@kd.kernel(tune={"num_warps": kd.choice(1, 2, 4, default=2)},
            key=lambda part_acc, *_, **__: {"NS": part_acc.shape[0], "D": part_acc.shape[-1]}, spec=_merge_prep_spec,
-           default=_merge_prep_default,
            specialize=lambda part_acc, part_max, part_sum, q: {"BLOCK_S": max(pow2_at_least(part_acc.shape[0]),
                                                                               PREP_MIN_RANGES),
                                                                "HEAD_D": part_acc.shape[4]})
 def attention_merge_prep(part_acc, part_max, part_sum, q, *, PER: kd.constexpr, GROUP: kd.constexpr,
-                         BLOCK_S: kd.constexpr, HEAD_D: kd.constexpr, GROUPS):
+                         BLOCK_S: kd.constexpr, HEAD_D: kd.constexpr):
     """attention_merge's output (rows b*T + t, columns h*D + d), rounded to q.dtype and written in
-    qmv_h2's prepared form for the o projection: each program merges a run of whole quantization groups of one head
-    (HEAD_D % GROUP == 0), so it also owns their planes, sums and scales."""
+    qmv_h2's prepared form for the o projection: each program merges one head, whose D values are whole
+    quantization groups (HEAD_D % GROUP == 0), so it also owns their planes, sums and scales."""
     from kilnx.kernels import qmv_h2 as H
     B, T, Hq, D = q.shape
-    RUNS = HEAD_D // GROUP // groups_per_program(HEAD_D // GROUP, GROUPS)     # programs a head
-    DW = HEAD_D // PER // RUNS                  # packed words of one program
-    r, run = kd.grid(B * T * Hq, RUNS)
-    b, t, h, top, w, norm = _merge_weights(part_max, part_sum, r, T, Hq, BLOCK_S)
-    words = run * DW + kd.arange(0, DW)         # the program's words within its head
-    lo_i, hi_i = H.code_pairs_index(words, PER)
+    b, t, h, top, w, norm = _merge_weights(part_max, part_sum, kd.grid(B * T * Hq), T, Hq, BLOCK_S)
+    DW = HEAD_D // PER                          # packed words of one head
+    lo_i, hi_i = H.code_pairs_index(kd.arange(0, DW), PER)
     lo_i, hi_i = lo_i[None, :, :], hi_i[None, :, :]    # (1, DW, PER/2): broadcast over the ranges
     # the ranges' (DW, PER/2) tiles in (ranges, DW, PER/2) loads, MERGE_CHUNK ranges at a time: a loop
     # over single ranges waited for each range's loads in turn (17 round trips at a 2113-token cache:
@@ -260,8 +240,7 @@ def attention_merge_prep(part_acc, part_max, part_sum, q, *, PER: kd.constexpr, 
             hi += kd.sum(kd.load(part_acc, s[:, None, None], b, t, h, hi_i) * ws, axis=0)
     y_lo = (lo * norm).astype(q.dtype).f32()
     y_hi = (hi * norm).astype(q.dtype).f32()
-    w0 = h * (HEAD_D // PER) + run * DW
-    return H.store_prepared(y_lo, y_hi, b * T + t, w0, w0 + kd.arange(0, DW), B * T, Hq * HEAD_D,
+    return H.store_prepared(y_lo, y_hi, b * T + t, h * DW, h * DW + kd.arange(0, DW), B * T, Hq * HEAD_D,
                             PER=PER, GROUP=GROUP)
 
 
@@ -284,10 +263,18 @@ def context_view(k_cache, v_cache, kwargs: dict):
     return k_cache[:, :, :limit], v_cache[:, :, :limit]
 
 
+def merges_prepared(head_dim: int, per: int, group: int) -> bool:
+    """Whether attention_merge_prep writes a head of head_dim values in the prepared format (PER, GROUP): the head is
+    whole groups and its packed words a power of two (a tile's length); else the plain merge and the prep (a 96-wide
+    head in groups of 32 is 12 words, which the prepared merge's tile cannot hold)."""
+    words = head_dim // per
+    return head_dim % group == 0 and words & (words - 1) == 0
+
+
 def merge(parts, q, prepared, backend=None):
     """The ranges' partial results merged: (B, T, Hq, D) in q.dtype, or with `prepared` a PreparedX."""
     from kilnx.kernels.prepared import PreparedX, prepare
-    if prepared is not None and q.shape[3] % prepared[1] == 0:
+    if prepared is not None and merges_prepared(q.shape[3], *prepared):
         planes, sums, xs = attention_merge_prep(*parts, q, PER=prepared[0], GROUP=prepared[1], backend=backend)
         return PreparedX(planes, sums, xs, q.dtype)
     out = attention_merge(*parts, q, backend=backend)

@@ -236,30 +236,28 @@ def test_the_prepared_merge_of_random_partial_results(ranges, backend):
 
 @settings(max_examples=10, deadline=None, derandomize=True)
 @given(ranges=st.sampled_from([1, 3, 17, 40]), fmt=st.sampled_from([(8, 64), (8, 32), (4, 32)]),
-       groups=st.sampled_from([1, 16]), D=st.sampled_from([64, 128, 96, 256]))
-def test_the_prepared_merge_split_into_runs_of_groups(ranges, fmt, groups, D):
-    """The prepared merge a program a quantization group and a program a head (GROUPS 16, rounded down to a power of
-    two dividing the head's groups: a 96-wide head in groups of 32 takes one a program, which its whole-head tile of
-    12 words could not) gives the merge spec's values, over one load of the ranges and the chunked loads past
-    MERGE_CHUNK."""
+       D=st.sampled_from([64, 128, 96, 256]))
+def test_the_merge_in_prepared_form_for_every_head_width(ranges, fmt, D):
+    """merge() in the o projection's prepared format gives the merge spec's values for heads the prepared merge takes
+    (whole groups, a power of two of words) and for those it does not (a 96-wide head in groups of 32: 12 words; it
+    merges plainly, then preps), over one load of the ranges and the chunked loads past MERGE_CHUNK."""
     from kilnx.kernels import attention_split as AS
     from kilnx.kernels import qmv_h2 as H
     if D % fmt[1]:
         return
     parts, q, want = random_merge_parts(ranges, B=2, Hq=2, D=D)
-    planes, sums, xs = AS.attention_merge_prep(*parts, q, PER=fmt[0], GROUP=fmt[1], backend="triton",
-                                               config={"GROUPS": groups, "num_warps": 2})
-    torch.testing.assert_close(H._x_of(planes, xs), want.flatten(2).flatten(0, 1), rtol=1e-2, atol=2e-2)
-    ref = AS.attention_merge_prep(*parts, q, PER=fmt[0], GROUP=fmt[1], backend="reference", config={"GROUPS": groups})
-    assert torch.equal(xs, ref[2])
-    torch.testing.assert_close(sums, ref[1], rtol=1e-2, atol=5e-2)   # sums of bf16-rounded values: a rounding apart
+    x = AS.merge(parts, q, fmt, backend="triton")
+    assert x.format == fmt
+    torch.testing.assert_close(H._x_of(x.planes, x.xs), want.flatten(2).flatten(0, 1), rtol=1e-2, atol=2e-2)
+    torch.testing.assert_close(x.sums, H._x_of(x.planes, x.xs).reshape(*x.sums.shape, -1).sum(-1), rtol=1e-3,
+                               atol=1e-3)
 
 
-def test_groups_per_program_divide_the_head():
-    from kilnx.kernels.attention_split import groups_per_program
-    assert [groups_per_program(4, g) for g in (1, 2, 3, 4, 16)] == [1, 2, 2, 4, 4]
-    assert [groups_per_program(3, g) for g in (1, 2, 16)] == [1, 1, 1]
-    assert [groups_per_program(6, g) for g in (1, 2, 16)] == [1, 2, 2]
+def test_which_heads_the_prepared_merge_takes():
+    from kilnx.kernels.attention_split import merges_prepared
+    assert merges_prepared(128, 8, 64) and merges_prepared(64, 4, 32) and merges_prepared(256, 8, 128)
+    assert not merges_prepared(96, 8, 32)      # whole groups, but 12 words
+    assert not merges_prepared(96, 8, 64)      # not whole groups
 
 
 # ---- parked queries (runtime/kv_cache.py's parking slot) ---------------------------------------------

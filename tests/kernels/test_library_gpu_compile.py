@@ -103,8 +103,8 @@ for inter in (False, True):
     compile_for_target(AD.attention_new_kv_kernel, new_kv, {"BLOCK_M": 16, "BLOCK_N": 128}, kw={**kw, "INTERLEAVED": inter})
 long_kc = torch.randn(1, 8, 8192, 128).bfloat16()   # 64 ranges: the merge reads them in chunks
 long_parts = AS._split_spec(q, long_kc, long_kc, torch.tensor([[8000]]), KEYS_PER_SPLIT=128, **kw)
-for merge_parts in (parts, long_parts):    # a program a quantization group (the default) and a program a head
-    for merge_cfg in ({}, {"GROUPS": 16, "num_warps": 4}):
+for merge_parts in (parts, long_parts):
+    for merge_cfg in ({}, {"num_warps": 4}):
         compile_for_target(AS.attention_merge_prep, (*merge_parts, q), merge_cfg, kw={"PER": 8, "GROUP": 64})
 from kilnx.kernels import qkv_rope as QR
 for inter in (False, True):

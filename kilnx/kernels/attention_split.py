@@ -160,7 +160,7 @@ def _merge_spec(part_acc, part_max, part_sum, q, **_):
 def attention_merge(part_acc, part_max, part_sum, q, *, BLOCK_S: kd.constexpr, BLOCK_D: kd.constexpr):
     """out[b, t, h] = sum_s w_s acc_s / sum_s w_s l_s with w_s = exp(m_s - max_s m_s), in q.dtype."""
     B, T, Hq, D = q.shape
-    b, t, h, top, w, norm = _merge_weights(part_max, part_sum, kd.grid(B * T * Hq), T, Hq, BLOCK_S)
+    b, t, h, top, w, norm = _merge_weights(part_max, part_sum, B, T, Hq, BLOCK_S)
     d = kd.arange(0, BLOCK_D)
     s = kd.arange(0, BLOCK_S)
     acc = kd.sum(kd.load(part_acc, s[:, None], b, t, h, d[None, :]) * w[:, None], axis=0)
@@ -169,10 +169,11 @@ def attention_merge(part_acc, part_max, part_sum, q, *, BLOCK_S: kd.constexpr, B
     return out
 
 
-def _merge_weights(part_max, part_sum, r, T, Hq, BLOCK_S: int):
-    """The merge weights of (row, token, head) number r: (b, t, h, the ranges' largest max, each range's
+def _merge_weights(part_max, part_sum, B, T, Hq, BLOCK_S: int):
+    """The merge of one (row, token, head) per program: (b, t, h, the ranges' largest max, each range's
     weight exp(m_s - max) as a (BLOCK_S,) tile, 1 / sum_s weight_s l_s). A range without keys has
     m = MASKED_MAX and l = 0: weight 0. A head that saw no key at all divides by 1, not 0."""
+    r = kd.grid(B * T * Hq)
     b, t, h = r // (T * Hq), (r // Hq) % T, r % Hq
     s = kd.arange(0, BLOCK_S)
     m = kd.load(part_max, s, b, t, h, other=MASKED_MAX)
@@ -218,7 +219,7 @@ def attention_merge_prep(part_acc, part_max, part_sum, q, *, PER: kd.constexpr, 
     quantization groups (HEAD_D % GROUP == 0), so it also owns their planes, sums and scales."""
     from kilnx.kernels import qmv_h2 as H
     B, T, Hq, D = q.shape
-    b, t, h, top, w, norm = _merge_weights(part_max, part_sum, kd.grid(B * T * Hq), T, Hq, BLOCK_S)
+    b, t, h, top, w, norm = _merge_weights(part_max, part_sum, B, T, Hq, BLOCK_S)
     DW = HEAD_D // PER                          # packed words of one head
     lo_i, hi_i = H.code_pairs_index(kd.arange(0, DW), PER)
     lo_i, hi_i = lo_i[None, :, :], hi_i[None, :, :]    # (1, DW, PER/2): broadcast over the ranges

@@ -143,7 +143,8 @@ def long_contexts(path: str):
 
 def warps(path: str):
     """The split kernel with one warp a program (no cross-warp softmax reductions) against 2 and 4, and the default, at
-    256 / 2113 / 8256 slots, bf16 cache, with the prepared merge: what the tune would choose from."""
+    256 / 2113 / 8256 slots, bf16 cache, with the prepared merge (one warp lost everywhere in session 41 and left the
+    tune space: bench/results/2026-12-07_h100_attention_warps_s41.csv)."""
     rows = []
     for ctx, S in ((130, 256), (2050, 2113), (8193, 8256)):
         q, k, v, pos = inputs(ctx, S)

@@ -202,8 +202,8 @@ def _merge_prep_spec(part_acc, part_max, part_sum, q, *, PER, GROUP, **_):
 
 # One program a head. A program a quantization group (a GROUPS tunable, session 41) merged faster alone at 17 ranges
 # on the H100 (5.57 us with 8 warps against 7.23 for this kernel's default, each with a ~3.5 us graph launch:
-# bench/results/2026-12-07_h100_attention_merge_s41.csv) but lost 1.9% of llama-3.1-8b's decode at short contexts
-# (455.5 / 455.1 tok/s against 464.8 / 462.8, 2026-12-07_h100_e2e_merge_groups_s41.csv) and, compiled by triton 3.6,
+# bench/results/2026-12-07_h100_attention_merge_s41.csv) but lost 1.7% of llama-3.1-8b's decode at short contexts
+# (455.1-457.6 tok/s against 462.8-464.8, 2026-12-07_h100_e2e_merge_groups_s41.csv) and, compiled by triton 3.6,
 # fed the o projection wrong products at 8 rows, as two groups of 32 a program gave wrong values
 # (bench/results/profiles/2026-12-07_h100_attention_gpu_tests_s41.log): removed. More warps a head at many ranges
 # (6.18 us with 4) were not checked on a GPU before the session's device time ran out.

@@ -68,7 +68,7 @@ def test_the_prepared_merge_configs_of_the_space_on_gpu(ranges, fmt):
                                    msg=lambda m: f"sums, num_warps {warps}: {m}")
 
 
-MERGE_WARPS = [1, 2, 4]   # the prepared merge's space
+MERGE_WARPS = list(AS.attention_merge_prep.space.params["num_warps"].values)   # the prepared merge's space
 
 
 @pytest.mark.parametrize("T", [1, 16])
